@@ -1,0 +1,168 @@
+#include "collectives/collectives.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
+namespace vescale::collectives {
+
+namespace {
+
+const c10::OperatorHandle& functional_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+// Boxed call: the group_name argument is typed `Any`, which typed calls can't express.
+at::Tensor call_and_wait(const c10::OperatorHandle& op, torch::jit::Stack stack) {
+  op.callBoxed(stack);
+  static const auto& wait = functional_op("_c10d_functional::wait_tensor");
+  torch::jit::Stack wait_stack{std::move(stack.at(0))};
+  wait.callBoxed(wait_stack);
+  return wait_stack.at(0).toTensor();
+}
+
+std::string reduce_name(ReduceOp op) { return reduce_op_name(op); }
+
+// The extent of tensor dim `dim` before mesh dim `mesh_dim` splits it: the local size
+// under `placements` with that mesh dim replaced by Replicate.
+int64_t parent_extent(const Mesh& mesh, c10::ArrayRef<int64_t> shape, PlacementsRef placements,
+                      int32_t mesh_dim, int32_t dim) {
+  Placements p(placements.begin(), placements.end());
+  p[static_cast<size_t>(mesh_dim)] = Placement::replicate();
+  return local_box(shape, p, mesh.shape, mesh.coordinate).sizes[static_cast<size_t>(dim)];
+}
+
+at::Tensor pad_dim0(const at::Tensor& x, int64_t rows) {
+  if (x.size(0) == rows) return x;
+  auto pad_shape = x.sizes().vec();
+  pad_shape[0] = rows - x.size(0);
+  return at::cat({x, at::zeros(pad_shape, x.options())}, 0);
+}
+
+at::Tensor gather_step(const RedistStep& s, const Mesh& mesh, c10::ArrayRef<int64_t> shape,
+                       const at::Tensor& local) {
+  const auto m = static_cast<size_t>(s.mesh_dim);
+  const int64_t k = mesh.shape[m];
+  const int64_t extent = parent_extent(mesh, shape, s.before, s.mesh_dim, s.dim);
+  const int64_t full = (extent + k - 1) / k;
+  if (extent == 0) return local.clone();
+  auto x = pad_dim0(local.movedim(s.dim, 0), full).contiguous();
+  auto gathered = all_gather_dim0(x, k, mesh.group_names[m]);
+  if (extent != full * k) {
+    std::vector<at::Tensor> pieces;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t n = chunk_size(extent, k, j);
+      if (n > 0) pieces.push_back(gathered.narrow(0, j * full, n));
+    }
+    gathered = at::cat(pieces, 0);
+  }
+  return gathered.movedim(0, s.dim);
+}
+
+at::Tensor reduce_scatter_step(const RedistStep& s, const Mesh& mesh, const at::Tensor& local) {
+  const auto m = static_cast<size_t>(s.mesh_dim);
+  const int64_t k = mesh.shape[m];
+  const int64_t extent = local.size(s.dim);
+  const int64_t full = (extent + k - 1) / k;
+  const int64_t mine = chunk_size(extent, k, mesh.coordinate[m]);
+  if (extent == 0) return all_reduce(local, s.op, mesh.group_names[m]);
+  auto x = pad_dim0(local.movedim(s.dim, 0), full * k).contiguous();
+  auto out = reduce_scatter_dim0(x, s.op, k, mesh.group_names[m]);
+  return out.narrow(0, 0, mine).movedim(0, s.dim);
+}
+
+at::Tensor all_to_all_step(const RedistStep& s, const Mesh& mesh, const at::Tensor& local) {
+  // Even split on both dims (the planner guarantees it). Send block j of `to_dim`
+  // to rank j; receive rank j's block of `dim` and lay the blocks side by side.
+  const auto m = static_cast<size_t>(s.mesh_dim);
+  const int64_t k = mesh.shape[m];
+  auto x = local.movedim(s.to_dim, 0).contiguous();
+  auto received = all_to_all_dim0(x, k, mesh.group_names[m]);
+  auto pieces = received.chunk(k, 0);
+  // In the moved layout, `dim` sits one place later when it came before `to_dim`.
+  const int64_t dim_in_moved = s.dim < s.to_dim ? s.dim + 1 : s.dim;
+  return at::cat(pieces, dim_in_moved).movedim(0, s.to_dim);
+}
+
+at::Tensor chunk_step(const RedistStep& s, const Mesh& mesh, const at::Tensor& local) {
+  const auto m = static_cast<size_t>(s.mesh_dim);
+  const int64_t k = mesh.shape[m];
+  const int64_t extent = local.size(s.dim);
+  const int64_t c = mesh.coordinate[m];
+  return local.narrow(s.dim, chunk_offset(extent, k, c), chunk_size(extent, k, c)).clone();
+}
+
+at::Tensor to_partial_step(const RedistStep& s, const Mesh& mesh, const at::Tensor& local) {
+  // Sum: one rank keeps the value and the rest hold zeros, which is exact (no
+  // division). Avg, max and min of equal values are that value, so everyone keeps it.
+  const bool keeps = s.op != ReduceOp::Sum || mesh.coordinate[static_cast<size_t>(s.mesh_dim)] == 0;
+  return keeps ? local.clone() : at::zeros_like(local);
+}
+
+}  // namespace
+
+at::Tensor all_gather_dim0(const at::Tensor& x, int64_t k, const std::string& group) {
+  static const auto& op = functional_op("_c10d_functional::all_gather_into_tensor");
+  return call_and_wait(op, {x, k, group});
+}
+
+at::Tensor all_reduce(const at::Tensor& x, ReduceOp op, const std::string& group) {
+  static const auto& fn = functional_op("_c10d_functional::all_reduce");
+  return call_and_wait(fn, {x.contiguous(), reduce_name(op), group});
+}
+
+at::Tensor reduce_scatter_dim0(const at::Tensor& x, ReduceOp op, int64_t k, const std::string& group) {
+  static const auto& fn = functional_op("_c10d_functional::reduce_scatter_tensor");
+  return call_and_wait(fn, {x, reduce_name(op), k, group});
+}
+
+at::Tensor all_to_all_dim0(const at::Tensor& x, int64_t k, const std::string& group) {
+  static const auto& fn = functional_op("_c10d_functional::all_to_all_single");
+  std::vector<int64_t> splits(static_cast<size_t>(k), x.size(0) / k);
+  return call_and_wait(fn, {x, c10::IValue(splits), c10::IValue(splits), group});
+}
+
+at::Tensor broadcast(const at::Tensor& x, int64_t src, const std::string& group) {
+  static const auto& fn = functional_op("_c10d_functional::broadcast");
+  return call_and_wait(fn, {x.contiguous(), src, group});
+}
+
+at::Tensor with_layout_of(const at::Tensor& local, c10::ArrayRef<int64_t> global_stride) {
+  const auto want = strides_like(local.sizes(), global_stride);
+  bool same = true;
+  for (int64_t d = 0; d < local.dim() && same; ++d)
+    same = local.size(d) <= 1 || local.stride(d) == want[static_cast<size_t>(d)];
+  if (same) return local;
+  auto out = at::empty_strided(local.sizes(), want, local.options());
+  out.copy_(local);
+  return out;
+}
+
+at::Tensor execute_redistribution(
+    const RedistPlan& plan,
+    const Mesh& mesh,
+    c10::ArrayRef<int64_t> global_shape,
+    c10::ArrayRef<int64_t> global_stride,
+    const at::Tensor& local) {
+  if (plan.empty()) return local;
+  at::Tensor x = local;
+  using K = RedistStep::Kind;
+  for (const auto& s : plan.steps) {
+    const auto m = static_cast<size_t>(s.mesh_dim);
+    const auto& group = mesh.group_names[m];
+    const bool local_step = s.kind == K::Chunk || s.kind == K::ToPartial;
+    if (mesh.shape[m] == 1 && !local_step) continue;  // a group of one: nothing moves
+    switch (s.kind) {
+      case K::AllGather: x = gather_step(s, mesh, global_shape, x); break;
+      case K::AllToAll: x = all_to_all_step(s, mesh, x); break;
+      case K::AllReduce: x = all_reduce(x, s.op, group); break;
+      case K::ReduceScatter: x = reduce_scatter_step(s, mesh, x); break;
+      case K::Chunk: x = chunk_step(s, mesh, x); break;
+      case K::ToPartial: x = to_partial_step(s, mesh, x); break;
+    }
+  }
+  if (x.is_same(local)) x = x.clone();
+  return with_layout_of(x, global_stride);
+}
+
+}  // namespace vescale::collectives

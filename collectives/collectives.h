@@ -1,0 +1,37 @@
+#pragma once
+// Collective calls on mesh dims, through torch's _c10d_functional ops (so the same
+// code runs on gloo and NCCL, and tracers and fake process groups see the traffic),
+// and the executor that runs a redistribution plan on a local shard.
+
+#include "collectives/redistribute_plan.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+
+namespace vescale::collectives {
+
+// Each call blocks until the result is ready (wait_tensor), so the returned tensor
+// is safe to use at once. `group` is a c10d group name; `k` its size.
+at::Tensor all_gather_dim0(const at::Tensor& x, int64_t k, const std::string& group);
+at::Tensor all_reduce(const at::Tensor& x, ReduceOp op, const std::string& group);
+at::Tensor reduce_scatter_dim0(const at::Tensor& x, ReduceOp op, int64_t k, const std::string& group);
+at::Tensor all_to_all_dim0(const at::Tensor& x, int64_t k, const std::string& group);
+// `src` is the source's index within the group.
+at::Tensor broadcast(const at::Tensor& x, int64_t src, const std::string& group);
+
+// Runs `plan` on this rank's shard `local` of a tensor with `global_shape` on
+// `mesh`. The result is a fresh tensor: it never aliases `local`, unless the plan is
+// empty. Its layout follows `global_stride`'s dim order.
+at::Tensor execute_redistribution(
+    const RedistPlan& plan,
+    const Mesh& mesh,
+    c10::ArrayRef<int64_t> global_shape,
+    c10::ArrayRef<int64_t> global_stride,
+    const at::Tensor& local);
+
+// Copies `local` into the dense layout whose dim order follows `global_stride`,
+// unless it already has it.
+at::Tensor with_layout_of(const at::Tensor& local, c10::ArrayRef<int64_t> global_stride);
+
+}  // namespace vescale::collectives

@@ -1,0 +1,160 @@
+#include "dispatch/api.h"
+
+#include "collectives/collectives.h"
+#include "dispatch/dtensor_impl.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+namespace vescale {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Carries a spec through AutogradContext::saved_data, which holds IValues.
+struct SpecHolder : torch::CustomClassHolder {
+  explicit SpecHolder(SpecPtr s) : spec(std::move(s)) {}
+  SpecPtr spec;
+};
+
+c10::IValue capsule(SpecPtr spec) {
+  return c10::IValue::make_capsule(c10::make_intrusive<SpecHolder>(std::move(spec)));
+}
+
+SpecPtr from_capsule(const c10::IValue& v) {
+  return c10::static_intrusive_pointer_cast<SpecHolder>(v.toCapsule())->spec;
+}
+
+// Gradients flowing back to a layout that held a Partial go back replicated: the
+// derivative of a sum with respect to each of its terms is the whole gradient.
+Placements partial_as_replicate(PlacementsRef placements) {
+  Placements out(placements.begin(), placements.end());
+  for (auto& p : out)
+    if (p.is_partial()) p = Placement::replicate();
+  return out;
+}
+
+struct FromLocal : torch::autograd::Function<FromLocal> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& local, const c10::IValue& spec) {
+    ctx->saved_data["spec"] = spec;
+    return make_dtensor(local.detach(), from_capsule(spec));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto spec = from_capsule(ctx->saved_data["spec"]);
+    const auto& g = grads[0];
+    if (!g.defined()) return {at::Tensor(), at::Tensor()};
+    TORCH_CHECK(is_dtensor(g), "from_local backward: expected a DTensor gradient");
+    auto moved = redistribute_no_grad(g, partial_as_replicate(spec->placements));
+    return {dtensor_impl(moved)->local(), at::Tensor()};
+  }
+};
+
+struct ToLocal : torch::autograd::Function<ToLocal> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& dtensor, const c10::IValue& grad_spec) {
+    ctx->saved_data["grad_spec"] = grad_spec;
+    return dtensor_impl(dtensor)->local().detach();
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto spec = from_capsule(ctx->saved_data["grad_spec"]);
+    const auto& g = grads[0];
+    if (!g.defined()) return {at::Tensor(), at::Tensor()};
+    return {make_dtensor(collectives::with_layout_of(g, spec->stride), spec), at::Tensor()};
+  }
+};
+
+struct Redistribute : torch::autograd::Function<Redistribute> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& dtensor, const c10::IValue& target) {
+    ctx->saved_data["source"] = capsule(dtensor_impl(dtensor)->spec());
+    return redistribute_no_grad(dtensor, from_capsule(target)->placements);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto source = from_capsule(ctx->saved_data["source"]);
+    const auto& g = grads[0];
+    if (!g.defined()) return {at::Tensor(), at::Tensor()};
+    TORCH_CHECK(is_dtensor(g), "redistribute backward: expected a DTensor gradient");
+    return {redistribute_no_grad(g, partial_as_replicate(source->placements)), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor from_local(const at::Tensor& local, SpecPtr spec) {
+  TORCH_CHECK_TYPE(!is_dtensor(local), "from_local expects a plain local tensor, got a DTensor");
+  TORCH_CHECK_VALUE(local.sizes() == c10::IntArrayRef(spec->local.sizes),
+                    "from_local: this rank's local tensor has shape ", local.sizes(), ", but ",
+                    spec->str(), " on ", spec->mesh->str(), " gives this rank a shard of shape ",
+                    c10::IntArrayRef(spec->local.sizes),
+                    "; pass the global `shape` (and `stride`) that the shards come from");
+  auto local_laid_out = collectives::with_layout_of(local, spec->stride);
+  if (local_laid_out.unsafeGetTensorImpl() != local.unsafeGetTensorImpl())
+    return FromLocal::apply(local_laid_out, capsule(std::move(spec)));
+  return FromLocal::apply(local, capsule(std::move(spec)));
+}
+
+at::Tensor to_local(const at::Tensor& dtensor, std::optional<Placements> grad_placements) {
+  auto* impl = checked_dtensor_impl(dtensor, "to_local");
+  auto grad_spec = grad_placements ? with_placements(impl->spec(), *grad_placements) : impl->spec();
+  return ToLocal::apply(dtensor, capsule(std::move(grad_spec)));
+}
+
+at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placements) {
+  auto* impl = checked_dtensor_impl(dtensor, "redistribute");
+  const auto& src = impl->spec();
+  auto dst = with_placements(src, placements);
+  const auto plan = plan_redistribution(*src, dst->placements);
+  auto local = collectives::execute_redistribution(plan, *src->mesh, src->shape, src->stride, impl->local());
+  if (plan.empty()) local = local.clone();
+  return make_dtensor(std::move(local), std::move(dst));
+}
+
+at::Tensor redistribute(const at::Tensor& dtensor, PlacementsRef placements) {
+  auto* impl = checked_dtensor_impl(dtensor, "redistribute");
+  auto dst = with_placements(impl->spec(), placements);
+  if (dst == impl->spec()) return dtensor;
+  return Redistribute::apply(dtensor, capsule(std::move(dst)));
+}
+
+at::Tensor distribute_tensor(const at::Tensor& full, MeshPtr mesh, PlacementsRef placements,
+                             std::optional<int64_t> src_rank) {
+  TORCH_CHECK_TYPE(!is_dtensor(full), "distribute_tensor expects a plain tensor, got a DTensor; "
+                   "use .redistribute() to change its placements");
+  TORCH_CHECK_VALUE(full.device().type() == mesh->device_type, "distribute_tensor: the tensor is on ",
+                    full.device(), " but the mesh is a ", c10::DeviceTypeName(mesh->device_type, true),
+                    " mesh; move the tensor to that device first");
+  at::NoGradGuard no_grad;
+  const auto shape = full.sizes();
+  auto spec = make_spec(mesh, placements, shape, strides_like(shape, full.strides()), full.scalar_type());
+  at::Tensor data = full.detach();
+  if (src_rank) {
+    // Broadcast along each mesh dim in turn, from the source's index on that dim.
+    // After dims 0..m, every rank whose coordinates past m equal the source's holds
+    // the source's data; after the last dim, every rank does.
+    const auto it = std::find(mesh->ranks.begin(), mesh->ranks.end(), *src_rank);
+    TORCH_CHECK_VALUE(it != mesh->ranks.end(), "distribute_tensor: src_data_rank ", *src_rank,
+                      " is not part of ", mesh->str());
+    int64_t flat = it - mesh->ranks.begin();
+    std::vector<int64_t> src_coord(mesh->shape.size());
+    for (size_t m = mesh->shape.size(); m-- > 0;) {
+      src_coord[m] = flat % mesh->shape[m];
+      flat /= mesh->shape[m];
+    }
+    for (size_t m = 0; m < mesh->shape.size(); ++m)
+      if (mesh->shape[m] > 1) data = collectives::broadcast(data, src_coord[m], mesh->group_names[m]);
+  }
+  const Placements replicated(placements.size(), Placement::replicate());
+  auto full_spec = with_placements(spec, replicated);
+  const auto plan = plan_redistribution(*full_spec, spec->placements);
+  auto local = collectives::execute_redistribution(plan, *mesh, spec->shape, spec->stride, data);
+  if (local.unsafeGetTensorImpl() == full.unsafeGetTensorImpl() || local.is_alias_of(full))
+    local = local.clone();
+  auto out = make_dtensor(collectives::with_layout_of(local, spec->stride), std::move(spec));
+  out.set_requires_grad(full.requires_grad());
+  return out;
+}
+
+}  // namespace vescale

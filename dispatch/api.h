@@ -1,0 +1,35 @@
+#pragma once
+// The DTensor operations behind the Python API, autograd-aware where they move data
+// between layouts: from_local, to_local, redistribute, distribute_tensor.
+
+#include "dispatch/spec.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace vescale {
+
+// Wraps this rank's shard as a DTensor with `spec`. Differentiable: the gradient
+// reaching `local` is the DTensor gradient in spec's layout (Partial read as Replicate).
+at::Tensor from_local(const at::Tensor& local, SpecPtr spec);
+
+// This rank's shard, sharing storage. Differentiable: the gradient of the local
+// tensor becomes a DTensor gradient with `grad_placements` (default: the tensor's).
+at::Tensor to_local(const at::Tensor& dtensor, std::optional<Placements> grad_placements);
+
+// The same global tensor in other placements. Differentiable: gradients go back to
+// the original placements (Partial read as Replicate). Returns `dtensor` itself when
+// nothing changes; otherwise a tensor that shares no storage with it.
+at::Tensor redistribute(const at::Tensor& dtensor, PlacementsRef placements);
+
+// The same, without autograd (for use inside backward functions and internals).
+at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placements);
+
+// Shards a full tensor present on every rank. With `src_rank` set, the values are
+// first broadcast from that rank's coordinate, so ranks need not agree beforehand.
+// The result is a leaf, requiring grad when `full` does.
+at::Tensor distribute_tensor(const at::Tensor& full, MeshPtr mesh, PlacementsRef placements,
+                             std::optional<int64_t> src_rank);
+
+}  // namespace vescale

@@ -1,0 +1,29 @@
+#pragma once
+// A cached sharding decision for one (operator, input specs, non-tensor args) key:
+// everything the per-op path needs to run the call without asking the rules again.
+
+#include "collectives/redistribute_plan.h"
+#include "sharding_rules/rule.h"
+
+#include <atomic>
+#include <vector>
+
+namespace vescale {
+
+struct Decision {
+  MeshPtr mesh;
+  // Per flattened input (null specs for undefined slots).
+  std::vector<SpecPtr> sources;       // the spec the input had when decided
+  std::vector<SpecPtr> targets;       // the spec the local op needs
+  std::vector<RedistPlan> to_target;  // sources -> targets (empty: use as is)
+  std::vector<RedistPlan> write_back; // targets -> sources, for written inputs that move
+  // Per flattened result; empty for the replicate fallback, whose results are
+  // replicated and take their shape from the local result.
+  std::vector<SpecPtr> outputs;
+  std::vector<std::pair<size_t, c10::IValue>> local_args;
+  LocalFn local_fn = nullptr;
+  // Set for the replicate fallback: the per-op counter to bump on every call.
+  std::atomic<int64_t>* fallback_counter = nullptr;
+};
+
+}  // namespace vescale

@@ -1,0 +1,66 @@
+#include "dispatch/dtensor_impl.h"
+
+#include <c10/util/Exception.h>
+
+namespace vescale {
+
+namespace {
+
+c10::DispatchKeySet dtensor_key_set() {
+  return c10::DispatchKeySet({kDTensorKey, kDTensorAutogradKey, c10::DispatchKey::ADInplaceOrView});
+}
+
+}  // namespace
+
+DTensorImpl::DTensorImpl(at::Tensor local, SpecPtr spec)
+    : c10::TensorImpl(dtensor_key_set(), local.dtype(), local.device()),
+      local_(std::move(local)),
+      spec_(std::move(spec)) {
+  set_storage_access_should_throw();
+  set_sizes_and_strides(spec_->shape, spec_->stride);
+}
+
+const char* DTensorImpl::tensorimpl_type_name() const {
+  // Shown by torch in "Cannot access storage of <name>".
+  return "vescale DTensorImpl (a distributed tensor owns no storage; call .to_local() for "
+         "this rank's shard)";
+}
+
+template <typename Version>
+c10::intrusive_ptr<c10::TensorImpl> DTensorImpl::detached_copy(Version&& version,
+                                                               bool allow_change) const {
+  auto impl = c10::make_intrusive<DTensorImpl>(local_, spec_);
+  copy_tensor_metadata(this, impl.get(), std::forward<Version>(version), allow_change);
+  return impl;
+}
+
+c10::intrusive_ptr<c10::TensorImpl> DTensorImpl::shallow_copy_and_detach(
+    const c10::VariableVersion& version_counter, bool allow_tensor_metadata_change) const {
+  return detached_copy(version_counter, allow_tensor_metadata_change);
+}
+
+c10::intrusive_ptr<c10::TensorImpl> DTensorImpl::shallow_copy_and_detach(
+    c10::VariableVersion&& version_counter, bool allow_tensor_metadata_change) const {
+  return detached_copy(std::move(version_counter), allow_tensor_metadata_change);
+}
+
+void DTensorImpl::shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& impl) {
+  // Reached by `a.data = b`: torch has already checked that b has our key set.
+  auto* other = dynamic_cast<DTensorImpl*>(impl.get());
+  TORCH_CHECK(other, "cannot assign a plain tensor's data to a DTensor; distribute it first");
+  copy_tensor_metadata(other, this, version_counter(), allow_tensor_metadata_change());
+  local_ = other->local_;
+  spec_ = other->spec_;
+}
+
+DTensorImpl* checked_dtensor_impl(const at::TensorBase& t, const char* what) {
+  TORCH_CHECK_TYPE(is_dtensor(t), what, " expects a vescale DTensor, got a plain tensor; use "
+                   "vescale.distribute_tensor or DTensor.from_local to make one");
+  return dtensor_impl(t);
+}
+
+at::Tensor make_dtensor(at::Tensor local, SpecPtr spec) {
+  return at::Tensor(c10::make_intrusive<DTensorImpl>(std::move(local), std::move(spec)));
+}
+
+}  // namespace vescale

@@ -1,0 +1,63 @@
+#pragma once
+// DTensorImpl: the TensorImpl behind every vescale DTensor.
+//
+// It reports the global shape and strides, the local shard's dtype and device, and
+// owns no storage: its data is `local_`, this rank's shard. Its dispatch key set is
+// {kDTensorKey, its autograd key, ADInplaceOrView}, so autograd and view tracking
+// run above it and every aten op then reaches vescale's handler.
+
+#include "dispatch/spec.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/TensorImpl.h>
+
+namespace vescale {
+
+// The c10 private-use backend key vescale claims. PrivateUse1 is what out-of-tree
+// accelerators register as; PrivateUse2 is free in practice, and it ranks above the
+// CPU and CUDA backend bits, so an op mixing a DTensor with plain tensors reaches us.
+constexpr c10::DispatchKey kDTensorKey = c10::DispatchKey::PrivateUse2;
+constexpr c10::DispatchKey kDTensorAutogradKey = c10::DispatchKey::AutogradPrivateUse2;
+
+class DTensorImpl final : public c10::TensorImpl {
+ public:
+  DTensorImpl(at::Tensor local, SpecPtr spec);
+
+  const at::Tensor& local() const { return local_; }
+  const SpecPtr& spec() const { return spec_; }
+
+  c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
+      const c10::VariableVersion& version_counter,
+      bool allow_tensor_metadata_change) const override;
+  c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
+      c10::VariableVersion&& version_counter,
+      bool allow_tensor_metadata_change) const override;
+  void shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& impl) override;
+
+ protected:
+  const char* tensorimpl_type_name() const override;
+
+ private:
+  template <typename Version>
+  c10::intrusive_ptr<c10::TensorImpl> detached_copy(Version&& version, bool allow_change) const;
+
+  at::Tensor local_;
+  SpecPtr spec_;
+};
+
+inline bool is_dtensor(const at::TensorBase& t) {
+  return t.defined() && t.unsafeGetTensorImpl()->key_set().has(kDTensorKey);
+}
+
+// The impl of a tensor known to be a DTensor.
+inline DTensorImpl* dtensor_impl(const at::TensorBase& t) {
+  return static_cast<DTensorImpl*>(t.unsafeGetTensorImpl());
+}
+
+// Throws a clear error when `t` is not a DTensor; `what` names the caller.
+DTensorImpl* checked_dtensor_impl(const at::TensorBase& t, const char* what);
+
+// Wraps a local shard (which must not carry autograd history) with a spec.
+at::Tensor make_dtensor(at::Tensor local, SpecPtr spec);
+
+}  // namespace vescale

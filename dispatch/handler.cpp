@@ -1,0 +1,158 @@
+#include "dispatch/handler.h"
+
+#include "collectives/collectives.h"
+#include "dispatch/call_scan.h"
+#include "dispatch/dtensor_impl.h"
+#include "dispatch/propagation.h"
+
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <mutex>
+
+namespace vescale {
+
+namespace {
+
+// The local shard of a result must be exactly the block its spec assigns to this
+// rank; a mismatch means a rule is wrong, and a wrong spec would give wrong answers
+// later, so it stops here.
+void check_local(const OpInfo& info, const TensorSpec& spec, const at::Tensor& local) {
+  TORCH_CHECK(local.sizes() == c10::IntArrayRef(spec.local.sizes) && local.scalar_type() == spec.dtype,
+              "vescale internal error in the sharding rule of ", info.name,
+              ": the local result has shape ", local.sizes(), " and dtype ", local.scalar_type(),
+              " but ", spec.str(), " assigns this rank shape ", c10::IntArrayRef(spec.local.sizes),
+              " and dtype ", spec.dtype, ". Please report it with the op's arguments.");
+}
+
+size_t tensor_count(const c10::IValue& v, ReturnKind kind) {
+  if (kind == ReturnKind::Tensor) return 1;
+  if (kind == ReturnKind::TensorList) return v.toListRef().size();
+  return 0;
+}
+
+}  // namespace
+
+void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  const OpInfo& info = op_info(op);
+  const size_t base = stack->size() - info.num_args;
+  const c10::ArrayRef<c10::IValue> args(stack->data() + base, info.num_args);
+
+  CallScan scan;
+  scan.run(op, info, args);
+  const Decision& d = lookup_decision(op, info, args, scan);
+  if (d.fallback_counter) d.fallback_counter->fetch_add(1, std::memory_order_relaxed);
+
+  // Arguments the op writes and hands back: the caller gets its own tensors back.
+  c10::SmallVector<std::pair<size_t, c10::IValue>, 2> written;
+  if (info.writes_any)
+    for (size_t a = 0; a < info.num_args; ++a)
+      if (info.arg_written[a]) written.emplace_back(a, args[a]);
+
+  // Unwrap, moving each input to the layout the local op needs.
+  const size_t n = scan.tensors.size();
+  c10::SmallVector<at::Tensor, 6> locals(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& t = scan.tensors[i];
+    if (!t.defined()) continue;
+    locals[i] = is_dtensor(t) ? dtensor_impl(t)->local() : t;
+    if (const auto& plan = d.to_target[i]; !plan.empty()) {
+      const auto& src = *d.sources[i];
+      locals[i] = collectives::execute_redistribution(plan, *src.mesh, src.shape, src.stride, locals[i]);
+    }
+  }
+  replace_tensors(*stack, base, info, scan.slots, locals);
+  for (const auto& [index, value] : d.local_args) (*stack)[base + index] = value;
+
+  if (d.local_fn) {
+    d.local_fn(op, stack, LocalContext{*d.mesh, d.targets, d.outputs});
+  } else {
+    op.callBoxed(stack);
+  }
+
+  // Written inputs that had to move were updated in a temporary: copy the result
+  // back into the caller's tensor, in the caller's layout.
+  for (size_t i = 0; i < n; ++i) {
+    if (d.write_back[i].empty()) continue;
+    const auto& tgt = *d.targets[i];
+    auto back = collectives::execute_redistribution(d.write_back[i], *tgt.mesh, tgt.shape, tgt.stride, locals[i]);
+    const at::Tensor& t = scan.tensors[i];
+    (is_dtensor(t) ? dtensor_impl(t)->local() : t).copy_(back);
+  }
+
+  // Wrap the local results.
+  size_t j = 0;  // flattened result index
+  auto wrap = [&](const at::Tensor& local) -> at::Tensor {
+    const size_t slot = j++;
+    if (!local.defined()) return local;
+    if (d.fallback_counter) {
+      const Placements r(static_cast<size_t>(d.mesh->ndim()), Placement::replicate());
+      return make_dtensor(local, make_spec(d.mesh, r, local.sizes(), local.strides(), local.scalar_type()));
+    }
+    const SpecPtr& spec = d.outputs[slot];
+    check_local(info, *spec, local);
+    return make_dtensor(local, spec);
+  };
+  for (size_t r = 0; r < info.num_returns; ++r) {
+    auto& v = (*stack)[base + r];
+    if (const int alias = info.return_alias_of[r]; alias >= 0) {
+      j += tensor_count(v, info.returns[r]);
+      for (const auto& [index, value] : written)
+        if (index == static_cast<size_t>(alias)) v = value;
+      continue;
+    }
+    switch (info.returns[r]) {
+      case ReturnKind::Tensor:
+        v = wrap(v.isTensor() ? v.toTensor() : at::Tensor());
+        break;
+      case ReturnKind::TensorList: {
+        c10::List<at::Tensor> out;
+        for (const auto& e : v.toTensorList()) out.push_back(wrap(e));
+        v = std::move(out);
+        break;
+      }
+      case ReturnKind::Other:
+        break;
+    }
+  }
+}
+
+// Every op on a DTensor must reach dtensor_kernel. A backend fallback loses to a
+// CompositeExplicitAutograd kernel (which would run its composite body on the
+// wrapper), so those ops get an explicit registration for our key. Ops with only a
+// CompositeImplicitAutograd kernel are left alone: they decompose above autograd.
+void claim_composite_explicit_ops() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    static std::vector<std::unique_ptr<torch::Library>> libraries;
+    std::unordered_map<std::string, torch::Library*> by_namespace;
+    auto& dispatcher = c10::Dispatcher::singleton();
+    for (const auto& name : dispatcher.getAllOpNames()) {
+      auto handle = dispatcher.findOp(name);
+      if (!handle || handle->hasKernelForDispatchKey(kDTensorKey)) continue;
+      const bool explicit_kernel =
+          handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
+          handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
+      if (!explicit_kernel || handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd))
+        continue;
+      const auto sep = name.name.find("::");
+      const std::string ns = name.name.substr(0, sep);
+      auto& lib = by_namespace[ns];
+      if (lib == nullptr) {
+        libraries.push_back(std::make_unique<torch::Library>(
+            torch::Library::IMPL, ns, kDTensorKey, __FILE__, __LINE__));
+        lib = libraries.back().get();
+      }
+      std::string op_name = name.name.substr(sep + 2);
+      if (!name.overload_name.empty()) op_name += "." + name.overload_name;
+      lib->impl(op_name.c_str(), torch::CppFunction::makeFromBoxedFunction<&dtensor_kernel>());
+    }
+  });
+}
+
+}  // namespace vescale
+
+TORCH_LIBRARY_IMPL(_, PrivateUse2, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&vescale::dtensor_kernel>());
+}

@@ -1,0 +1,200 @@
+#include "dispatch/propagation.h"
+
+#include "dispatch/dtensor_impl.h"
+#include "dispatch/fallback_stats.h"
+
+#include <ATen/ATen.h>
+#include <absl/container/flat_hash_map.h>
+#include <absl/types/span.h>
+
+#include <atomic>
+
+namespace vescale {
+
+namespace {
+
+// ---- describing the call -------------------------------------------------------
+
+TensorArg describe(const at::Tensor& t, int64_t mesh_ndim) {
+  TensorArg a;
+  if (!t.defined()) return a;
+  a.defined = true;
+  if (is_dtensor(t)) {
+    const auto& spec = *dtensor_impl(t)->spec();
+    a.is_dtensor = true;
+    a.shape = spec.shape;
+    a.stride = spec.stride;
+    a.dtype = spec.dtype;
+    a.placements = spec.placements;
+  } else {
+    a.shape.assign(t.sizes().begin(), t.sizes().end());
+    a.stride.assign(t.strides().begin(), t.strides().end());
+    a.dtype = t.scalar_type();
+    a.placements.assign(static_cast<size_t>(mesh_ndim), Placement::replicate());
+  }
+  return a;
+}
+
+// The spec a flattened input has now: a DTensor's own, or Replicate for a plain tensor.
+SpecPtr source_spec(const at::Tensor& t, const TensorArg& a, const MeshPtr& mesh) {
+  if (!t.defined()) return nullptr;
+  if (a.is_dtensor) return dtensor_impl(t)->spec();
+  return make_spec(mesh, a.placements, a.shape, a.stride, a.dtype);
+}
+
+// ---- global result metadata from the meta kernels ---------------------------------
+
+at::Tensor meta_like(const at::Tensor& t, const TensorArg& a) {
+  if (!a.defined) return at::Tensor();
+  auto m = at::empty_strided(a.shape, a.stride, at::TensorOptions().dtype(a.dtype).device(c10::kMeta));
+  if (!a.is_dtensor && t.unsafeGetTensorImpl()->is_wrapped_number())
+    m.unsafeGetTensorImpl()->set_wrapped_number(true);  // keeps type promotion right
+  return m;
+}
+
+// Runs the op on meta tensors with the global metadata. Returns false (with the
+// reason) when the op has no meta kernel or its result shape depends on data.
+bool run_meta(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRef<c10::IValue> args,
+              const CallScan& scan, const std::vector<TensorArg>& inputs,
+              std::vector<TensorArg>& outputs, std::string& why) {
+  torch::jit::Stack stack(args.begin(), args.end());
+  for (auto& v : stack)
+    if (v.isDevice()) v = c10::Device(c10::kMeta);
+  std::vector<at::Tensor> metas;
+  for (size_t i = 0; i < inputs.size(); ++i) metas.push_back(meta_like(scan.tensors[i], inputs[i]));
+  replace_tensors(stack, 0, info, scan.slots, metas);
+  try {
+    op.callBoxed(stack);
+  } catch (const c10::Error& e) {
+    why = std::string("no meta kernel: ") + e.what_without_backtrace();
+    return false;
+  }
+  map_results(stack, 0, info, [&](const at::Tensor& t, int) {
+    TensorArg a;
+    if (t.defined()) {
+      a.defined = true;
+      a.shape.assign(t.sizes().begin(), t.sizes().end());
+      a.stride.assign(t.strides().begin(), t.strides().end());
+      a.dtype = t.scalar_type();
+    }
+    outputs.push_back(std::move(a));
+    return t;
+  });
+  return true;
+}
+
+// ---- turning a rule's choice into a decision ------------------------------------
+
+std::unique_ptr<Decision> from_choice(const OpCall& call, const CallScan& scan,
+                                      const MeshPtr& mesh, ShardingChoice choice) {
+  const size_t n_in = call.inputs.size();
+  const size_t n_out = call.outputs.size();
+  TORCH_INTERNAL_ASSERT(choice.inputs.size() == n_in && choice.outputs.size() == n_out,
+                        call.name(), ": rule returned ", choice.inputs.size(), " inputs and ",
+                        choice.outputs.size(), " outputs for a call with ", n_in, " and ", n_out);
+  auto d = std::make_unique<Decision>();
+  d->mesh = mesh;
+  d->sources.resize(n_in);
+  d->targets.resize(n_in);
+  d->to_target.resize(n_in);
+  d->write_back.resize(n_in);
+  for (size_t i = 0; i < n_in; ++i) {
+    const auto& in = call.inputs[i];
+    if (!in.defined) continue;
+    d->sources[i] = source_spec(scan.tensors[i], in, mesh);
+    d->targets[i] = with_placements(d->sources[i], choice.inputs[i]);
+    if (d->targets[i] == d->sources[i]) continue;
+    d->to_target[i] = plan_redistribution(*d->sources[i], d->targets[i]->placements);
+    if (in.written)
+      d->write_back[i] = plan_redistribution(*d->targets[i], d->sources[i]->placements);
+  }
+  for (size_t j = 0; j < n_out; ++j) {
+    const auto& out = call.outputs[j];
+    d->outputs.push_back(out.defined ? make_spec(mesh, choice.outputs[j], out.shape, out.stride, out.dtype)
+                                     : nullptr);
+  }
+  d->local_args = std::move(choice.local_args);
+  d->local_fn = choice.local_fn;
+  return d;
+}
+
+std::unique_ptr<Decision> fallback(const OpCall& call, const CallScan& scan, const MeshPtr& mesh,
+                                   const std::string& op_name, const std::string& why) {
+  const Placements r(static_cast<size_t>(mesh->ndim()), Placement::replicate());
+  ShardingChoice choice;
+  choice.inputs.assign(call.inputs.size(), r);
+  auto d = from_choice(call, scan, mesh, std::move(choice));
+  d->fallback_counter = fallback_counter(op_name, why);
+  return d;
+}
+
+std::unique_ptr<Decision> decide(const c10::OperatorHandle& op, const OpInfo& info,
+                                 c10::ArrayRef<c10::IValue> args, const CallScan& scan) {
+  MeshPtr mesh;
+  for (const auto& t : scan.tensors)
+    if (is_dtensor(t)) {
+      mesh = dtensor_impl(t)->spec()->mesh;
+      break;
+    }
+  OpCall call{op, args, *mesh, {}, {}};
+  for (size_t i = 0; i < scan.tensors.size(); ++i) {
+    call.inputs.push_back(describe(scan.tensors[i], mesh->ndim()));
+    call.inputs.back().written = info.arg_written[scan.slots[i].arg];
+  }
+  const RuleFn* rule = rules().find(info.name);
+  if (rule == nullptr) return fallback(call, scan, mesh, info.name, "no rule");
+  // Results' global metadata; ops that return no tensor (item, equal) need none.
+  const bool returns_tensors = std::any_of(info.returns.begin(), info.returns.end(),
+                                           [](ReturnKind k) { return k != ReturnKind::Other; });
+  std::string why;
+  if (returns_tensors && !run_meta(op, info, args, scan, call.inputs, call.outputs, why))
+    return fallback(call, scan, mesh, info.name, why);
+  return from_choice(call, scan, mesh, (*rule)(call));
+}
+
+// ---- the cache -------------------------------------------------------------------
+
+using Key = absl::Span<const uint64_t>;
+
+struct KeyHash {
+  using is_transparent = void;
+  size_t operator()(Key k) const { return absl::HashOf(k); }
+};
+
+struct KeyEq {
+  using is_transparent = void;
+  bool operator()(Key a, Key b) const { return a == b; }
+};
+
+std::atomic<uint64_t> g_generation{0};
+std::atomic<int64_t> g_misses{0};
+
+struct ThreadCache {
+  uint64_t generation = 0;
+  absl::flat_hash_map<std::vector<uint64_t>, std::unique_ptr<Decision>, KeyHash, KeyEq> map;
+};
+
+}  // namespace
+
+const Decision& lookup_decision(const c10::OperatorHandle& op, const OpInfo& info,
+                                c10::ArrayRef<c10::IValue> args, const CallScan& scan) {
+  thread_local ThreadCache cache;
+  const auto generation = g_generation.load(std::memory_order_relaxed);
+  if (C10_UNLIKELY(cache.generation != generation)) {
+    cache.map.clear();
+    cache.generation = generation;
+  }
+  const Key key(scan.key.data(), scan.key.size());
+  if (auto it = cache.map.find(key); C10_LIKELY(it != cache.map.end())) return *it->second;
+  g_misses.fetch_add(1, std::memory_order_relaxed);
+  auto decision = decide(op, info, args, scan);
+  auto& slot = cache.map[std::vector<uint64_t>(key.begin(), key.end())];
+  slot = std::move(decision);
+  return *slot;
+}
+
+void clear_decision_cache() { g_generation.fetch_add(1); }
+
+int64_t decision_cache_misses() { return g_misses.load(); }
+
+}  // namespace vescale

@@ -1,0 +1,140 @@
+// vescale._C: the thin binding layer the Python package calls into. Placements cross
+// the boundary as tuples: ("R",), ("S", dim), ("P", "sum").
+
+#include "collectives/redistribute_plan.h"
+#include "dispatch/api.h"
+#include "dispatch/dtensor_impl.h"
+#include "dispatch/fallback_stats.h"
+#include "dispatch/handler.h"
+#include "dispatch/propagation.h"
+#include "sharding_rules/rule.h"
+
+#include <torch/extension.h>
+
+namespace py = pybind11;
+
+namespace vescale {
+namespace {
+
+Placements to_placements(const py::sequence& seq) {
+  Placements out;
+  for (const auto& item : seq) {
+    auto t = item.cast<py::tuple>();
+    const auto kind = t[0].cast<std::string>();
+    if (kind == "R") out.push_back(Placement::replicate());
+    else if (kind == "S") out.push_back(Placement::shard(t[1].cast<int32_t>()));
+    else if (kind == "P") out.push_back(Placement::partial(parse_reduce_op(t[1].cast<std::string>())));
+    else TORCH_CHECK_VALUE(false, "unknown placement kind '", kind, "'");
+  }
+  return out;
+}
+
+py::list from_placements(PlacementsRef placements) {
+  py::list out;
+  for (const auto& p : placements) {
+    if (p.is_replicate()) out.append(py::make_tuple("R"));
+    else if (p.is_shard()) out.append(py::make_tuple("S", p.dim));
+    else out.append(py::make_tuple("P", reduce_op_name(p.op)));
+  }
+  return out;
+}
+
+c10::DeviceType parse_device_type(const std::string& s) { return c10::Device(s).type(); }
+
+const TensorSpec& spec_of(const at::Tensor& t) { return *checked_dtensor_impl(t, "spec")->spec(); }
+
+}  // namespace
+}  // namespace vescale
+
+PYBIND11_MODULE(_C, m) {
+  using namespace vescale;
+  m.doc() = "vescale C++ engine: DTensorImpl, dispatch handler, sharding rules, collectives";
+
+  claim_composite_explicit_ops();
+
+  py::class_<Mesh, std::shared_ptr<Mesh>>(m, "Mesh")
+      .def(py::init([](std::vector<int64_t> shape, std::vector<int64_t> ranks,
+                       std::vector<std::string> dim_names, std::vector<std::string> group_names,
+                       std::vector<int64_t> coordinate, const std::string& device_type) {
+             Mesh mesh;
+             mesh.shape = std::move(shape);
+             mesh.ranks = std::move(ranks);
+             mesh.dim_names = std::move(dim_names);
+             mesh.group_names = std::move(group_names);
+             mesh.coordinate = std::move(coordinate);
+             mesh.device_type = parse_device_type(device_type);
+             return std::const_pointer_cast<Mesh>(intern_mesh(std::move(mesh)));
+           }),
+           py::arg("shape"), py::arg("ranks"), py::arg("dim_names"), py::arg("group_names"),
+           py::arg("coordinate"), py::arg("device_type"))
+      .def_property_readonly("shape", [](const Mesh& x) { return x.shape; })
+      .def_property_readonly("ranks", [](const Mesh& x) { return x.ranks; })
+      .def_property_readonly("dim_names", [](const Mesh& x) { return x.dim_names; })
+      .def_property_readonly("group_names", [](const Mesh& x) { return x.group_names; })
+      .def_property_readonly("coordinate", [](const Mesh& x) { return x.coordinate; })
+      .def("__repr__", &Mesh::str)
+      .def("__eq__", [](const Mesh& a, const Mesh& b) { return &a == &b; })
+      .def("__hash__", [](const Mesh& a) { return std::hash<const void*>{}(&a); });
+
+  auto spec_from = [](const std::shared_ptr<Mesh>& mesh, const py::sequence& placements,
+                      std::vector<int64_t> shape, std::vector<int64_t> stride, at::ScalarType dtype) {
+    return make_spec(mesh, to_placements(placements), shape, stride, dtype);
+  };
+
+  m.def("is_dtensor", [](const at::Tensor& t) { return is_dtensor(t); });
+  m.def("from_local",
+        [spec_from](const at::Tensor& local, const std::shared_ptr<Mesh>& mesh, const py::sequence& placements,
+                    std::vector<int64_t> shape, std::vector<int64_t> stride) {
+          return from_local(local, spec_from(mesh, placements, shape, stride, local.scalar_type()));
+        });
+  m.def("to_local", [](const at::Tensor& t, const std::optional<py::sequence>& grad_placements) {
+    std::optional<Placements> g;
+    if (grad_placements) g = to_placements(*grad_placements);
+    return to_local(t, g);
+  });
+  m.def("redistribute", [](const at::Tensor& t, const py::sequence& placements) {
+    return redistribute(t, to_placements(placements));
+  });
+  m.def("distribute_tensor", [](const at::Tensor& full, const std::shared_ptr<Mesh>& mesh,
+                                const py::sequence& placements, std::optional<int64_t> src_rank) {
+    return distribute_tensor(full, mesh, to_placements(placements), src_rank);
+  });
+  m.def("local_tensor", [](const at::Tensor& t) {
+    return checked_dtensor_impl(t, "local_tensor")->local();
+  }, "This rank's shard itself, outside autograd (internal use).");
+  m.def("mesh_of", [](const at::Tensor& t) {
+    return std::const_pointer_cast<Mesh>(spec_of(t).mesh);
+  });
+  m.def("placements_of", [](const at::Tensor& t) { return from_placements(spec_of(t).placements); });
+  m.def("normalize_placements", [](const py::sequence& placements, int64_t ndim) {
+    auto p = to_placements(placements);
+    for (auto& x : p)
+      if (x.is_shard()) x.dim = normalize_shard_dim(x.dim, ndim, "placement");
+    return from_placements(p);
+  });
+  m.def("local_shape", [](std::vector<int64_t> shape, const py::sequence& placements,
+                          std::vector<int64_t> mesh_shape, std::vector<int64_t> coordinate) {
+    const auto box = local_box(shape, to_placements(placements), mesh_shape, coordinate);
+    return py::make_tuple(std::vector<int64_t>(box.sizes.begin(), box.sizes.end()),
+                          std::vector<int64_t>(box.offsets.begin(), box.offsets.end()));
+  });
+  m.def("plan_redistribution",
+        [](const std::shared_ptr<Mesh>& mesh, const py::sequence& src, const py::sequence& dst,
+           std::vector<int64_t> shape, at::ScalarType dtype) {
+          const auto plan = plan_redistribution(*mesh, to_placements(src), to_placements(dst), shape, dtype);
+          std::vector<std::string> steps;
+          for (const auto& s : plan.steps) steps.push_back(s.str());
+          return py::make_tuple(steps, plan.cost);
+        });
+
+  m.def("fallback_report", [] {
+    py::list out;
+    for (const auto& e : fallback_report()) out.append(py::make_tuple(e.op, e.count, e.reason));
+    return out;
+  });
+  m.def("reset_fallback_counts", &reset_fallback_counts);
+  m.def("clear_cache", &clear_decision_cache);
+  m.def("cache_misses", &decision_cache_misses);
+  m.def("rule_names", [] { return rules().names(); });
+  m.def("missing_rule_ops", [] { return rules().missing(); });
+}

@@ -1,0 +1,63 @@
+#pragma once
+// TensorSpec: everything about a DTensor except its local data.
+//
+// Specs are interned: equal specs are one object, so the per-op cache keys on the
+// pointer. Each spec also carries what this rank derives from it (its local block),
+// computed once when the spec is first made.
+
+#include "dispatch/mesh.h"
+#include "dispatch/placement.h"
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/SmallVector.h>
+
+#include <memory>
+#include <string>
+
+namespace vescale {
+
+using Shape = c10::SmallVector<int64_t, 6>;
+
+struct TensorSpec {
+  MeshPtr mesh;
+  Placements placements;  // one per mesh dim, Shard dims non-negative
+  Shape shape;            // global
+  Shape stride;           // global
+  c10::ScalarType dtype = c10::ScalarType::Float;
+
+  // Derived for this rank.
+  LocalBox local;  // this rank's block of the global tensor
+  size_t hash = 0;
+
+  int64_t ndim() const { return static_cast<int64_t>(shape.size()); }
+  int64_t numel() const;
+  bool is_replicated() const { return all_replicate(placements); }
+  std::string str() const;  // "Spec([Shard(0)], shape=[4, 8], float)"
+};
+
+using SpecPtr = std::shared_ptr<const TensorSpec>;
+
+// Returns the canonical spec. Validates placements against the shape: Shard dims
+// must lie within the tensor's rank (negative dims count from the end).
+SpecPtr make_spec(
+    MeshPtr mesh,
+    PlacementsRef placements,
+    c10::ArrayRef<int64_t> shape,
+    c10::ArrayRef<int64_t> stride,
+    c10::ScalarType dtype);
+
+// Same spec with other placements (shape, stride and dtype kept).
+SpecPtr with_placements(const SpecPtr& spec, PlacementsRef placements);
+
+// Contiguous strides for a shape.
+Shape contiguous_strides(c10::ArrayRef<int64_t> shape);
+
+// Strides for `shape` that keep the dim order of `like_strides` (outermost first),
+// densely packed: how a local shard's layout maps onto the global tensor.
+Shape strides_like(c10::ArrayRef<int64_t> shape, c10::ArrayRef<int64_t> like_strides);
+
+// Normalises a Shard dim (negative counts from the end) and checks its range.
+// `what` names the caller in the error message.
+int32_t normalize_shard_dim(int64_t dim, int64_t ndim, const std::string& what);
+
+}  // namespace vescale

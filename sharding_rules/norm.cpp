@@ -1,0 +1,66 @@
+// Normalisations: the normalised dims must be whole on every rank; any other dim may
+// be split, and every tensor of the call follows it. Parameter gradients of a split
+// batch come out Partial (each rank summed its own rows).
+//
+//   op                                      split dims            parameter grads
+//   native_layer_norm(+_backward)           d < ndim - len(norm)  Partial(sum)
+//   _softmax / _log_softmax (+_backward)    d != softmax dim      -
+
+#include "sharding_rules/rule.h"
+
+#include <ATen/ATen.h>
+
+namespace vescale {
+
+namespace {
+
+const Placement R = Placement::replicate();
+
+// native_layer_norm(input, normalized_shape, weight?, bias?, eps) -> (out, mean, rstd)
+ShardingChoice layer_norm_rule(const OpCall& call) {
+  const auto axis = call.inputs[0].ndim() - static_cast<int64_t>(call.int_list_arg(1).size());
+  DimStrategies s = {{{R, R, R}, {R, R, R}}};
+  for (int32_t d = 0; d < axis; ++d) {
+    const auto S = Placement::shard(d);
+    s.push_back({{S, R, R}, {S, S, S}});
+  }
+  return choose_cheapest(call, s);
+}
+
+// native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight?,
+//                            bias?, output_mask) -> (grad_input, grad_weight, grad_bias)
+ShardingChoice layer_norm_backward_rule(const OpCall& call) {
+  const auto axis = call.inputs[1].ndim() - static_cast<int64_t>(call.int_list_arg(2).size());
+  DimStrategies s = {{{R, R, R, R, R, R}, {R, R, R}}};
+  const auto P = Placement::partial();
+  for (int32_t d = 0; d < axis; ++d) {
+    const auto S = Placement::shard(d);
+    s.push_back({{S, S, S, S, R, R}, {S, P, P}});
+  }
+  return choose_cheapest(call, s);
+}
+
+// _softmax(self, dim, half_to_float), _softmax_backward_data(grad, output, dim, dtype),
+// and the log_softmax pair: every tensor split alike, never along `dim`.
+ShardingChoice softmax_rule(const OpCall& call, size_t dim_arg) {
+  const int64_t ndim = call.outputs[0].ndim();
+  const int64_t dim = at::maybe_wrap_dim(call.int_arg(dim_arg), ndim);
+  const size_t n = call.inputs.size();
+  DimStrategies s = {{Placements(n, R), {R}}};
+  for (int32_t d = 0; d < ndim; ++d)
+    if (d != dim) s.push_back({Placements(n, Placement::shard(d)), {Placement::shard(d)}});
+  return choose_cheapest(call, s);
+}
+
+}  // namespace
+
+VESCALE_RULES(norm) {
+  rules.add("aten::native_layer_norm", layer_norm_rule);
+  rules.add("aten::native_layer_norm_backward", layer_norm_backward_rule);
+  for (const char* op : {"aten::_softmax", "aten::_log_softmax"})
+    rules.add(op, [](const OpCall& c) { return softmax_rule(c, 1); });
+  for (const char* op : {"aten::_softmax_backward_data", "aten::_log_softmax_backward_data"})
+    rules.add(op, [](const OpCall& c) { return softmax_rule(c, 2); });
+}
+
+}  // namespace vescale

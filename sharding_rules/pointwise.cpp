@@ -1,0 +1,120 @@
+// Pointwise ops: the result follows any shard of the broadcast shape; Partial passes
+// through an op only where the op is linear in the partial argument(s).
+//
+//   additive      f(x1 + x2, y1 + y2) = f(x1, y1) + f(x2, y2) in the listed args
+//                 jointly (add, sub, copy, casts): all of them Partial together,
+//                 plain/replicated ones turned into Partial (one rank keeps the
+//                 value, the rest zeros);
+//   linear in k   f is linear in arg k alone (mul, div numerator, activation
+//                 backward in the gradient): arg k Partial, the others Replicate;
+//   nonlinear     Partial inputs are reduced first.
+
+#include "sharding_rules/pointwise.h"
+
+namespace vescale {
+
+namespace {
+
+// Candidate placement of every input for a result placed as `out`.
+Placements follow_result(const OpCall& call, const Placement& out) {
+  Placements in;
+  const int64_t out_ndim = call.outputs.empty() ? 0 : call.outputs[0].ndim();
+  for (const auto& a : call.inputs) {
+    if (!a.defined) in.push_back(Placement::replicate());
+    else if (a.written) in.push_back(out);  // written args hold the result itself
+    else in.push_back(broadcast_input_placement(out, out_ndim, a));
+  }
+  return in;
+}
+
+bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+
+}  // namespace
+
+DimStrategies pointwise_strategies(const OpCall& call, const Linearity& lin) {
+  TORCH_INTERNAL_ASSERT(!call.outputs.empty(), call.name(), ": pointwise rule needs a result");
+  const auto& out = call.outputs[0];
+  const size_t n_out = call.outputs.size();
+  DimStrategies s;
+  auto add = [&](Placements in, Placement o) { s.push_back({std::move(in), Placements(n_out, o)}); };
+
+  add(follow_result(call, Placement::replicate()), Placement::replicate());
+  for (int32_t d = 0; d < out.ndim(); ++d) add(follow_result(call, Placement::shard(d)), Placement::shard(d));
+
+  const int n_in = static_cast<int>(call.inputs.size());
+  for (const ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
+    const Placement p = Placement::partial(op);
+    // Jointly linear args all Partial; the rest (which the op must not scale)
+    // Replicate. A written arg outside the set can't hold a Partial result.
+    if (lin.additive) {
+      Placements in;
+      bool ok = true;
+      for (int i = 0; i < n_in; ++i) {
+        const bool in_set = lin.args.empty() || contains(lin.args, i);
+        ok &= in_set || !call.inputs[i].written;
+        in.push_back(in_set ? p : Placement::replicate());
+      }
+      if (ok) add(std::move(in), p);
+      continue;
+    }
+    for (int k : lin.args) {
+      if (k >= n_in || !call.inputs[k].defined) continue;
+      Placements in;
+      bool ok = true;
+      for (int i = 0; i < n_in; ++i) {
+        ok &= i == k || !call.inputs[i].written;
+        in.push_back(i == k ? p : Placement::replicate());
+      }
+      if (ok) add(std::move(in), p);
+    }
+  }
+  return s;
+}
+
+RuleFn pointwise(Linearity lin) {
+  return [lin](const OpCall& call) { return choose_cheapest(call, pointwise_strategies(call, lin)); };
+}
+
+VESCALE_RULES(pointwise) {
+  const Linearity additive{true, {}};
+  const Linearity nonlinear{false, {}};
+  const Linearity linear_in_first{false, {0}};
+  const Linearity linear_in_either{false, {0, 1}};
+
+  for (const char* op : {"aten::add.Tensor", "aten::add_.Tensor", "aten::add.out",
+                         "aten::sub.Tensor", "aten::sub_.Tensor", "aten::sub.out",
+                         "aten::neg", "aten::neg_", "aten::neg.out",
+                         "aten::clone", "aten::detach", "aten::alias", "aten::_to_copy",
+                         "aten::copy_", "aten::zero_", "aten::positive"})
+    rules.add(op, pointwise(additive));
+  // Interpolation is linear jointly in its two end points; the weight stays replicated.
+  for (const char* op : {"aten::lerp.Scalar", "aten::lerp_.Scalar", "aten::lerp.Tensor", "aten::lerp_.Tensor"})
+    rules.add(op, pointwise(Linearity{true, {0, 1}}));
+  rules.add("aten::where.self", pointwise(Linearity{true, {1, 2}}));
+
+  for (const char* op : {"aten::mul.Tensor", "aten::mul_.Tensor", "aten::mul.out"})
+    rules.add(op, pointwise(linear_in_either));
+  for (const char* op : {"aten::mul.Scalar", "aten::mul_.Scalar", "aten::div.Tensor", "aten::div_.Tensor",
+                         "aten::div.out", "aten::div.Scalar", "aten::div_.Scalar",
+                         // activation backward: linear in the incoming gradient
+                         "aten::threshold_backward", "aten::gelu_backward", "aten::tanh_backward",
+                         "aten::sigmoid_backward", "aten::silu_backward"})
+    rules.add(op, pointwise(linear_in_first));
+
+  // Nonlinear: every overload and in-place/out variant of these.
+  for (const char* base : {"aten::abs", "aten::exp", "aten::log", "aten::log1p", "aten::expm1",
+                           "aten::sqrt", "aten::rsqrt", "aten::sin", "aten::cos", "aten::tanh",
+                           "aten::sigmoid", "aten::relu", "aten::gelu", "aten::silu", "aten::erf",
+                           "aten::reciprocal", "aten::sign", "aten::pow", "aten::clamp",
+                           "aten::clamp_min", "aten::clamp_max", "aten::maximum", "aten::minimum",
+                           "aten::eq", "aten::ne", "aten::lt", "aten::le", "aten::gt", "aten::ge",
+                           "aten::logical_not", "aten::logical_and", "aten::logical_or",
+                           "aten::isnan", "aten::isinf", "aten::floor", "aten::ceil", "aten::round",
+                           "aten::trunc", "aten::square", "aten::addcmul", "aten::addcdiv",
+                           "aten::fill", "aten::masked_fill", "aten::rsub", "aten::threshold"})
+    rules.add_overloads(base, pointwise(nonlinear));
+  for (const char* op : {"aten::add.Scalar", "aten::add_.Scalar", "aten::sub.Scalar", "aten::sub_.Scalar"})
+    rules.add(op, pointwise(nonlinear));
+}
+
+}  // namespace vescale

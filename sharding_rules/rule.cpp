@@ -1,0 +1,185 @@
+#include "sharding_rules/rule.h"
+
+#include "collectives/redistribute_plan.h"
+
+#include <absl/container/flat_hash_map.h>
+#include <c10/util/Exception.h>
+
+#include <limits>
+
+namespace vescale {
+
+std::vector<int64_t> OpCall::int_list_arg(size_t i) const {
+  std::vector<int64_t> out;
+  if (args[i].isNone()) return out;
+  for (const auto& v : args[i].toListRef()) out.push_back(v.toInt());
+  return out;
+}
+
+std::vector<int64_t> OpCall::dims_arg(size_t i, int64_t ndim, bool empty_means_all) const {
+  std::vector<int64_t> dims;
+  if (args[i].isInt()) {
+    dims.push_back(args[i].toInt());
+  } else {
+    dims = int_list_arg(i);
+  }
+  if (dims.empty() && empty_means_all) {
+    for (int64_t d = 0; d < ndim; ++d) dims.push_back(d);
+  }
+  for (auto& d : dims) {
+    if (d < 0) d += std::max<int64_t>(ndim, 1);
+  }
+  return dims;
+}
+
+std::string OpCall::name() const { return c10::toString(op.operator_name()); }
+
+namespace {
+
+// Redistribution costs of one input, memoised by target placements (the same
+// targets recur across the strategy combinations).
+class InputCosts {
+ public:
+  InputCosts(const Mesh& mesh, const TensorArg& arg) : mesh_(mesh), arg_(arg) {}
+
+  double cost(const Placements& target) {
+    uint64_t key = 0;
+    for (const auto& p : target) key = key * 64 + p.code();
+    auto it = memo_.find(key);
+    if (it != memo_.end()) return it->second;
+    const double c = target == arg_.placements
+        ? 0.0
+        : plan_redistribution(mesh_, arg_.placements, target, arg_.shape, arg_.dtype).cost;
+    memo_.emplace(key, c);
+    return c;
+  }
+
+ private:
+  const Mesh& mesh_;
+  const TensorArg& arg_;
+  absl::flat_hash_map<uint64_t, double> memo_;
+};
+
+}  // namespace
+
+ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& strategies) {
+  TORCH_INTERNAL_ASSERT(!strategies.empty(), call.name(), ": rule offered no strategy");
+  const size_t n_in = call.inputs.size();
+  const size_t n_out = call.outputs.size();
+  for (const auto& s : strategies) {
+    TORCH_INTERNAL_ASSERT(s.inputs.size() == n_in && s.outputs.size() == n_out, call.name(),
+                          ": strategy has ", s.inputs.size(), " inputs and ", s.outputs.size(),
+                          " outputs, the call has ", n_in, " and ", n_out);
+  }
+  const auto mesh_ndim = static_cast<size_t>(call.mesh.ndim());
+  std::vector<InputCosts> costs;
+  costs.reserve(n_in);
+  for (const auto& in : call.inputs) costs.emplace_back(call.mesh, in);
+
+  std::vector<size_t> combo(mesh_ndim, 0), best_strict, best_any;
+  double best_strict_cost = std::numeric_limits<double>::infinity();
+  double best_any_cost = std::numeric_limits<double>::infinity();
+  Placements target(mesh_ndim);
+  while (true) {
+    double cost = 0;
+    bool keeps_written = true;
+    for (size_t i = 0; i < n_in; ++i) {
+      const auto& in = call.inputs[i];
+      if (!in.defined) continue;
+      for (size_t m = 0; m < mesh_ndim; ++m) target[m] = strategies[combo[m]].inputs[i];
+      if (in.written && target != in.placements) {
+        keeps_written = false;
+        // Writing into a temporary costs the way back as well.
+        cost += plan_redistribution(call.mesh, target, in.placements, in.shape, in.dtype).cost;
+      }
+      cost += costs[i].cost(target);
+    }
+    if (keeps_written && cost < best_strict_cost) {
+      best_strict_cost = cost;
+      best_strict = combo;
+    }
+    if (cost < best_any_cost) {
+      best_any_cost = cost;
+      best_any = combo;
+    }
+    size_t m = 0;  // odometer over mesh dims
+    while (m < mesh_ndim && ++combo[m] == strategies.size()) combo[m++] = 0;
+    if (m == mesh_ndim) break;
+  }
+  const auto& best = best_strict.empty() ? best_any : best_strict;
+
+  ShardingChoice choice;
+  choice.inputs.assign(n_in, Placements(mesh_ndim));
+  choice.outputs.assign(n_out, Placements(mesh_ndim));
+  for (size_t m = 0; m < mesh_ndim; ++m) {
+    const auto& s = strategies[best[m]];
+    for (size_t i = 0; i < n_in; ++i) choice.inputs[i][m] = s.inputs[i];
+    for (size_t j = 0; j < n_out; ++j) choice.outputs[j][m] = s.outputs[j];
+  }
+  return choice;
+}
+
+ShardingChoice replicate_all(const OpCall& call) {
+  const Placements r(static_cast<size_t>(call.mesh.ndim()), Placement::replicate());
+  ShardingChoice choice;
+  choice.inputs.assign(call.inputs.size(), r);
+  choice.outputs.assign(call.outputs.size(), r);
+  return choice;
+}
+
+Placement broadcast_input_placement(const Placement& out, int64_t out_ndim, const TensorArg& in) {
+  if (!out.is_shard()) return out;
+  const int64_t d = out.dim - (out_ndim - in.ndim());
+  if (d < 0 || in.shape[static_cast<size_t>(d)] == 1) return Placement::replicate();
+  return Placement::shard(static_cast<int32_t>(d));
+}
+
+// ---- registry ----------------------------------------------------------------
+
+namespace {
+absl::flat_hash_map<std::string, RuleFn>& table() {
+  static absl::flat_hash_map<std::string, RuleFn> t;
+  return t;
+}
+}  // namespace
+
+void RuleTable::add(const std::string& op_name, RuleFn fn) {
+  const auto dot = op_name.find('.', op_name.find("::"));
+  const c10::OperatorName name(op_name.substr(0, dot),
+                               dot == std::string::npos ? "" : op_name.substr(dot + 1));
+  if (!c10::Dispatcher::singleton().findOp(name)) {
+    missing_.push_back(op_name);  // a typo, or an op this torch build lacks
+    return;
+  }
+  const bool inserted = table().emplace(op_name, std::move(fn)).second;
+  TORCH_INTERNAL_ASSERT(inserted, "two sharding rules registered for ", op_name);
+}
+
+void RuleTable::add_overloads(const std::string& base, const RuleFn& fn) {
+  const std::string inplace = base + "_";
+  bool any = false;
+  for (const auto& name : c10::Dispatcher::singleton().getAllOpNames()) {
+    if (name.name != base && name.name != inplace) continue;
+    add(name.overload_name.empty() ? name.name : name.name + "." + name.overload_name, fn);
+    any = true;
+  }
+  if (!any) missing_.push_back(base);
+}
+
+const RuleFn* RuleTable::find(const std::string& op_name) const {
+  auto it = table().find(op_name);
+  return it == table().end() ? nullptr : &it->second;
+}
+
+std::vector<std::string> RuleTable::names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, fn] : table()) out.push_back(name);
+  return out;
+}
+
+RuleTable& rules() {
+  static RuleTable t;
+  return t;
+}
+
+}  // namespace vescale

@@ -1,0 +1,139 @@
+#pragma once
+// The contract between the dispatcher and the sharding rules.
+//
+// On a cache miss the dispatcher describes the call as an OpCall: every tensor
+// argument flattened in schema order (lists expanded, absent optionals kept as
+// undefined slots), with its global shape and current placements, plus the global
+// results from running the op on meta tensors. A rule answers with a ShardingChoice:
+// the placements each input must have and the placements of each result. The
+// dispatcher then plans the redistributions, caches the decision and runs the op on
+// the local shards. Rules never communicate.
+//
+// Most rules describe the candidate layouts of a single mesh dim (DimStrategy) and
+// let `choose_cheapest` combine them over the mesh, pricing each combination with
+// the redistribution cost model. Rules are registered per operator name in one file
+// per op family:
+//
+//   VESCALE_RULES(pointwise) {
+//     rules.add("aten::add.Tensor", pointwise(Linearity::Additive));
+//   }
+
+#include "dispatch/spec.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/core/stack.h>
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace vescale {
+
+// What a rule sees of one tensor argument or result.
+struct TensorArg {
+  bool defined = false;
+  bool is_dtensor = false;  // plain tensors take part as Replicate
+  bool written = false;     // the op mutates it (in-place self, out=)
+  Shape shape;
+  Shape stride;
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  Placements placements;    // current placements; empty for results
+
+  int64_t ndim() const { return static_cast<int64_t>(shape.size()); }
+};
+
+struct OpCall {
+  const c10::OperatorHandle& op;
+  c10::ArrayRef<c10::IValue> args;  // global argument values
+  const Mesh& mesh;
+  std::vector<TensorArg> inputs;    // flattened tensor arguments
+  std::vector<TensorArg> outputs;   // flattened tensor results (global metadata)
+
+  const c10::FunctionSchema& schema() const { return op.schema(); }
+  const c10::IValue& arg(size_t i) const { return args[i]; }
+  int64_t int_arg(size_t i) const { return args[i].toInt(); }
+  bool bool_arg(size_t i) const { return args[i].toBool(); }
+  std::vector<int64_t> int_list_arg(size_t i) const;
+  // Argument i as a dim list normalised to [0, ndim); an empty or absent list means
+  // all dims when `empty_means_all`.
+  std::vector<int64_t> dims_arg(size_t i, int64_t ndim, bool empty_means_all = true) const;
+  std::string name() const;  // "aten::add.Tensor"
+};
+
+// One candidate layout of the call on a single mesh dim: a placement for every
+// flattened input and every flattened result.
+struct DimStrategy {
+  Placements inputs;
+  Placements outputs;
+};
+using DimStrategies = std::vector<DimStrategy>;
+
+// Context for a rule's own local computation (see ShardingChoice::local_fn).
+struct LocalContext {
+  const Mesh& mesh;
+  c10::ArrayRef<SpecPtr> inputs;   // the specs the inputs were redistributed to (null: undefined)
+  c10::ArrayRef<SpecPtr> outputs;  // the result specs
+};
+
+// Computes the local results from the local arguments on `stack` (replacing them
+// with the results, like a boxed kernel), for ops whose local computation is not the
+// op itself applied to the shards.
+using LocalFn = void (*)(const c10::OperatorHandle&, torch::jit::Stack*, const LocalContext&);
+
+struct ShardingChoice {
+  std::vector<Placements> inputs;   // target placements per flattened input
+  std::vector<Placements> outputs;  // placements per flattened result
+  LocalFn local_fn = nullptr;
+  // Non-tensor arguments to replace in the local call (e.g. a local shape).
+  std::vector<std::pair<size_t, c10::IValue>> local_args;
+};
+
+using RuleFn = std::function<ShardingChoice(const OpCall&)>;
+
+// Combines per-mesh-dim strategies over the whole mesh and returns the cheapest
+// combination (ties go to the earlier strategy). Inputs the op writes keep their
+// placements when any combination allows it.
+ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& strategies);
+
+// Every input and result replicated.
+ShardingChoice replicate_all(const OpCall& call);
+
+// ---- helpers for writing rules ----------------------------------------------
+
+// The placement an input of a broadcasting op needs so that it lines up with a
+// result placed as `out` (a result of rank `out_ndim`): a sharded result dim maps
+// to the input's matching dim, or to Replicate where the input broadcasts.
+Placement broadcast_input_placement(const Placement& out, int64_t out_ndim, const TensorArg& in);
+
+// ---- registry ----------------------------------------------------------------
+
+class RuleTable {
+ public:
+  void add(const std::string& op_name, RuleFn fn);
+  // Every overload of `base` ("aten::relu") and of its in-place form ("aten::relu_")
+  // that this torch build has, out= variants included.
+  void add_overloads(const std::string& base, const RuleFn& fn);
+  const RuleFn* find(const std::string& op_name) const;
+  std::vector<std::string> names() const;
+  // Names given to add/add_overloads that match no operator in this torch build.
+  const std::vector<std::string>& missing() const { return missing_; }
+
+ private:
+  std::vector<std::string> missing_;
+};
+
+RuleTable& rules();
+
+struct RuleRegistrar {
+  explicit RuleRegistrar(void (*define)(RuleTable&)) { define(rules()); }
+};
+
+#define VESCALE_RULES(family)                                                      \
+  static void vescale_define_##family##_rules(::vescale::RuleTable& rules);        \
+  static const ::vescale::RuleRegistrar vescale_##family##_registrar(              \
+      &vescale_define_##family##_rules);                                           \
+  static void vescale_define_##family##_rules(::vescale::RuleTable& rules)
+
+}  // namespace vescale

@@ -1,0 +1,49 @@
+// Ops that make new tensors from a DTensor's metadata, and ops that read a DTensor
+// out as a Python value.
+//
+//   zeros_like / ones_like / empty_like / full_like   same layout as the input, with
+//                                                     Partial read as Replicate (a
+//                                                     filled tensor is not a partial sum)
+//   new_zeros / new_ones / new_empty / new_full /     replicated, of the given global size
+//   new_empty_strided
+//   _local_scalar_dense (item), equal                 read the replicated value
+//
+// None of them reads the input's values except the last group, so inputs stay where
+// they are.
+
+#include "sharding_rules/rule.h"
+
+namespace vescale {
+
+namespace {
+
+Placements current(const TensorArg& a) { return a.placements; }
+
+ShardingChoice like_rule(const OpCall& call) {
+  ShardingChoice c;
+  c.inputs.push_back(current(call.inputs[0]));
+  Placements out = current(call.inputs[0]);
+  for (auto& p : out)
+    if (p.is_partial()) p = Placement::replicate();
+  c.outputs.push_back(out);
+  return c;
+}
+
+ShardingChoice new_tensor_rule(const OpCall& call) {
+  ShardingChoice c = replicate_all(call);
+  c.inputs[0] = current(call.inputs[0]);
+  return c;
+}
+
+}  // namespace
+
+VESCALE_RULES(tensor_creation) {
+  for (const char* op : {"aten::zeros_like", "aten::ones_like", "aten::empty_like", "aten::full_like"})
+    rules.add(op, like_rule);
+  for (const char* op : {"aten::new_zeros", "aten::new_ones", "aten::new_empty", "aten::new_full",
+                         "aten::new_empty_strided"})
+    rules.add(op, new_tensor_rule);
+  for (const char* op : {"aten::_local_scalar_dense", "aten::equal"}) rules.add(op, replicate_all);
+}
+
+}  // namespace vescale

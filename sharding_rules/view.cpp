@@ -1,0 +1,293 @@
+// View and shape ops. A shard survives a shape change when every rank's block is
+// still a block of the new shape (under torch.chunk sizes); otherwise that mesh dim
+// is gathered first. Partial passes through every op here (they only move values).
+//
+//   view / _unsafe_view / _reshape_alias   dims are grouped into runs whose sizes
+//        multiply to the same number ([B, S, H*D] -> [B, S, H, D]: B, S, and
+//        H*D <-> (H, D)). Within a run only the first non-unit input dim may stay
+//        split, and it maps to the first non-unit output dim of the run if the flat
+//        ranges of every rank agree.
+//   t / transpose / permute / unsqueeze / squeeze   shards follow their dims
+//   expand                                          broadcast dims must be whole
+//   select / slice / split / unbind                 the indexed dim must be whole
+//   cat / stack                                     all inputs alike, cat dim whole
+
+#include "sharding_rules/rule.h"
+
+#include <ATen/ATen.h>
+
+#include <numeric>
+
+namespace vescale {
+
+namespace {
+
+// ---- shared helpers ------------------------------------------------------------
+
+Placements input_placements(const OpCall& call, size_t i = 0) { return call.inputs[i].placements; }
+
+// A choice for single-input ops: input target and result placements.
+ShardingChoice single(const OpCall& call, Placements in, std::vector<Placements> outs) {
+  ShardingChoice c;
+  c.inputs.push_back(std::move(in));
+  for (size_t i = 1; i < call.inputs.size(); ++i) c.inputs.push_back(call.inputs[i].placements);
+  c.outputs = std::move(outs);
+  return c;
+}
+
+// Maps each input shard through `dim_map` (input dim -> result dim, or -1 when the
+// dim must be whole first). Returns the input target and the result placements.
+std::pair<Placements, Placements> map_dims(const OpCall& call, const std::function<int64_t(int64_t)>& dim_map) {
+  Placements in = input_placements(call);
+  Placements out = in;
+  for (size_t m = 0; m < in.size(); ++m) {
+    if (!in[m].is_shard()) continue;
+    const int64_t to = dim_map(in[m].dim);
+    if (to < 0) in[m] = out[m] = Placement::replicate();
+    else out[m] = Placement::shard(static_cast<int32_t>(to));
+  }
+  return {in, out};
+}
+
+ShardingChoice map_dims_rule(const OpCall& call, const std::function<int64_t(int64_t)>& dim_map) {
+  auto [in, out] = map_dims(call, dim_map);
+  return single(call, in, std::vector<Placements>(call.outputs.size(), out));
+}
+
+std::vector<int64_t> local_sizes(const OpCall& call, const Placements& out) {
+  const auto box = local_box(call.outputs[0].shape, out, call.mesh.shape, call.mesh.coordinate);
+  return {box.sizes.begin(), box.sizes.end()};
+}
+
+// ---- view / reshape --------------------------------------------------------------
+
+struct Run {
+  std::vector<int64_t> in, out;  // dims of the input and of the result
+};
+
+// Splits two shapes of equal numel into runs of dims with equal products.
+std::vector<Run> view_runs(c10::ArrayRef<int64_t> a, c10::ArrayRef<int64_t> b) {
+  const auto na = static_cast<int64_t>(a.size()), nb = static_cast<int64_t>(b.size());
+  const int64_t numel = std::accumulate(a.begin(), a.end(), int64_t{1}, std::multiplies<>());
+  std::vector<Run> runs;
+  if (numel == 0) {  // nothing to split: one run holding everything
+    Run r;
+    for (int64_t i = 0; i < na; ++i) r.in.push_back(i);
+    for (int64_t j = 0; j < nb; ++j) r.out.push_back(j);
+    return {r};
+  }
+  int64_t i = 0, j = 0;
+  while (i < na || j < nb) {
+    Run r;
+    int64_t pa = 1, pb = 1;
+    if (i < na) { r.in.push_back(i); pa = a[i++]; }
+    if (j < nb) { r.out.push_back(j); pb = b[j++]; }
+    while (pa != pb) {
+      if (pa < pb) { r.in.push_back(i); pa *= a[i++]; }
+      else { r.out.push_back(j); pb *= b[j++]; }
+    }
+    runs.push_back(std::move(r));
+  }
+  return runs;
+}
+
+int64_t first_non_unit(const std::vector<int64_t>& dims, c10::ArrayRef<int64_t> shape) {
+  for (auto d : dims)
+    if (shape[d] > 1) return d;
+  return -1;
+}
+
+int64_t product_after(const std::vector<int64_t>& dims, int64_t first, c10::ArrayRef<int64_t> shape) {
+  int64_t p = 1;
+  bool after = false;
+  for (auto d : dims) {
+    if (after) p *= shape[d];
+    after |= d == first;
+  }
+  return p;
+}
+
+// Do the nested chunks of `in_size` (rows of `in_inner` elements) and of `out_size`
+// (rows of `out_inner`) give every rank the same flat range?
+bool same_flat_ranges(const Mesh& mesh, const std::vector<size_t>& mesh_dims, int64_t in_size, int64_t in_inner,
+                      int64_t out_size, int64_t out_inner) {
+  std::vector<int64_t> coord(mesh_dims.size(), 0);
+  while (true) {
+    int64_t a = 0, la = in_size, b = 0, lb = out_size;
+    for (size_t q = 0; q < mesh_dims.size(); ++q) {
+      const int64_t k = mesh.shape[mesh_dims[q]];
+      a += chunk_offset(la, k, coord[q]);
+      la = chunk_size(la, k, coord[q]);
+      b += chunk_offset(lb, k, coord[q]);
+      lb = chunk_size(lb, k, coord[q]);
+    }
+    if (la * in_inner != lb * out_inner) return false;
+    if (la > 0 && a * in_inner != b * out_inner) return false;
+    size_t q = 0;
+    while (q < coord.size() && ++coord[q] == mesh.shape[mesh_dims[q]]) coord[q++] = 0;
+    if (q == coord.size()) return true;
+  }
+}
+
+std::pair<Placements, Placements> view_placements(const OpCall& call) {
+  const auto& in_shape = call.inputs[0].shape;
+  const auto& out_shape = call.outputs[0].shape;
+  Placements in = input_placements(call);
+  Placements out = in;
+  for (const auto& run : view_runs(in_shape, out_shape)) {
+    const int64_t first_in = first_non_unit(run.in, in_shape);
+    const int64_t first_out = first_non_unit(run.out, out_shape);
+    std::vector<size_t> keep;  // mesh dims splitting the run's leading dim
+    for (size_t m = 0; m < in.size(); ++m) {
+      if (!in[m].is_shard() || std::find(run.in.begin(), run.in.end(), in[m].dim) == run.in.end()) continue;
+      if (in[m].dim == first_in && first_out >= 0) keep.push_back(m);
+      else in[m] = out[m] = Placement::replicate();
+    }
+    if (keep.empty()) continue;
+    const bool ok = same_flat_ranges(call.mesh, keep, in_shape[first_in], product_after(run.in, first_in, in_shape),
+                                     out_shape[first_out], product_after(run.out, first_out, out_shape));
+    for (auto m : keep) {
+      if (ok) out[m] = Placement::shard(static_cast<int32_t>(first_out));
+      else in[m] = out[m] = Placement::replicate();
+    }
+  }
+  return {in, out};
+}
+
+// view(self, size) / _unsafe_view(self, size): the local call takes the local size.
+ShardingChoice view_rule(const OpCall& call) {
+  auto [in, out] = view_placements(call);
+  auto c = single(call, in, {out});
+  c.local_args.emplace_back(1, c10::IValue(local_sizes(call, out)));
+  return c;
+}
+
+// _reshape_alias(self, size, stride) carries global strides; the shard is viewed
+// with `view` instead, which checks that its own layout allows it.
+void reshape_alias_locally(const c10::OperatorHandle& op, torch::jit::Stack* stack, const LocalContext& ctx) {
+  auto self = (*stack)[stack->size() - 3].toTensor();
+  const auto& sizes = ctx.outputs[0]->local.sizes;
+  torch::jit::drop(*stack, 3);
+  torch::jit::push(*stack, self.view(c10::IntArrayRef(sizes)));
+}
+
+ShardingChoice reshape_alias_rule(const OpCall& call) {
+  auto [in, out] = view_placements(call);
+  auto c = single(call, in, {out});
+  c.local_fn = reshape_alias_locally;
+  return c;
+}
+
+// ---- dim permutations and unit dims ----------------------------------------------
+
+ShardingChoice transpose_rule(const OpCall& call) {
+  const int64_t ndim = call.inputs[0].ndim();
+  int64_t d0 = 0, d1 = ndim > 1 ? 1 : 0;  // t()
+  if (call.args.size() >= 3) {
+    d0 = at::maybe_wrap_dim(call.int_arg(1), ndim);
+    d1 = at::maybe_wrap_dim(call.int_arg(2), ndim);
+  }
+  return map_dims_rule(call, [&](int64_t d) { return d == d0 ? d1 : d == d1 ? d0 : d; });
+}
+
+ShardingChoice permute_rule(const OpCall& call) {
+  const int64_t ndim = call.inputs[0].ndim();
+  const auto dims = call.dims_arg(1, ndim, false);
+  return map_dims_rule(call, [&](int64_t d) -> int64_t {
+    return std::find(dims.begin(), dims.end(), d) - dims.begin();
+  });
+}
+
+ShardingChoice unsqueeze_rule(const OpCall& call) {
+  const int64_t at = at::maybe_wrap_dim(call.int_arg(1), call.inputs[0].ndim() + 1);
+  return map_dims_rule(call, [&](int64_t d) { return d >= at ? d + 1 : d; });
+}
+
+// squeeze / squeeze.dim / squeeze.dims: drops unit dims (a split unit dim is gathered).
+ShardingChoice squeeze_rule(const OpCall& call) {
+  const auto& shape = call.inputs[0].shape;
+  const int64_t ndim = call.inputs[0].ndim();
+  std::vector<int64_t> candidates;
+  if (call.args.size() == 1) {
+    for (int64_t d = 0; d < ndim; ++d) candidates.push_back(d);
+  } else {
+    candidates = call.dims_arg(1, ndim, false);
+  }
+  std::vector<bool> dropped(static_cast<size_t>(ndim), false);
+  for (auto d : candidates) dropped[d] = shape[d] == 1;
+  return map_dims_rule(call, [&](int64_t d) -> int64_t {
+    if (dropped[d]) return -1;
+    return d - std::count(dropped.begin(), dropped.begin() + d, true);
+  });
+}
+
+// expand(self, size): new leading dims and broadcast unit dims are whole.
+ShardingChoice expand_rule(const OpCall& call) {
+  const auto& in_shape = call.inputs[0].shape;
+  const auto& out_shape = call.outputs[0].shape;
+  const int64_t lead = call.outputs[0].ndim() - call.inputs[0].ndim();
+  auto [in, out] = map_dims(call, [&](int64_t d) -> int64_t {
+    return in_shape[d] == out_shape[d + lead] ? d + lead : -1;
+  });
+  auto c = single(call, in, {out});
+  c.local_args.emplace_back(1, c10::IValue(local_sizes(call, out)));
+  return c;
+}
+
+// ---- indexing along one dim --------------------------------------------------------
+
+// select.int(self, dim, index): the dim goes away.
+ShardingChoice select_rule(const OpCall& call) {
+  const int64_t dim = at::maybe_wrap_dim(call.int_arg(1), call.inputs[0].ndim());
+  return map_dims_rule(call, [&](int64_t d) { return d == dim ? -1 : d > dim ? d - 1 : d; });
+}
+
+// slice / split / split_with_sizes (self, _, dim): the dim must be whole.
+ShardingChoice whole_dim_rule(const OpCall& call, size_t dim_arg) {
+  const int64_t dim = at::maybe_wrap_dim(call.int_arg(dim_arg), call.inputs[0].ndim());
+  return map_dims_rule(call, [&](int64_t d) { return d == dim ? -1 : d; });
+}
+
+// unbind.int(self, dim)
+ShardingChoice unbind_rule(const OpCall& call) { return select_rule(call); }
+
+// ---- joining -------------------------------------------------------------------------
+
+// cat(tensors, dim) / stack(tensors, dim): every input alike; the joined dim whole.
+ShardingChoice join_rule(const OpCall& call, bool stacking) {
+  const int64_t in_ndim = call.inputs.empty() ? 0 : call.inputs[0].ndim();
+  const int64_t dim = at::maybe_wrap_dim(call.int_arg(1), stacking ? in_ndim + 1 : std::max<int64_t>(in_ndim, 1));
+  const size_t n = call.inputs.size();
+  DimStrategies s;
+  auto all = [&](Placement in, Placement out) { s.push_back({Placements(n, in), {out}}); };
+  all(Placement::replicate(), Placement::replicate());
+  for (int32_t d = 0; d < in_ndim; ++d) {
+    if (!stacking && d == dim) continue;
+    all(Placement::shard(d), Placement::shard(stacking && d >= dim ? d + 1 : d));
+  }
+  for (const ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) all(Placement::partial(op), Placement::partial(op));
+  return choose_cheapest(call, s);
+}
+
+}  // namespace
+
+VESCALE_RULES(view) {
+  rules.add("aten::view", view_rule);
+  rules.add("aten::_unsafe_view", view_rule);
+  rules.add("aten::_reshape_alias", reshape_alias_rule);
+  rules.add("aten::t", transpose_rule);
+  rules.add("aten::transpose.int", transpose_rule);
+  rules.add("aten::permute", permute_rule);
+  rules.add("aten::unsqueeze", unsqueeze_rule);
+  for (const char* op : {"aten::squeeze", "aten::squeeze.dim", "aten::squeeze.dims"}) rules.add(op, squeeze_rule);
+  rules.add("aten::expand", expand_rule);
+  rules.add("aten::select.int", select_rule);
+  rules.add("aten::slice.Tensor", [](const OpCall& c) { return whole_dim_rule(c, 1); });
+  rules.add("aten::split.Tensor", [](const OpCall& c) { return whole_dim_rule(c, 2); });
+  rules.add("aten::split_with_sizes", [](const OpCall& c) { return whole_dim_rule(c, 2); });
+  rules.add("aten::unbind.int", unbind_rule);
+  rules.add("aten::cat", [](const OpCall& c) { return join_rule(c, false); });
+  rules.add("aten::stack", [](const OpCall& c) { return join_rule(c, true); });
+}
+
+}  // namespace vescale

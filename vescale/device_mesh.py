@@ -1,0 +1,211 @@
+"""DeviceMesh: a named, n-dimensional arrangement of ranks.
+
+The process groups come from ``torch.distributed.device_mesh.DeviceMesh``; this class
+adds the names veScale users know (``get_strategy_size``, rank <-> coordinate lookup,
+sub-mesh enumeration) and hands the C++ engine its view of the mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh as _TorchDeviceMesh
+
+from . import _C
+
+__all__ = ["DeviceMesh", "init_device_mesh", "get_device_mesh", "set_device_mesh"]
+
+
+class DeviceMesh:
+    """An n-d mesh of ranks with optional dimension names.
+
+    ``DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("DP", "TP"))`` must be
+    created on every rank (it creates one process group per mesh dim and row).
+    """
+
+    def __init__(self, device_type: str, mesh, *, mesh_dim_names: Sequence[str] | None = None,
+                 _torch_mesh: _TorchDeviceMesh | None = None):
+        ranks = torch.as_tensor(mesh, dtype=torch.int64, device="cpu")
+        _check_ranks(ranks)
+        if mesh_dim_names is not None:
+            mesh_dim_names = tuple(mesh_dim_names)
+            if len(mesh_dim_names) != ranks.dim():
+                raise ValueError(f"mesh_dim_names {mesh_dim_names} name {len(mesh_dim_names)} dims "
+                                 f"but the mesh has {ranks.dim()}")
+            if len(set(mesh_dim_names)) != len(mesh_dim_names):
+                raise ValueError(f"mesh_dim_names must be distinct, got {mesh_dim_names}")
+        if _torch_mesh is None:
+            _torch_mesh = _TorchDeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names)
+        self._torch = _torch_mesh
+        self._device_type = device_type
+        self._ranks = ranks
+        self._names = mesh_dim_names
+        coordinate = _torch_mesh.get_coordinate()
+        self._c = None
+        if coordinate is not None:
+            self._c = _C.Mesh(list(ranks.shape), ranks.flatten().tolist(),
+                              list(mesh_dim_names or [""] * ranks.dim()),
+                              [_torch_mesh.get_group(i).group_name for i in range(ranks.dim())],
+                              list(coordinate), device_type)
+
+    # ---- shape and names ----
+    @property
+    def device_type(self) -> str:
+        return self._device_type
+
+    @property
+    def mesh(self) -> torch.Tensor:
+        """The ranks, laid out in the mesh's shape."""
+        return self._ranks
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._ranks.shape)
+
+    @property
+    def ndim(self) -> int:
+        return self._ranks.dim()
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...] | None:
+        return self._names
+
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        if mesh_dim is None:
+            return self._ranks.numel()
+        return self.shape[self._dim(mesh_dim)]
+
+    def get_strategy_size(self, dim_name: str) -> int:
+        """Size of the mesh dim called ``dim_name`` (e.g. ``"TP"``)."""
+        return self.size(dim_name)
+
+    # ---- ranks and coordinates ----
+    def get_rank(self) -> int:
+        return dist.get_rank()
+
+    def get_coordinate(self) -> tuple[int, ...] | None:
+        """This rank's coordinate, or None when it is not part of the mesh."""
+        coord = self._torch.get_coordinate()
+        return None if coord is None else tuple(coord)
+
+    def get_local_rank(self, mesh_dim: int | str = 0) -> int:
+        """This rank's index along one mesh dim."""
+        coord = self.get_coordinate()
+        if coord is None:
+            raise RuntimeError(f"rank {dist.get_rank()} is not part of {self}")
+        return coord[self._dim(mesh_dim)]
+
+    def coordinate_of(self, rank: int) -> tuple[int, ...]:
+        """The coordinate at which global ``rank`` sits."""
+        where = (self._ranks == rank).nonzero()
+        if where.numel() == 0:
+            raise ValueError(f"rank {rank} is not part of {self}")
+        return tuple(int(i) for i in where[0])
+
+    def rank_at(self, coordinate: Sequence[int]) -> int:
+        """The global rank at ``coordinate``."""
+        if len(coordinate) != self.ndim:
+            raise ValueError(f"coordinate {tuple(coordinate)} has {len(coordinate)} entries; the mesh has {self.ndim} dims")
+        return int(self._ranks[tuple(coordinate)])
+
+    def submeshes(self, mesh_dim: int | str) -> list[list[int]]:
+        """The rank groups along ``mesh_dim``: every 1-d slice of the mesh in that direction."""
+        d = self._dim(mesh_dim)
+        moved = self._ranks.movedim(d, -1).reshape(-1, self.shape[d])
+        return [row.tolist() for row in moved]
+
+    def get_group(self, mesh_dim: int | str = 0) -> dist.ProcessGroup:
+        """This rank's process group along ``mesh_dim``."""
+        return self._torch.get_group(self._dim(mesh_dim))
+
+    def __getitem__(self, names: str | Sequence[str]) -> "DeviceMesh":
+        """The sub-mesh over the named dims, e.g. ``mesh["TP"]``."""
+        key = (names,) if isinstance(names, str) else tuple(names)
+        for n in key:
+            self._dim(n)
+        sub = self._torch[key if len(key) > 1 else key[0]]
+        return DeviceMesh(self._device_type, sub.mesh, mesh_dim_names=key, _torch_mesh=sub)
+
+    def _dim(self, mesh_dim: int | str) -> int:
+        if isinstance(mesh_dim, str):
+            if not self._names or mesh_dim not in self._names:
+                raise KeyError(f"{self} has no dimension named {mesh_dim!r}; its dimensions are {self._names}")
+            return self._names.index(mesh_dim)
+        if not -self.ndim <= mesh_dim < self.ndim:
+            raise IndexError(f"mesh dim {mesh_dim} is out of range for a {self.ndim}-d mesh")
+        return mesh_dim % self.ndim
+
+    def _require_member(self) -> "_C.Mesh":
+        if self._c is None:
+            raise RuntimeError(f"rank {dist.get_rank()} is not part of {self} and cannot hold its DTensors")
+        return self._c
+
+    def to_torch(self) -> _TorchDeviceMesh:
+        """The equivalent torch.distributed DeviceMesh (same process groups)."""
+        return self._torch
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, DeviceMesh) and self._device_type == other._device_type
+                and torch.equal(self._ranks, other._ranks) and self._names == other._names
+                and self._c == other._c)
+
+    def __hash__(self) -> int:
+        return hash((self._device_type, tuple(self._ranks.flatten().tolist()), self.shape, self._names))
+
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self._names}" if self._names else ""
+        return f"DeviceMesh('{self._device_type}', {self._ranks.tolist()}{names})"
+
+
+def _check_ranks(ranks: torch.Tensor) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("vescale needs torch.distributed: call torch.distributed.init_process_group "
+                           "(torchrun sets up the environment for it) before creating a DeviceMesh")
+    world = dist.get_world_size()
+    flat = ranks.flatten().tolist()
+    if ranks.numel() > world:
+        raise ValueError(f"a mesh of shape {tuple(ranks.shape)} needs {ranks.numel()} ranks but the world "
+                         f"has {world}; launch more processes (torchrun --nproc-per-node) or use a smaller mesh")
+    if len(set(flat)) != len(flat):
+        raise ValueError(f"mesh ranks must be distinct, got {ranks.tolist()}")
+    bad = [r for r in flat if not 0 <= r < world]
+    if bad:
+        raise ValueError(f"mesh ranks {bad} are outside the world of {world} ranks")
+
+
+_global_mesh: DeviceMesh | None = None
+
+
+def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
+                     mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
+    """Creates a mesh of ranks 0..N-1 in row-major order and makes it the global mesh.
+
+    Must be called on every rank. ``vescale.get_device_mesh()`` returns it afterwards.
+    """
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    if any(s <= 0 for s in mesh_shape):
+        raise ValueError(f"mesh_shape must be positive, got {mesh_shape}")
+    n = math.prod(mesh_shape)
+    if dist.is_initialized() and n > dist.get_world_size():
+        raise ValueError(f"a mesh of shape {mesh_shape} needs {n} ranks but the world has "
+                         f"{dist.get_world_size()}; launch more processes (torchrun --nproc-per-node) "
+                         f"or use a smaller mesh")
+    mesh = DeviceMesh(device_type, torch.arange(n).reshape(mesh_shape), mesh_dim_names=mesh_dim_names)
+    set_device_mesh(mesh)
+    return mesh
+
+
+def get_device_mesh() -> DeviceMesh:
+    """The global mesh made by the last ``init_device_mesh``."""
+    if _global_mesh is None:
+        raise RuntimeError("no global device mesh yet: call vescale.init_device_mesh(device_type, mesh_shape, "
+                           "mesh_dim_names=...) first")
+    return _global_mesh
+
+
+def set_device_mesh(mesh: DeviceMesh | None) -> None:
+    global _global_mesh
+    _global_mesh = mesh

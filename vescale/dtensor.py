@@ -1,0 +1,170 @@
+"""DTensor: a torch.Tensor whose data is spread over a DeviceMesh.
+
+A DTensor is an ordinary ``torch.Tensor`` object backed by vescale's C++
+``DTensorImpl``: every aten op on it is intercepted below autograd by vescale's
+dispatch key, so there is no Python on the per-op path. Because op results are made
+in C++, their Python class is ``torch.Tensor`` (or ``nn.Parameter``);
+``isinstance(x, vescale.DTensor)`` checks the implementation instead of the class,
+and the DTensor methods below are reachable on any such tensor (see ``_tensor_methods``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .device_mesh import DeviceMesh, get_device_mesh
+from .placement_types import Placement, Replicate, Shard, from_c, to_c
+
+__all__ = ["DTensor", "distribute_tensor"]
+
+_meshes: dict = {}  # _C.Mesh -> DeviceMesh, to hand back the Python mesh of a DTensor
+
+
+def _register(mesh: DeviceMesh) -> "_C.Mesh":
+    c = mesh._require_member()
+    _meshes.setdefault(c, mesh)
+    return c
+
+
+def _resolve(mesh: DeviceMesh | None, placements: Sequence[Placement] | None, ndim: int):
+    mesh = mesh if mesh is not None else get_device_mesh()
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"expected a vescale.DeviceMesh, got {type(mesh).__name__}")
+    if placements is None:
+        placements = [Replicate()] * mesh.ndim
+    placements = list(placements)
+    if len(placements) != mesh.ndim:
+        raise ValueError(f"got {len(placements)} placements {tuple(placements)} for a {mesh.ndim}-d mesh "
+                         f"{mesh}; give one placement per mesh dimension")
+    return mesh, _C.normalize_placements(to_c(placements), ndim)
+
+
+class _DTensorMeta(type(torch.Tensor)):
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, torch.Tensor) and _C.is_dtensor(obj)
+
+
+class DTensor(torch.Tensor, metaclass=_DTensorMeta):
+    """A distributed tensor. Make one with ``DTensor.from_local`` or ``vescale.distribute_tensor``."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __new__(cls, *args, **kwargs):
+        raise TypeError("DTensors are made with DTensor.from_local(...) or vescale.distribute_tensor(...)")
+
+    @staticmethod
+    def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
+                   placements: Sequence[Placement] | None = None, *, run_check: bool = False,
+                   shape: Sequence[int] | None = None, stride: Sequence[int] | None = None) -> torch.Tensor:
+        """Wraps each rank's ``local_tensor`` as its shard of one DTensor.
+
+        Without ``shape``, shards are assumed even (global size = local size x shards),
+        unless ``run_check`` is set: then the local sizes are gathered to get the exact
+        global shape (uneven shards allowed), and Replicate dims are broadcast from the
+        first rank of the mesh dim, as torch's DTensor does.
+        """
+        if not isinstance(local_tensor, torch.Tensor):
+            raise TypeError(f"from_local expects a torch.Tensor, got {type(local_tensor).__name__}")
+        if isinstance(local_tensor, DTensor):
+            raise TypeError("from_local expects this rank's plain local tensor, got a DTensor")
+        mesh, cp = _resolve(device_mesh, placements, local_tensor.dim())
+        if run_check:
+            local_tensor = _broadcast_replicated(local_tensor, mesh, cp)
+        if shape is None:
+            shape = _global_shape(local_tensor, mesh, cp, exact=run_check)
+        shape = [int(s) for s in shape]
+        if stride is None:
+            stride = _strides_like(shape, local_tensor.stride())
+        return _C.from_local(local_tensor, _register(mesh), cp, shape, list(stride))
+
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """This rank's shard (shares storage). Differentiable."""
+        return _C.to_local(self, None if grad_placements is None else to_c(grad_placements))
+
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """The whole global tensor on every rank, as a plain tensor. Differentiable."""
+        replicated = self.redistribute(placements=[Replicate()] * self.device_mesh.ndim)
+        return replicated.to_local(grad_placements=grad_placements)
+
+    def redistribute(self, device_mesh: DeviceMesh | None = None,
+                     placements: Sequence[Placement] | None = None, *, async_op: bool = False) -> torch.Tensor:
+        """The same global tensor with other placements. Differentiable."""
+        mesh = self.device_mesh
+        if device_mesh is not None and device_mesh != mesh:
+            raise ValueError(f"redistribute moves a DTensor within its mesh {mesh}; moving it to another mesh "
+                             f"{device_mesh} is not supported (use to_local / from_local)")
+        if placements is None:
+            raise ValueError("redistribute needs the target placements, e.g. [Replicate()]")
+        _, cp = _resolve(mesh, placements, self.dim())
+        return _C.redistribute(self, cp)
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return from_c(_C.placements_of(self))
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return _meshes[_C.mesh_of(self)]
+
+    @property
+    def _local_tensor(self) -> torch.Tensor:
+        return _C.local_tensor(self)
+
+
+def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
+                      placements: Sequence[Placement] | None = None, *,
+                      src_data_rank: int | None = 0) -> torch.Tensor:
+    """Splits a full tensor that every rank holds into a DTensor.
+
+    With ``src_data_rank`` (default 0) the values are broadcast from that rank first,
+    so the result is consistent even if ranks disagree; ``None`` trusts every rank's
+    copy. The result is a leaf and requires grad when ``tensor`` does.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"distribute_tensor expects a torch.Tensor, got {type(tensor).__name__}")
+    if isinstance(tensor, DTensor):
+        raise TypeError("distribute_tensor expects a plain tensor, got a DTensor; use .redistribute() instead")
+    mesh, cp = _resolve(device_mesh, placements, tensor.dim())
+    return _C.distribute_tensor(tensor, _register(mesh), cp, src_data_rank)
+
+
+# ---- helpers -------------------------------------------------------------------------
+
+def _strides_like(shape: Sequence[int], like: Sequence[int]) -> list[int]:
+    order = sorted(range(len(shape)), key=lambda d: (like[d], -d))  # innermost first
+    strides, step = [0] * len(shape), 1
+    for d in order:
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return strides
+
+
+def _global_shape(local: torch.Tensor, mesh: DeviceMesh, cp, exact: bool) -> list[int]:
+    shape = list(local.shape)
+    # Innermost mesh dim first: its shards add up to the extent the next one splits.
+    for m in reversed(range(mesh.ndim)):
+        kind = cp[m]
+        if kind[0] != "S":
+            continue
+        d = kind[1]
+        if exact:
+            sizes = [None] * mesh.size(m)
+            dist.all_gather_object(sizes, shape[d], group=mesh.get_group(m))
+            shape[d] = sum(sizes)
+        else:
+            shape[d] *= mesh.size(m)
+    return shape
+
+
+def _broadcast_replicated(local: torch.Tensor, mesh: DeviceMesh, cp) -> torch.Tensor:
+    out = local.detach().clone()
+    for m in range(mesh.ndim):
+        if cp[m][0] == "R" and mesh.size(m) > 1:
+            group = mesh.get_group(m)
+            dist.broadcast(out, src=dist.get_global_rank(group, 0), group=group)
+    return out.requires_grad_(local.requires_grad) if local.is_leaf else out
