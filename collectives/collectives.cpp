@@ -8,14 +8,14 @@ namespace vescale::collectives {
 
 namespace {
 
-const c10::OperatorHandle& functional_op(const char* name) {
+c10::OperatorHandle functional_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
 // Boxed call: the group_name argument is typed `Any`, which typed calls can't express.
 at::Tensor call_and_wait(const c10::OperatorHandle& op, torch::jit::Stack stack) {
   op.callBoxed(stack);
-  static const auto& wait = functional_op("_c10d_functional::wait_tensor");
+  static const auto wait = functional_op("_c10d_functional::wait_tensor");
   torch::jit::Stack wait_stack{std::move(stack.at(0))};
   wait.callBoxed(wait_stack);
   return wait_stack.at(0).toTensor();
@@ -102,28 +102,28 @@ at::Tensor to_partial_step(const RedistStep& s, const Mesh& mesh, const at::Tens
 }  // namespace
 
 at::Tensor all_gather_dim0(const at::Tensor& x, int64_t k, const std::string& group) {
-  static const auto& op = functional_op("_c10d_functional::all_gather_into_tensor");
+  static const auto op = functional_op("_c10d_functional::all_gather_into_tensor");
   return call_and_wait(op, {x, k, group});
 }
 
 at::Tensor all_reduce(const at::Tensor& x, ReduceOp op, const std::string& group) {
-  static const auto& fn = functional_op("_c10d_functional::all_reduce");
+  static const auto fn = functional_op("_c10d_functional::all_reduce");
   return call_and_wait(fn, {x.contiguous(), reduce_name(op), group});
 }
 
 at::Tensor reduce_scatter_dim0(const at::Tensor& x, ReduceOp op, int64_t k, const std::string& group) {
-  static const auto& fn = functional_op("_c10d_functional::reduce_scatter_tensor");
+  static const auto fn = functional_op("_c10d_functional::reduce_scatter_tensor");
   return call_and_wait(fn, {x, reduce_name(op), k, group});
 }
 
 at::Tensor all_to_all_dim0(const at::Tensor& x, int64_t k, const std::string& group) {
-  static const auto& fn = functional_op("_c10d_functional::all_to_all_single");
+  static const auto fn = functional_op("_c10d_functional::all_to_all_single");
   std::vector<int64_t> splits(static_cast<size_t>(k), x.size(0) / k);
   return call_and_wait(fn, {x, c10::IValue(splits), c10::IValue(splits), group});
 }
 
 at::Tensor broadcast(const at::Tensor& x, int64_t src, const std::string& group) {
-  static const auto& fn = functional_op("_c10d_functional::broadcast");
+  static const auto fn = functional_op("_c10d_functional::broadcast");
   return call_and_wait(fn, {x.contiguous(), src, group});
 }
 

@@ -46,6 +46,13 @@ class Planner {
   RedistPlan run() {
     const auto n = static_cast<int32_t>(cur_.size());
     for (int32_t i = n - 1; i >= 0; --i) unshard(i);
+    if (mixed_partials_change()) {
+      // Partials of different ops on several mesh dims reduce innermost first and do
+      // not commute: reduce them all in that order, then lay out the targets.
+      for (int32_t i = n - 1; i >= 0; --i)
+        if (cur_[i].is_partial())
+          emit(RedistStep::Kind::AllReduce, i, -1, -1, cur_[i].op, Placement::replicate());
+    }
     for (int32_t i = 0; i < n; ++i) reach_target(i);
     return std::move(plan_);
   }
@@ -65,6 +72,18 @@ class Planner {
     } else {
       emit(RedistStep::Kind::AllGather, i, d, -1, ReduceOp::Sum, Placement::replicate());
     }
+  }
+
+  bool mixed_partials_change() const {
+    bool changes = false, mixed = false;
+    const Placement* first = nullptr;
+    for (size_t i = 0; i < cur_.size(); ++i) {
+      if (!cur_[i].is_partial()) continue;
+      changes |= cur_[i] != dst_[i];
+      if (first == nullptr) first = &cur_[i];
+      else mixed |= cur_[i].op != first->op;
+    }
+    return changes && mixed;
   }
 
   // All-to-all moves one shard between tensor dims when nothing else shards either

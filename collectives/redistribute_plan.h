@@ -10,6 +10,9 @@
 //      even shard moves between tensor dims);
 //   2. outermost first, reach the targets (chunk, all-reduce, reduce-scatter,
 //      replicate->partial).
+// Partials on several mesh dims reduce innermost mesh dim first (the way nested
+// shards split outermost first). With one reduce op the order does not matter; with
+// mixed ops every partial dim is all-reduced, innermost first, before phase 2.
 
 #include "dispatch/spec.h"
 

@@ -119,6 +119,22 @@ at::Tensor redistribute(const at::Tensor& dtensor, PlacementsRef placements) {
   return Redistribute::apply(dtensor, capsule(std::move(dst)));
 }
 
+void align_grad_placements(const at::Tensor& leaf) {
+  auto* impl = checked_dtensor_impl(leaf, "align_grad_placements");
+  if (impl->grads_aligned) return;
+  impl->grads_aligned = true;
+  // The leaf's placements are read when the gradient arrives (`.data =` may have
+  // changed them); a weak reference keeps the hook from holding the leaf alive.
+  c10::weak_intrusive_ptr<c10::TensorImpl> weak(leaf.getIntrusivePtr());
+  leaf.register_hook([weak](const at::Tensor& grad) -> at::Tensor {
+    auto strong = weak.lock();
+    if (!strong || !is_dtensor(grad)) return {};
+    const auto want = partial_as_replicate(static_cast<DTensorImpl*>(strong.get())->spec()->placements);
+    if (PlacementsRef(dtensor_impl(grad)->spec()->placements) == PlacementsRef(want)) return {};
+    return redistribute_no_grad(grad, want);
+  });
+}
+
 at::Tensor distribute_tensor(const at::Tensor& full, MeshPtr mesh, PlacementsRef placements,
                              std::optional<int64_t> src_rank) {
   TORCH_CHECK_TYPE(!is_dtensor(full), "distribute_tensor expects a plain tensor, got a DTensor; "
@@ -152,8 +168,12 @@ at::Tensor distribute_tensor(const at::Tensor& full, MeshPtr mesh, PlacementsRef
   auto local = collectives::execute_redistribution(plan, *mesh, spec->shape, spec->stride, data);
   if (local.unsafeGetTensorImpl() == full.unsafeGetTensorImpl() || local.is_alias_of(full))
     local = local.clone();
-  auto out = make_dtensor(collectives::with_layout_of(local, spec->stride), std::move(spec));
-  out.set_requires_grad(full.requires_grad());
+  local = collectives::with_layout_of(local, spec->stride);
+  auto out = make_dtensor(std::move(local), std::move(spec));
+  if (full.requires_grad()) {
+    out.set_requires_grad(true);
+    align_grad_placements(out);
+  }
   return out;
 }
 

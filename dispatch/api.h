@@ -26,6 +26,12 @@ at::Tensor redistribute(const at::Tensor& dtensor, PlacementsRef placements);
 // The same, without autograd (for use inside backward functions and internals).
 at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placements);
 
+// Makes gradients accumulated into this leaf DTensor arrive in its own placements
+// (a hook redistributes each incoming gradient: a replicated gradient of a sharded
+// parameter is cut locally, a partial one is reduced). Idempotent. The dispatcher
+// calls it for every leaf that requires grad the first time the leaf meets an op.
+void align_grad_placements(const at::Tensor& leaf);
+
 // Shards a full tensor present on every rank. With `src_rank` set, the values are
 // first broadcast from that rank's coordinate, so ranks need not agree beforehand.
 // The result is a leaf, requiring grad when `full` does.

@@ -26,6 +26,9 @@ class DTensorImpl final : public c10::TensorImpl {
   const at::Tensor& local() const { return local_; }
   const SpecPtr& spec() const { return spec_; }
 
+  // Set once a gradient-placement hook is attached (see align_grad_placements).
+  bool grads_aligned = false;
+
   c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
       const c10::VariableVersion& version_counter,
       bool allow_tensor_metadata_change) const override;

@@ -1,6 +1,7 @@
 #include "dispatch/handler.h"
 
 #include "collectives/collectives.h"
+#include "dispatch/api.h"
 #include "dispatch/call_scan.h"
 #include "dispatch/dtensor_impl.h"
 #include "dispatch/propagation.h"
@@ -56,7 +57,15 @@ void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& t = scan.tensors[i];
     if (!t.defined()) continue;
-    locals[i] = is_dtensor(t) ? dtensor_impl(t)->local() : t;
+    if (!is_dtensor(t)) {
+      locals[i] = t;
+    } else {
+      auto* impl = dtensor_impl(t);
+      // A DTensor leaf that will receive a gradient gets it in its own placements;
+      // the hook goes on the first time the leaf takes part in an op.
+      if (C10_UNLIKELY(!impl->grads_aligned) && t.requires_grad() && t.is_leaf()) align_grad_placements(t);
+      locals[i] = impl->local();
+    }
     if (const auto& plan = d.to_target[i]; !plan.empty()) {
       const auto& src = *d.sources[i];
       locals[i] = collectives::execute_redistribution(plan, *src.mesh, src.shape, src.stride, locals[i]);

@@ -46,10 +46,10 @@ SpecPtr source_spec(const at::Tensor& t, const TensorArg& a, const MeshPtr& mesh
 
 at::Tensor meta_like(const at::Tensor& t, const TensorArg& a) {
   if (!a.defined) return at::Tensor();
-  auto m = at::empty_strided(a.shape, a.stride, at::TensorOptions().dtype(a.dtype).device(c10::kMeta));
-  if (!a.is_dtensor && t.unsafeGetTensorImpl()->is_wrapped_number())
-    m.unsafeGetTensorImpl()->set_wrapped_number(true);  // keeps type promotion right
-  return m;
+  // Plain 0-dim CPU tensors (Python scalars among them) mix with meta tensors as
+  // scalars do, and keep type promotion right.
+  if (!a.is_dtensor && t.dim() == 0 && t.is_cpu()) return t;
+  return at::empty_strided(a.shape, a.stride, at::TensorOptions().dtype(a.dtype).device(c10::kMeta));
 }
 
 // Runs the op on meta tensors with the global metadata. Returns false (with the

@@ -99,6 +99,7 @@ PYBIND11_MODULE(_C, m) {
                                 const py::sequence& placements, std::optional<int64_t> src_rank) {
     return distribute_tensor(full, mesh, to_placements(placements), src_rank);
   });
+  m.def("align_grad_placements", [](const at::Tensor& t) { align_grad_placements(t); });
   m.def("local_tensor", [](const at::Tensor& t) {
     return checked_dtensor_impl(t, "local_tensor")->local();
   }, "This rank's shard itself, outside autograd (internal use).");

@@ -162,9 +162,13 @@ def _global_shape(local: torch.Tensor, mesh: DeviceMesh, cp, exact: bool) -> lis
 
 
 def _broadcast_replicated(local: torch.Tensor, mesh: DeviceMesh, cp) -> torch.Tensor:
-    out = local.detach().clone()
-    for m in range(mesh.ndim):
-        if cp[m][0] == "R" and mesh.size(m) > 1:
+    """Replicated mesh dims take the first rank's values; gradients still reach ``local``."""
+    dims = [m for m in range(mesh.ndim) if cp[m][0] == "R" and mesh.size(m) > 1]
+    if not dims:
+        return local
+    with torch.no_grad():
+        values = local.detach().clone()
+        for m in dims:
             group = mesh.get_group(m)
-            dist.broadcast(out, src=dist.get_global_rank(group, 0), group=group)
-    return out.requires_grad_(local.requires_grad) if local.is_leaf else out
+            dist.broadcast(values, src=dist.get_global_rank(group, 0), group=group)
+    return local + (values - local).detach() if local.requires_grad else values

@@ -55,6 +55,14 @@ TEST(Plan, NestedShardsUnwindInnerFirst) {
   EXPECT_EQ(plan({2, 2}, {S(0), S(1)}, {R, S(1)}), "all_gather(dim=0, mesh_dim=0)");
 }
 
+TEST(Plan, MixedPartialsReduceInnermostFirst) {
+  const Placement max = Placement::partial(ReduceOp::Max);
+  EXPECT_EQ(plan({2, 2}, {max, P}, {R, P}),
+            "all_reduce(sum, mesh_dim=1); all_reduce(max, mesh_dim=0); to_partial(sum, mesh_dim=1)");
+  // One op: no ordering constraint, so only what changes moves.
+  EXPECT_EQ(plan({2, 2}, {P, P}, {R, P}), "all_reduce(sum, mesh_dim=0)");
+}
+
 TEST(Plan, StepsRecordThePlacementsBefore) {
   auto mesh = make_test_mesh({2, 2}, {0, 0});
   const auto p = plan_redistribution(*mesh, {S(0), S(0)}, {R, R}, {8}, at::kFloat);

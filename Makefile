@@ -1,0 +1,59 @@
+# vescale: `make demo` runs the main job, `make test` runs every test. Both set up
+# what they need first (Debian packages, .venv with the pinned torch, the C++ build),
+# and skip what is already there.
+
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMPS := .make
+JOBS ?= 2
+# The CPU wheel of this exact version lies on the build machines; a range would let
+# pip fetch a newer torch with several GB of CUDA packages.
+TORCH_PIN := torch==2.13.0
+PY_PINS := numpy==2.4.6 pytest==9.2.0 pytest-timeout==2.4.0
+APT_PKGS := cmake ninja-build g++ ccache libgtest-dev libabsl-dev
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: all setup build test test-cpp test-python demo bench clean
+
+all: build
+
+setup: $(STAMPS)/apt $(STAMPS)/venv
+
+$(STAMPS)/apt:
+	@mkdir -p $(STAMPS)
+	@if ! dpkg -s $(APT_PKGS) >/dev/null 2>&1; then \
+	  echo "installing Debian packages: $(APT_PKGS)"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $(APT_PKGS) >/dev/null; \
+	fi
+	@touch $@
+
+$(STAMPS)/venv: $(STAMPS)/apt
+	@mkdir -p $(STAMPS)
+	@[ -x $(PY) ] || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIN) $(PY_PINS)
+	@# Make the in-tree package importable from the venv (an editable install without the rebuild).
+	@echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/vescale-dev.pth"
+	@touch $@
+
+build: setup
+	@[ -f build/build.ninja ] || cmake -S . -B build -G Ninja -DPython_EXECUTABLE=$(CURDIR)/$(PY) >/dev/null
+	cmake --build build -j $(JOBS)
+
+test-cpp: build
+	./build/vescale_cpp_tests --gtest_brief=1
+
+test-python: build
+	$(PY) -m pytest tests/python -q
+
+test: test-cpp test-python
+
+demo: build
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/demo.py
+
+bench: build
+	$(PY) bench/dispatch_overhead.py
+
+clean:
+	rm -rf build $(STAMPS) vescale/_C*.so

@@ -1,0 +1,31 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from rank_pool import RankPool  # noqa: E402
+
+_pools: dict[int, RankPool] = {}
+
+
+def _pool(world_size: int) -> RankPool:
+    if world_size not in _pools:
+        _pools[world_size] = RankPool(world_size)
+    return _pools[world_size]
+
+
+@pytest.fixture(scope="session")
+def pool2() -> RankPool:
+    return _pool(2)
+
+
+@pytest.fixture(scope="session")
+def pool4() -> RankPool:
+    return _pool(4)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for pool in _pools.values():
+        pool.close()

@@ -1,0 +1,118 @@
+"""Helpers that run inside the pool's ranks: meshes, DTensor inputs in any placement
+(Partial included), placement enumeration and comparison with single-device results."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+import vescale
+from vescale import Partial, Replicate, Shard
+
+MESHES = {
+    "1d2": ((2,), ("TP",)),
+    "1d4": ((4,), ("TP",)),
+    "2d": ((2, 2), ("DP", "TP")),
+}
+
+_meshes: dict = {}
+
+
+def mesh(name: str) -> vescale.DeviceMesh:
+    """The named mesh (created once per rank: it makes process groups)."""
+    if name not in _meshes:
+        shape, names = MESHES[name]
+        _meshes[name] = vescale.DeviceMesh("cpu", torch.arange(dist.get_world_size())[: _numel(shape)].reshape(shape),
+                                           mesh_dim_names=names)
+    return _meshes[name]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def rand(shape, seed: int, dtype=torch.float64) -> torch.Tensor:
+    """The same values on every rank."""
+    return torch.randn(shape, generator=seeded(seed), dtype=dtype)
+
+
+def placement_options(ndim: int, mesh_ndim: int, *, partial: Sequence[str] = ("sum",)) -> list[list]:
+    """Every placement list for a tensor of rank ``ndim`` on a mesh of rank ``mesh_ndim``."""
+    per_dim = [Replicate()] + [Shard(d) for d in range(ndim)] + [Partial(op) for op in partial]
+    return [list(p) for p in itertools.product(per_dim, repeat=mesh_ndim)]
+
+
+def combos(options: list[list], limit: int = 300) -> list[tuple]:
+    """All combinations of the inputs' options when few; otherwise a covering set in
+    which every option of every input appears (the others rotate through theirs)."""
+    total = 1
+    for o in options:
+        total *= len(o)
+    if total <= limit:
+        return list(itertools.product(*options))
+    out = []
+    for i, opts in enumerate(options):
+        for k, o in enumerate(opts):
+            out.append(tuple(o if j == i else options[j][(k + j) % len(options[j])] for j in range(len(options))))
+    return out
+
+
+def _to_c(placements):
+    return vescale.placement_types.to_c(placements)
+
+
+def make_dtensor(full: torch.Tensor, m: vescale.DeviceMesh, placements, *, seed: int = 0,
+                 requires_grad: bool = False) -> torch.Tensor:
+    """A DTensor whose global value is ``full``, built from hand-made shards.
+
+    Partial placements get genuinely different shard values (random noise that the
+    reduction cancels), so a rule that forgets to reduce shows up."""
+    coord = m.get_coordinate()
+    boxed = [Replicate() if p.is_partial() else p for p in placements]
+    sizes, offsets = vescale._C.local_shape(list(full.shape), _to_c(boxed), list(m.shape), list(coord))
+    local = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone()
+    for md, p in enumerate(placements):
+        if not p.is_partial():
+            continue
+        k, c = m.shape[md], coord[md]
+        # The same noise on every rank that must hold the same value before this split:
+        # it may vary only with the coordinates of sharded mesh dims.
+        sharded = tuple(x for j, x in enumerate(coord) if placements[j].is_shard())
+        noise = torch.randn(local.shape, generator=seeded(hash((seed, md, sharded)) % (2**31)), dtype=local.dtype)
+        if p.reduce_op == "sum":
+            local = local - (k - 1) * noise if c == 0 else noise
+        elif p.reduce_op == "avg":
+            local = local + (k - 1) * noise if c == 0 else local - noise
+        elif p.reduce_op == "max":
+            local = local if c == 0 else local - noise.abs() - 0.1
+        else:
+            local = local if c == 0 else local + noise.abs() + 0.1
+    out = vescale.DTensor.from_local(local, m, placements, shape=full.shape, stride=full.stride())
+    return out.requires_grad_(requires_grad)
+
+
+def mismatch(actual: torch.Tensor, expected: torch.Tensor, *, rtol=1e-7, atol=1e-9) -> str | None:
+    """None when close; otherwise a short description."""
+    if actual.shape != expected.shape:
+        return f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if actual.dtype != expected.dtype:
+        return f"dtype {actual.dtype} != {expected.dtype}"
+    try:
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
+    except AssertionError as e:
+        return str(e).splitlines()[-1] if str(e) else "values differ"
+    return None
+
+
+def describe(placements) -> str:
+    return "[" + ", ".join(repr(p) for p in placements) + "]"

@@ -1,0 +1,112 @@
+"""A pool of gloo ranks that live for the whole test session.
+
+Starting processes and process groups costs seconds on two cores, so each world size
+gets one pool; a test sends a module-level function to every rank and gets back each
+rank's result. If a rank raises, the test fails with that rank's traceback; if the
+ranks stop answering (a collective left hanging), the pool is restarted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import socket
+import sys
+import traceback
+from datetime import timedelta
+
+_RESTART_GRACE_S = 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, conn, path: list[str]) -> None:
+    sys.path[:] = path
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    import vescale  # noqa: F401  (registers the engine before any case runs)
+
+    conn.send("ready")
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        module, name, args, kwargs = msg
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001  (everything goes back to the test)
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._procs: list = []
+        self._conns: list = []
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(rank, self.world_size, port, child, list(sys.path)),
+                               daemon=True)
+            proc.start()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(120):
+                self.close()
+                raise RuntimeError(f"rank {rank} of the test pool did not start")
+            conn.recv()
+
+    def run(self, fn, *args, timeout: float = 300, **kwargs) -> list:
+        """Runs ``fn(*args, **kwargs)`` on every rank; returns the per-rank results."""
+        msg = (fn.__module__, fn.__name__, args, kwargs)
+        for conn in self._conns:
+            conn.send(msg)
+        results, errors, hung = [None] * self.world_size, {}, []
+        for rank, conn in enumerate(self._conns):
+            wait = timeout if not errors else _RESTART_GRACE_S
+            if not conn.poll(wait):
+                hung.append(rank)
+                continue
+            status, value = conn.recv()
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors[rank] = value
+        if hung:
+            self.close()
+            self._start()
+        if errors or hung:
+            report = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            if hung:
+                report += f"\nranks {hung} did not answer (the pool was restarted)"
+            raise AssertionError(f"{fn.__name__} failed:{report}")
+        return results
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+        self._procs, self._conns = [], []

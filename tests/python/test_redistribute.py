@@ -1,0 +1,128 @@
+"""Every redistribution transition on 1-d (2 and 4 ranks) and 2-d (2x2) meshes,
+even and uneven shapes, checked against the global tensor; gradients through
+redistribute / from_local / to_local / full_tensor; distribute_tensor."""
+
+import pytest
+import torch
+
+import vescale
+from vescale import Partial, Replicate, Shard
+
+from dist_utils import describe, make_dtensor, mesh, mismatch, placement_options, rand
+
+
+def _case_transitions(mesh_name: str, shape, partial_ops):
+    m = mesh(mesh_name)
+    full = rand(shape, seed=1)
+    failures = []
+    options = placement_options(len(shape), m.ndim, partial=partial_ops)
+    for src in options:
+        x = make_dtensor(full, m, src, seed=2)
+        for dst in options:
+            y = x.redistribute(m, dst)
+            if list(y.placements) != [p if not p.is_shard() else Shard(p.dim % len(shape)) for p in dst]:
+                failures.append(f"{describe(src)} -> {describe(dst)}: placements {y.placements}")
+                continue
+            expect_local, _ = vescale._C.local_shape(list(shape), vescale.placement_types.to_c(
+                [Replicate() if p.is_partial() else p for p in dst]), list(m.shape), list(m.get_coordinate()))
+            if list(y.to_local().shape) != expect_local:
+                failures.append(f"{describe(src)} -> {describe(dst)}: local shape {tuple(y.to_local().shape)}")
+            err = mismatch(y.full_tensor(), full)
+            if err:
+                failures.append(f"{describe(src)} -> {describe(dst)}: {err}")
+    return failures
+
+
+@pytest.mark.parametrize("shape", [(4, 6), (5, 3)], ids=["even", "uneven"])
+def test_transitions_1d_2ranks(pool2, shape):
+    for failures in pool2.run(_case_transitions, "1d2", shape, ("sum", "avg", "max", "min")):
+        assert failures == []
+
+
+@pytest.mark.parametrize("shape", [(4, 8), (5, 6), (3, 2)], ids=["even", "uneven", "empty-shards"])
+def test_transitions_1d_4ranks(pool4, shape):
+    for failures in pool4.run(_case_transitions, "1d4", shape, ("sum", "avg", "max", "min")):
+        assert failures == []
+
+
+@pytest.mark.parametrize("shape", [(4, 8), (5, 3)], ids=["even", "uneven"])
+def test_transitions_2d(pool4, shape):
+    for failures in pool4.run(_case_transitions, "2d", shape, ("sum", "max")):
+        assert failures == []
+
+
+def _case_redistribute_is_differentiable(mesh_name: str):
+    m = mesh(mesh_name)
+    full = rand((6, 4), seed=3)
+    weight = rand((6, 4), seed=4)
+    failures = []
+    for src in placement_options(2, m.ndim, partial=()):
+        for dst in placement_options(2, m.ndim):
+            x = make_dtensor(full, m, src, requires_grad=True)
+            y = x.redistribute(m, dst)
+            w = make_dtensor(weight, m, [Replicate()] * m.ndim)
+            (y * w).sum().backward()
+            err = mismatch(x.grad.full_tensor(), weight)
+            if err:
+                failures.append(f"{describe(src)} -> {describe(dst)}: grad {err}")
+            if list(x.grad.placements) != list(src):
+                failures.append(f"{describe(src)} -> {describe(dst)}: grad placements {x.grad.placements}")
+    return failures
+
+
+@pytest.mark.parametrize("mesh_name", ["1d4", "2d"])
+def test_redistribute_backward(pool4, mesh_name):
+    for failures in pool4.run(_case_redistribute_is_differentiable, mesh_name):
+        assert failures == []
+
+
+def _case_local_round_trip():
+    m = mesh("1d4")
+    failures = []
+    full = rand((6, 5), seed=5)
+    # from_local -> ops -> to_local, with gradients reaching the local tensors
+    local = full.chunk(4)[m.get_local_rank()].clone() if m.get_local_rank() < 3 else full[6:].clone()
+    local.requires_grad_()
+    x = vescale.DTensor.from_local(local, m, [Shard(0)], run_check=True)
+    if tuple(x.shape) != (6, 5):
+        failures.append(f"from_local(run_check) global shape {tuple(x.shape)}")
+    (x.full_tensor() * 2).sum().backward()
+    if mismatch(local.grad, torch.full_like(local, 2.0)):
+        failures.append("from_local/full_tensor grad")
+    # to_local shares storage and is differentiable back into the DTensor
+    y = make_dtensor(full, m, [Shard(1)], requires_grad=True)
+    (y.to_local() ** 2).sum().backward()
+    if mismatch(y.grad.full_tensor(), 2 * full):
+        failures.append("to_local grad")
+    z = make_dtensor(full, m, [Replicate()])
+    z.to_local().add_(1)
+    if mismatch(z.full_tensor(), full + 1):
+        failures.append("to_local does not share storage")
+    # from_local assumes even shards without shape/run_check
+    even = vescale.DTensor.from_local(torch.ones(2, 3), m, [Shard(0)])
+    if tuple(even.shape) != (8, 3):
+        failures.append(f"from_local even global shape {tuple(even.shape)}")
+    return failures
+
+
+def test_local_round_trip(pool4):
+    for failures in pool4.run(_case_local_round_trip):
+        assert failures == []
+
+
+def _case_distribute_tensor_broadcasts_from_source():
+    m = mesh("2d")
+    rank = torch.distributed.get_rank()
+    mine = torch.full((4, 4), float(rank))  # ranks disagree; rank 0's copy wins
+    x = vescale.distribute_tensor(mine, m, [Shard(0), Shard(1)])
+    y = vescale.distribute_tensor(mine, m, [Replicate(), Replicate()], src_data_rank=None)
+    w = torch.ones(3, requires_grad=True)
+    leaf = vescale.distribute_tensor(w, m, [Replicate(), Shard(0)])
+    return (x.full_tensor().unique().tolist(), y.to_local().unique().tolist(), leaf.is_leaf, leaf.requires_grad)
+
+
+def test_distribute_tensor(pool4):
+    for rank, (values, own, is_leaf, requires_grad) in enumerate(pool4.run(_case_distribute_tensor_broadcasts_from_source)):
+        assert values == [0.0]
+        assert own == [float(rank)]
+        assert is_leaf and requires_grad
