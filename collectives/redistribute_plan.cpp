@@ -30,6 +30,10 @@ std::string RedistPlan::str() const {
 
 namespace {
 
+// Every step costs a little even when it moves nothing (a group of one), so that
+// among equally priced layouts the one that changes least wins.
+constexpr double kStepCost = 1e-9;
+
 class Planner {
  public:
   Planner(const Mesh& mesh, PlacementsRef src, PlacementsRef dst, c10::ArrayRef<int64_t> shape,
@@ -131,6 +135,7 @@ class Planner {
     const int64_t k = mesh_.shape[static_cast<size_t>(i)];
     const double before_bytes = local_bytes();
     plan_.steps.push_back(RedistStep{kind, i, dim, to_dim, op, cur_});
+    plan_.cost += kStepCost;
     cur_[i] = after;
     const double after_bytes = local_bytes();
     using K = RedistStep::Kind;

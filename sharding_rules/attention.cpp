@@ -2,10 +2,10 @@
 // heads are independent problems, so either may be split, every tensor of the call
 // alike (the mask broadcasts). The sequence and head dims stay whole.
 //
-// _fused_sdp_choice only inspects its inputs to pick a kernel: it runs on the shards
-// as they are, without moving anything.
 
 #include "sharding_rules/rule.h"
+
+#include <ATen/ATen.h>
 
 namespace vescale {
 
@@ -23,7 +23,7 @@ DimStrategies batch_or_heads(const OpCall& call) {
     for (size_t i = 0; i < call.inputs.size(); ++i) {
       const auto& in = call.inputs[i];
       if (!in.defined) st.inputs.push_back(Placement::replicate());
-      else st.inputs.push_back(i == mask ? broadcast_input_placement(p, 4, in) : p);
+      else st.inputs.push_back(i == mask ? broadcast_input_placement(p, call.outputs[0].shape, in) : p);
     }
     st.outputs.assign(call.outputs.size(), p);
     s.push_back(std::move(st));
@@ -33,10 +33,29 @@ DimStrategies batch_or_heads(const OpCall& call) {
 
 ShardingChoice sdpa_rule(const OpCall& call) { return choose_cheapest(call, batch_or_heads(call)); }
 
-ShardingChoice as_they_are(const OpCall& call) {
+// _fused_sdp_choice(query, key, value, attn_mask?, dropout_p, ...) reads only
+// metadata. It is asked about the global shapes, so that every rank picks the same
+// kernel (a rank holding an empty shard would pick another): each tensor becomes a
+// stand-in of its global shape with zero strides but a unit last stride, which is
+// what the kernel checks, at the cost of one row of memory.
+void choose_for_global_shapes(const c10::OperatorHandle& op, torch::jit::Stack* stack, const LocalContext& ctx) {
+  const size_t base = stack->size() - op.schema().arguments().size();
+  for (size_t i = 0; i < ctx.inputs.size(); ++i) {
+    const auto& spec = ctx.inputs[i];
+    if (!spec) continue;
+    std::vector<int64_t> strides(spec->shape.size(), 0);
+    if (!strides.empty()) strides.back() = 1;
+    const int64_t row = spec->shape.empty() ? 1 : std::max<int64_t>(spec->shape.back(), 1);
+    const auto options = at::TensorOptions().dtype(spec->dtype).device(ctx.mesh.device_type);
+    (*stack)[base + i] = at::empty({row}, options).as_strided(spec->shape, strides);
+  }
+  op.callBoxed(stack);
+}
+
+ShardingChoice sdp_choice_rule(const OpCall& call) {
   ShardingChoice c;
-  for (const auto& in : call.inputs) c.inputs.push_back(in.placements);
-  c.outputs.assign(call.outputs.size(), Placements(static_cast<size_t>(call.mesh.ndim()), Placement::replicate()));
+  for (const auto& in : call.inputs) c.inputs.push_back(in.placements);  // nothing moves
+  c.local_fn = choose_for_global_shapes;
   return c;
 }
 
@@ -45,7 +64,7 @@ ShardingChoice as_they_are(const OpCall& call) {
 VESCALE_RULES(attention) {
   rules.add("aten::_scaled_dot_product_flash_attention_for_cpu", sdpa_rule);
   rules.add("aten::_scaled_dot_product_flash_attention_for_cpu_backward", sdpa_rule);
-  rules.add("aten::_fused_sdp_choice", as_they_are);
+  rules.add("aten::_fused_sdp_choice", sdp_choice_rule);
 }
 
 }  // namespace vescale

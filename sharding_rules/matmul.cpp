@@ -42,8 +42,8 @@ DimStrategies matmul_strategies(int32_t batch) {
 // takes a Partial bias, which one rank holds and the others hold as zeros).
 DimStrategies with_bias(const OpCall& call, DimStrategies product) {
   const auto& bias = call.inputs[0];
-  const int64_t out_ndim = call.outputs[0].ndim();
-  for (auto& s : product) s.inputs.insert(s.inputs.begin(), broadcast_input_placement(s.outputs[0], out_ndim, bias));
+  const auto& out_shape = call.outputs[0].shape;
+  for (auto& s : product) s.inputs.insert(s.inputs.begin(), broadcast_input_placement(s.outputs[0], out_shape, bias));
   return product;
 }
 

@@ -18,11 +18,11 @@ namespace {
 // Candidate placement of every input for a result placed as `out`.
 Placements follow_result(const OpCall& call, const Placement& out) {
   Placements in;
-  const int64_t out_ndim = call.outputs.empty() ? 0 : call.outputs[0].ndim();
+  const auto& out_shape = call.outputs[0].shape;
   for (const auto& a : call.inputs) {
     if (!a.defined) in.push_back(Placement::replicate());
     else if (a.written) in.push_back(out);  // written args hold the result itself
-    else in.push_back(broadcast_input_placement(out, out_ndim, a));
+    else in.push_back(broadcast_input_placement(out, out_shape, a));
   }
   return in;
 }

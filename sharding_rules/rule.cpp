@@ -127,10 +127,12 @@ ShardingChoice replicate_all(const OpCall& call) {
   return choice;
 }
 
-Placement broadcast_input_placement(const Placement& out, int64_t out_ndim, const TensorArg& in) {
+Placement broadcast_input_placement(const Placement& out, c10::ArrayRef<int64_t> out_shape, const TensorArg& in) {
   if (!out.is_shard()) return out;
-  const int64_t d = out.dim - (out_ndim - in.ndim());
-  if (d < 0 || in.shape[static_cast<size_t>(d)] == 1) return Placement::replicate();
+  const int64_t d = out.dim - (static_cast<int64_t>(out_shape.size()) - in.ndim());
+  if (d < 0) return Placement::replicate();
+  if (in.shape[static_cast<size_t>(d)] == 1 && out_shape[static_cast<size_t>(out.dim)] != 1)
+    return Placement::replicate();
   return Placement::shard(static_cast<int32_t>(d));
 }
 

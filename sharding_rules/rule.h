@@ -103,9 +103,9 @@ ShardingChoice replicate_all(const OpCall& call);
 // ---- helpers for writing rules ----------------------------------------------
 
 // The placement an input of a broadcasting op needs so that it lines up with a
-// result placed as `out` (a result of rank `out_ndim`): a sharded result dim maps
-// to the input's matching dim, or to Replicate where the input broadcasts.
-Placement broadcast_input_placement(const Placement& out, int64_t out_ndim, const TensorArg& in);
+// result of `out_shape` placed as `out`: a sharded result dim maps to the input's
+// matching dim, or to Replicate where the input broadcasts (size 1 against more).
+Placement broadcast_input_placement(const Placement& out, c10::ArrayRef<int64_t> out_shape, const TensorArg& in);
 
 // ---- registry ----------------------------------------------------------------
 

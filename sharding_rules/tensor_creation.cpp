@@ -4,8 +4,8 @@
 //   zeros_like / ones_like / empty_like / full_like   same layout as the input, with
 //                                                     Partial read as Replicate (a
 //                                                     filled tensor is not a partial sum)
-//   new_zeros / new_ones / new_empty / new_full /     replicated, of the given global size
-//   new_empty_strided
+//   new_zeros / new_ones / new_empty / new_full /     like the input when of its shape,
+//   new_empty_strided                                 replicated otherwise
 //   _local_scalar_dense (item), equal                 read the replicated value
 //
 // None of them reads the input's values except the last group, so inputs stay where
@@ -29,9 +29,24 @@ ShardingChoice like_rule(const OpCall& call) {
   return c;
 }
 
+// new_*(self, size, ...): a tensor of self's own shape keeps self's layout (autograd
+// makes gradient buffers this way); any other size is replicated.
 ShardingChoice new_tensor_rule(const OpCall& call) {
-  ShardingChoice c = replicate_all(call);
-  c.inputs[0] = current(call.inputs[0]);
+  const auto& self = call.inputs[0];
+  const auto& out = call.outputs[0];
+  if (out.shape != self.shape) {
+    ShardingChoice c = replicate_all(call);
+    c.inputs[0] = current(self);
+    return c;
+  }
+  ShardingChoice c = like_rule(call);
+  const auto box = local_box(out.shape, c.outputs[0], call.mesh.shape, call.mesh.coordinate);
+  const std::vector<int64_t> local_size(box.sizes.begin(), box.sizes.end());
+  c.local_args.emplace_back(1, c10::IValue(local_size));
+  if (call.schema().name() == "aten::new_empty_strided") {
+    const auto strides = strides_like(local_size, out.stride);
+    c.local_args.emplace_back(2, c10::IValue(std::vector<int64_t>(strides.begin(), strides.end())));
+  }
   return c;
 }
 

@@ -9,7 +9,7 @@
 //        ranges of every rank agree.
 //   t / transpose / permute / unsqueeze / squeeze   shards follow their dims
 //   expand                                          broadcast dims must be whole
-//   select / slice / split / unbind                 the indexed dim must be whole
+//   select / slice / split / unbind (+ backward)    the indexed dim must be whole
 //   cat / stack                                     all inputs alike, cat dim whole
 
 #include "sharding_rules/rule.h"
@@ -251,6 +251,20 @@ ShardingChoice whole_dim_rule(const OpCall& call, size_t dim_arg) {
 // unbind.int(self, dim)
 ShardingChoice unbind_rule(const OpCall& call) { return select_rule(call); }
 
+// select_backward(grad, input_sizes, dim, index) / slice_backward(grad, input_sizes,
+// dim, start, end, step): the gradient is scattered into zeros of the input's size,
+// whole along `dim`; the local call gets the local size.
+ShardingChoice index_backward_rule(const OpCall& call, bool dim_removed) {
+  const int64_t dim = at::maybe_wrap_dim(call.int_arg(2), call.outputs[0].ndim());
+  auto [in, out] = map_dims(call, [&](int64_t d) -> int64_t {
+    const int64_t to = dim_removed && d >= dim ? d + 1 : d;
+    return to == dim ? -1 : to;
+  });
+  auto c = single(call, in, {out});
+  c.local_args.emplace_back(1, c10::IValue(local_sizes(call, out)));
+  return c;
+}
+
 // ---- joining -------------------------------------------------------------------------
 
 // cat(tensors, dim) / stack(tensors, dim): every input alike; the joined dim whole.
@@ -286,6 +300,8 @@ VESCALE_RULES(view) {
   rules.add("aten::split.Tensor", [](const OpCall& c) { return whole_dim_rule(c, 2); });
   rules.add("aten::split_with_sizes", [](const OpCall& c) { return whole_dim_rule(c, 2); });
   rules.add("aten::unbind.int", unbind_rule);
+  rules.add("aten::select_backward", [](const OpCall& c) { return index_backward_rule(c, true); });
+  rules.add("aten::slice_backward", [](const OpCall& c) { return index_backward_rule(c, false); });
   rules.add("aten::cat", [](const OpCall& c) { return join_rule(c, false); });
   rules.add("aten::stack", [](const OpCall& c) { return join_rule(c, true); });
 }

@@ -33,7 +33,7 @@ def _worker(rank: int, world: int, port: int, conn, path: list[str]) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     import vescale  # noqa: F401  (registers the engine before any case runs)
 
     conn.send("ready")
