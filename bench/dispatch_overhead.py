@@ -27,6 +27,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -66,7 +69,7 @@ def settings(args) -> dict:
         cfg = dict(rounds=2, calls=50, blocks=4, warmup=100, adamw_calls=1, adamw_blocks=3, adamw_warmup=2,
                    watchdog_s=120)
     else:
-        cfg = dict(rounds=6, calls=200, blocks=6, warmup=1000, adamw_calls=2, adamw_blocks=6, adamw_warmup=5,
+        cfg = dict(rounds=6, calls=200, blocks=6, warmup=1000, adamw_calls=1, adamw_blocks=10, adamw_warmup=5,
                    watchdog_s=600)
     # Every rank builds the same seeded data, so the setup needs no broadcast (src_data_rank=None).
     # --broadcast broadcasts from rank 0 instead, which can deadlock vescale (docs/benchmarks.md).
@@ -80,19 +83,13 @@ def makers(vmesh, src_data_rank):
     """stack -> fn(full tensor, layout) giving that stack's version of it on this rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tmesh = vmesh.to_torch()  # torch's DTensor runs on the very same process groups
-
-    def plain(full, lay):
-        return full.chunk(world, 0)[rank].clone() if lay == "S0" else full.clone()
-
-    def ves(full, lay):
-        return vescale.distribute_tensor(full, vmesh, [vescale.Shard(0) if lay == "S0" else vescale.Replicate()],
-                                         src_data_rank=src_data_rank)
-
-    def tor(full, lay):
-        return torch_distribute(full, tmesh, [TShard(0) if lay == "S0" else TReplicate()],
-                                src_data_rank=src_data_rank)
-
-    return {"plain": plain, "vescale": ves, "torch": tor}
+    vp = {"R": [vescale.Replicate()], "S0": [vescale.Shard(0)]}
+    tp = {"R": [TReplicate()], "S0": [TShard(0)]}
+    return {
+        "plain": lambda full, lay: full.chunk(world, 0)[rank].clone() if lay == "S0" else full.clone(),
+        "vescale": lambda full, lay: vescale.distribute_tensor(full, vmesh, vp[lay], src_data_rank=src_data_rank),
+        "torch": lambda full, lay: torch_distribute(full, tmesh, tp[lay], src_data_rank=src_data_rank),
+    }
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -101,34 +98,33 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 # ---- timing ------------------------------------------------------------------------------
 
+@dataclass
 class Case:
-    """One row of the table: a callable per stack, timed later with all the other cases."""
-
-    def __init__(self, op, layout, fns, ops_per_call=1, after=None):
-        self.op, self.layout, self.fns, self.ops_per_call, self.after = op, layout, fns, ops_per_call, after
-        self.samples = {k: [] for k in fns}
-
-
-def time_blocks(case: Case, calls: int, blocks: int) -> None:
-    """Adds per-call microseconds of `blocks` blocks; the stacks take turns block by block,
-    so that a burst of load on the shared machine hits all of them alike."""
-    for _ in range(blocks):
-        for name, fn in case.fns.items():
-            t0 = time.perf_counter_ns()
-            for _ in range(calls):
-                fn()
-            case.samples[name].append((time.perf_counter_ns() - t0) / calls / 1e3)
+    """One table row: a callable per stack, timed later together with all the other cases."""
+    op: str
+    layout: str
+    fns: dict
+    calls: int                      # calls per timed block
+    blocks: int                     # blocks per round
+    ops_per_call: int = 1           # aten ops one call dispatches (an AdamW step: many)
+    after: Callable | None = None   # a check to run once the timing is over
+    samples: dict = field(default_factory=lambda: defaultdict(list))
 
 
-def measure(cases: list, cfg: dict) -> None:
-    """Times every case in several rounds spread over the whole run (pooled samples):
-    a load burst then spoils a few blocks of many cases, not all blocks of one."""
-    for _ in range(cfg["rounds"]):
+def measure(cases: list, rounds: int) -> None:
+    """Times every case in `rounds` rounds spread over the whole run, pooling the samples:
+    a burst of load on the shared machine then spoils a few blocks of many cases, not all
+    blocks of one. Within a case the stacks take turns block by block, for the same reason."""
+    for _ in range(rounds):
         for case in cases:
-            adamw = case.ops_per_call > 1
             gc.collect()
             dist.barrier()  # both ranks time the same case together (same CPU contention)
-            time_blocks(case, cfg["adamw_calls" if adamw else "calls"], cfg["adamw_blocks" if adamw else "blocks"])
+            for _ in range(case.blocks):
+                for name, fn in case.fns.items():
+                    t0 = time.perf_counter_ns()
+                    for _ in range(case.calls):
+                        fn()
+                    case.samples[name].append((time.perf_counter_ns() - t0) / case.calls / 1e3)
 
 
 def warm(fns: dict, n: int, problems: list, what: str) -> dict:
@@ -176,7 +172,7 @@ def prepare_op(name, fn, layout, make, cfg, problems) -> Case:
         if stack in outs and not torch.allclose(local(outs[stack]), outs["plain"], atol=1e-5):
             problems.append(f"{what}: {stack} result differs from plain torch on the local shard")
     check_placements(outs.get("vescale"), outs.get("torch"), problems, what)
-    return Case(name, layout, fns)
+    return Case(name, layout, fns, cfg["calls"], cfg["blocks"])
 
 
 # ---- AdamW -------------------------------------------------------------------------------
@@ -228,7 +224,8 @@ def prepare_adamw(layout, make, cfg, problems) -> Case:
                                         for p, q in zip(built[stack][0], built["plain"][0])):
                 problems.append(f"{what}: {stack} parameters differ from plain torch after the same steps")
 
-    return Case(f"adamw({N_PARAMS})", layout, fns, adamw_ops_per_step(layout, make), after)
+    return Case(f"adamw({N_PARAMS})", layout, fns, cfg["adamw_calls"], cfg["adamw_blocks"],
+                adamw_ops_per_step(layout, make), after)
 
 
 # ---- results -----------------------------------------------------------------------------
@@ -265,7 +262,7 @@ def run_mesh(rank: int, world: int, port: int, cfg: dict) -> tuple[list, list]:
                 if layout == "R" or comm_free_sharded:
                     cases.append(prepare_op(name, fn, layout, make, cfg, problems))
             cases.append(prepare_adamw(layout, make, cfg, problems))
-        measure(cases, cfg)
+        measure(cases, cfg["rounds"])
         check_fallbacks(problems, "while timing")
         for case in cases:
             if case.after:
@@ -330,6 +327,7 @@ def main() -> int:
     args = ap.parse_args()
     cfg = settings(args)
 
+    load_before = os.getloadavg()  # the machine is shared: say how busy it was
     rows, problems = run_mesh(0, 1, free_port(), cfg)  # 1 rank: in this process
     with tempfile.TemporaryDirectory() as tmp:  # 2 ranks: spawned; rank 0 leaves its results here
         out_path = os.path.join(tmp, "rank0.json")
@@ -346,12 +344,14 @@ def main() -> int:
     print(f"dispatch overhead: torch {torch.__version__}, gloo, {SIZE}x{SIZE} float32, "
           f"{cfg['rounds'] * cfg['blocks']} blocks x {cfg['calls']} calls "
           f"(AdamW: {cfg['rounds'] * cfg['adamw_blocks']} x {cfg['adamw_calls']} steps)"
-          f"{' [--quick]' if args.quick else ''}; inputs built with src_data_rank={cfg['src_data_rank']}\n")
+          f"{' [--quick]' if args.quick else ''}; inputs built with src_data_rank={cfg['src_data_rank']}")
+    load = dict(before=load_before[0], after=os.getloadavg()[0])
+    print(f"1-min load average on {os.cpu_count()} cores: {load['before']:.2f} before, {load['after']:.2f} after\n")
     print_table(rows)
     print_summary(rows, problems)
     if args.json:
         meta = dict(torch=torch.__version__, size=SIZE, n_params=N_PARAMS, quick=args.quick, settings=cfg,
-                    cpu_count=os.cpu_count(), omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
+                    cpu_count=os.cpu_count(), load_average=load, omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows, "problems": problems}, f, indent=1)
     return 0

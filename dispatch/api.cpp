@@ -150,10 +150,10 @@ at::Tensor distribute_tensor(const at::Tensor& full, MeshPtr mesh, PlacementsRef
     // Broadcast along each mesh dim in turn, from the source's index on that dim.
     // After dims 0..m, every rank whose coordinates past m equal the source's holds
     // the source's data; after the last dim, every rank does.
-    const auto it = std::find(mesh->ranks.begin(), mesh->ranks.end(), *src_rank);
-    TORCH_CHECK_VALUE(it != mesh->ranks.end(), "distribute_tensor: src_data_rank ", *src_rank,
-                      " is not part of ", mesh->str());
-    int64_t flat = it - mesh->ranks.begin();
+    TORCH_CHECK_VALUE(*src_rank >= 0 && *src_rank < mesh->numel(), "distribute_tensor: src_data_rank ",
+                      *src_rank, " is outside ", mesh->str(), " (it counts the mesh's own ranks, 0..",
+                      mesh->numel() - 1, ")");
+    int64_t flat = *src_rank;
     std::vector<int64_t> src_coord(mesh->shape.size());
     for (size_t m = mesh->shape.size(); m-- > 0;) {
       src_coord[m] = flat % mesh->shape[m];

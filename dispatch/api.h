@@ -33,7 +33,8 @@ at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placeme
 void align_grad_placements(const at::Tensor& leaf);
 
 // Shards a full tensor present on every rank. With `src_rank` set, the values are
-// first broadcast from that rank's coordinate, so ranks need not agree beforehand.
+// first broadcast from the mesh's `src_rank`-th rank (row-major), so ranks need not
+// agree beforehand.
 // The result is a leaf, requiring grad when `full` does.
 at::Tensor distribute_tensor(const at::Tensor& full, MeshPtr mesh, PlacementsRef placements,
                              std::optional<int64_t> src_rank);

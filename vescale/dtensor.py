@@ -121,9 +121,10 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
                       src_data_rank: int | None = 0) -> torch.Tensor:
     """Splits a full tensor that every rank holds into a DTensor.
 
-    With ``src_data_rank`` (default 0) the values are broadcast from that rank first,
-    so the result is consistent even if ranks disagree; ``None`` trusts every rank's
-    copy. The result is a leaf and requires grad when ``tensor`` does.
+    With ``src_data_rank`` (default 0) the values are first broadcast from the mesh's
+    ``src_data_rank``-th rank (row-major over the mesh), so the result is consistent
+    even if ranks disagree; ``None`` trusts every rank's copy. The result is a leaf
+    and requires grad when ``tensor`` does.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"distribute_tensor expects a torch.Tensor, got {type(tensor).__name__}")

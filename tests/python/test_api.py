@@ -1,0 +1,171 @@
+"""The public API around the engine: meshes, isinstance, parameters and their
+gradients, in-place and view semantics, the replicate fallback and the cache."""
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import vescale
+from vescale import Partial, Replicate, Shard
+
+from dist_utils import make_dtensor, mesh, mismatch, rand
+
+
+def _case_mesh_api():
+    m = mesh("2d")
+    rank = dist.get_rank()
+    out = {
+        "strategy_sizes": (m.get_strategy_size("DP"), m.get_strategy_size("TP")),
+        "coordinate": m.get_coordinate(),
+        "coordinate_of": [m.coordinate_of(r) for r in range(4)],
+        "rank_at": m.rank_at((1, 0)),
+        "submeshes_TP": m.submeshes("TP"),
+        "submeshes_DP": m.submeshes("DP"),
+        "tp_mesh": (m["TP"].mesh.tolist(), m["TP"].mesh_dim_names, m["TP"].get_local_rank()),
+        "local_rank_DP": m.get_local_rank("DP"),
+        "size": (m.size(), m.ndim, m.shape),
+    }
+    g = vescale.init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
+    out["global"] = vescale.get_device_mesh() is g
+    # a DTensor on the TP sub-mesh computes on its own
+    tp = m["TP"]
+    x = vescale.distribute_tensor(rand((4, 4), seed=1), tp, [Shard(0)])
+    out["sub_mesh_op"] = mismatch((x @ x).full_tensor(), rand((4, 4), seed=1) @ rand((4, 4), seed=1))
+    out["rank"] = rank
+    return out
+
+
+def test_mesh_api(pool4):
+    for res in pool4.run(_case_mesh_api):
+        r = res["rank"]
+        assert res["strategy_sizes"] == (2, 2)
+        assert res["coordinate"] == (r // 2, r % 2)
+        assert res["coordinate_of"] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert res["rank_at"] == 2
+        assert res["submeshes_TP"] == [[0, 1], [2, 3]]
+        assert res["submeshes_DP"] == [[0, 2], [1, 3]]
+        assert res["tp_mesh"] == ([2 * (r // 2), 2 * (r // 2) + 1], ("TP",), r % 2)
+        assert res["local_rank_DP"] == r // 2
+        assert res["size"] == (4, 2, (2, 2))
+        assert res["global"] is True
+        assert res["sub_mesh_op"] is None
+
+
+def _case_dtensor_identity_and_params():
+    m = mesh("1d4")
+    x = vescale.distribute_tensor(rand((8, 6), seed=1), m, [Shard(0)])
+    y = x + 1
+    w = torch.nn.Parameter(vescale.distribute_tensor(rand((6, 5), seed=2), m, [Shard(1)]))
+    checks = {
+        "distribute result": isinstance(x, vescale.DTensor),
+        "op result": isinstance(y, vescale.DTensor),
+        "plain tensor": not isinstance(torch.ones(2), vescale.DTensor),
+        "parameter": isinstance(w, torch.nn.Parameter) and isinstance(w, vescale.DTensor),
+        "placements": y.placements == (Shard(0),),
+        "mesh": y.device_mesh == m,
+        "repr": "DTensor(local_tensor=" in repr(y) and "Shard(dim=0)" in repr(y),
+        "shape": tuple(y.shape) == (8, 6) and tuple(y.to_local().shape) == (2, 6),
+    }
+    # A column-split weight: its gradient comes back in its own placements.
+    (x @ w).pow(2).sum().backward()
+    ref_x, ref_w = rand((8, 6), seed=1), rand((6, 5), seed=2).requires_grad_()
+    (ref_x @ ref_w).pow(2).sum().backward()
+    checks["grad placements"] = w.grad.placements == (Shard(1),)
+    checks["grad values"] = mismatch(w.grad.full_tensor(), ref_w.grad) is None
+    opt = torch.optim.AdamW([w], lr=0.1)
+    opt.step()
+    checks["optimizer keeps placements"] = w.placements == (Shard(1),) and isinstance(w, vescale.DTensor)
+    return {k: v for k, v in checks.items() if v is not True}
+
+
+def test_dtensor_identity_and_params(pool4):
+    for failures in pool4.run(_case_dtensor_identity_and_params):
+        assert failures == {}
+
+
+def _case_inplace_views_and_plain():
+    m = mesh("2d")
+    a, b = rand((4, 6), seed=1), rand((4, 6), seed=2)
+    failures = {}
+    with torch.no_grad():
+        # in-place keeps the written tensor's placements, whatever the other's
+        for pa in ([Shard(0), Replicate()], [Replicate(), Shard(1)], [Partial(), Shard(0)]):
+            for pb in ([Replicate(), Replicate()], [Shard(1), Partial()], [Shard(0), Shard(0)]):
+                x, y = make_dtensor(a, m, pa), make_dtensor(b, m, pb)
+                x.add_(y).mul_(2).relu_()
+                if list(x.placements) != pa or mismatch(x.full_tensor(), ((a + b) * 2).relu()):
+                    failures[f"inplace {pa} {pb}"] = x.placements
+        # writes through a view reach the base
+        x = make_dtensor(a, m, [Shard(0), Replicate()])
+        v = x.view(2, 2, 6)
+        v.mul_(3)
+        if mismatch(x.full_tensor(), a * 3):
+            failures["write through view"] = True
+        # out= variant
+        x, y = make_dtensor(a, m, [Shard(0), Replicate()]), make_dtensor(b, m, [Replicate(), Shard(1)])
+        out = make_dtensor(torch.zeros(4, 6, dtype=a.dtype), m, [Replicate(), Replicate()])
+        torch.add(x, y, out=out)
+        if list(out.placements) != [Replicate(), Replicate()] or mismatch(out.full_tensor(), a + b):
+            failures["out="] = out.placements
+        # a plain tensor meeting a DTensor is replicated
+        x = make_dtensor(a, m, [Shard(0), Shard(1)])
+        if mismatch((x * b).full_tensor(), a * b) or mismatch((b - x).full_tensor(), b - a):
+            failures["plain operand"] = True
+        # dtype conversion, clone and detach keep the layout
+        z = x.to(torch.float32).clone().detach()
+        if z.placements != x.placements or z.dtype != torch.float32 or mismatch(z.full_tensor(), a.float()):
+            failures["to/clone/detach"] = z.placements
+    return failures
+
+
+def test_inplace_views_and_plain(pool4):
+    for failures in pool4.run(_case_inplace_views_and_plain):
+        assert failures == {}
+
+
+def _case_fallback_is_counted_and_correct():
+    m = mesh("1d4")
+    a = rand((5, 6), seed=3)
+    x = make_dtensor(a, m, [Shard(1)])
+    vescale.reset_fallback_counts()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = torch.cumsum(x, dim=0)
+        second = torch.cumsum(x, dim=0)
+    counts = vescale.fallback_counts()
+    messages = [str(w.message) for w in caught if "cumsum" in str(w.message)]
+    return {
+        "values": mismatch(first.full_tensor(), torch.cumsum(a, 0)) is None
+        and mismatch(second.full_tensor(), torch.cumsum(a, 0)) is None,
+        "count": counts.get("aten::cumsum"),
+        "warned_once": len(messages) <= 1,  # warned on first use (maybe in an earlier case)
+        "report": any(op == "aten::cumsum" for op, _, _ in vescale.debug.fallback_report()),
+    }
+
+
+def test_fallback_is_counted_and_correct(pool4):
+    for res in pool4.run(_case_fallback_is_counted_and_correct):
+        assert res == {"values": True, "count": 2, "warned_once": True, "report": True}
+
+
+def _case_warm_loop_has_no_cache_misses():
+    m = mesh("2d")
+    x = vescale.distribute_tensor(rand((8, 6), seed=1), m, [Shard(0), Replicate()]).requires_grad_()
+    w = vescale.distribute_tensor(rand((6, 4), seed=2), m, [Replicate(), Shard(1)]).requires_grad_()
+
+    def step():
+        loss = torch.nn.functional.gelu(x @ w).sum()
+        loss.backward()
+        return loss
+
+    step()
+    step()  # the second backward accumulates into existing .grad: new ops, new decisions
+    before = vescale.debug.cache_misses()
+    for _ in range(3):
+        step()
+    return vescale.debug.cache_misses() - before
+
+
+def test_warm_loop_has_no_cache_misses(pool4):
+    assert pool4.run(_case_warm_loop_has_no_cache_misses) == [0, 0, 0, 0]

@@ -1,0 +1,81 @@
+"""Bad input raises a Python exception that names the problem and the fix; the
+process survives and keeps computing correctly afterwards."""
+
+import pytest
+import torch
+
+import vescale
+from vescale import Partial, Replicate, Shard
+
+from dist_utils import make_dtensor, mesh, mismatch, rand
+
+
+def _raises(fn, exc_type, *needles):
+    """None if fn() raises exc_type with every needle in its message; else a description."""
+    try:
+        fn()
+    except exc_type as e:
+        missing = [n for n in needles if n not in str(e)]
+        return f"message lacks {missing}: {e}" if missing else None
+    except Exception as e:  # noqa: BLE001
+        return f"raised {type(e).__name__} instead of {exc_type.__name__}: {e}"
+    return f"did not raise {exc_type.__name__}"
+
+
+def _still_works(m) -> str | None:
+    a = rand((4, 6), seed=1)
+    x = make_dtensor(a, m, [Shard(0)] + [Replicate()] * (m.ndim - 1))
+    return mismatch((x * 2 + 1).sum(0).full_tensor(), (a * 2 + 1).sum(0))
+
+
+def _case_errors():
+    m1, m2 = mesh("1d4"), mesh("2d")
+    t = rand((4, 6), seed=2)
+    x = make_dtensor(t, m1, [Shard(0)])
+    checks = {
+        "shard dim out of range (distribute)": _raises(
+            lambda: vescale.distribute_tensor(t, m1, [Shard(2)]), IndexError, "Shard(2)", "out of range", "[-2, 1]"),
+        "shard dim out of range (from_local)": _raises(
+            lambda: vescale.DTensor.from_local(torch.ones(2, 2), m1, [Shard(-3)]), IndexError, "Shard(-3)"),
+        "shard dim out of range (redistribute)": _raises(
+            lambda: x.redistribute(m1, [Shard(5)]), IndexError, "Shard(5)"),
+        "wrong number of placements": _raises(
+            lambda: x.redistribute(m1, [Shard(0), Replicate()]), ValueError, "2 placements", "1-d mesh"),
+        "unknown reduce op": _raises(lambda: Partial("mean"), ValueError, "reduce_op", "'mean'"),
+        "not a placement": _raises(lambda: x.redistribute(m1, ["S0"]), TypeError, "'S0'", "Shard"),
+        "shard dim not an int": _raises(lambda: Shard("0"), TypeError, "int"),
+        "different meshes in one op": _raises(
+            lambda: x + make_dtensor(t, m2, [Shard(0), Replicate()]), ValueError,
+            "aten::add.Tensor", "different device meshes", "redistribute"),
+        "redistribute across meshes": _raises(lambda: x.redistribute(m2, [Replicate(), Replicate()]), ValueError,
+                                              "another mesh"),
+        "mesh larger than the world": _raises(lambda: vescale.init_device_mesh("cpu", (4, 4)), ValueError,
+                                              "16 ranks", "world has 4", "torchrun"),
+        "mesh ranks outside the world": _raises(lambda: vescale.DeviceMesh("cpu", [0, 7]), ValueError, "[7]"),
+        "unknown mesh dim name": _raises(lambda: m2.get_strategy_size("PP"), KeyError, "'PP'", "DP"),
+        "data_ptr": _raises(lambda: x.data_ptr(), RuntimeError, "data_ptr()", "to_local()"),
+        "storage": _raises(lambda: x.untyped_storage(), RuntimeError, "DTensorImpl", "to_local()"),
+        "local shape does not fit the global shape": _raises(
+            lambda: vescale.DTensor.from_local(torch.ones(3, 6), m1, [Shard(0)], shape=(4, 6)), ValueError,
+            "shape [3, 6]", "shard of shape"),
+        "distribute a DTensor": _raises(lambda: vescale.distribute_tensor(x, m1, [Replicate()]), TypeError,
+                                        "redistribute"),
+        "DTensor constructor": _raises(lambda: vescale.DTensor(), TypeError, "from_local"),
+    }
+    failures = {k: v for k, v in checks.items() if v is not None}
+    after = _still_works(m1) or _still_works(m2)
+    if after:
+        failures["process keeps working"] = after
+    return failures
+
+
+def test_bad_input_errors(pool4):
+    for failures in pool4.run(_case_errors):
+        assert failures == {}
+
+
+@pytest.mark.parametrize("mesh_name", ["1d4"])
+def test_errors_keep_pool_usable(pool4, mesh_name):
+    # A second round on the same ranks: nothing was left half-done by the errors.
+    for failures in pool4.run(_case_errors):
+        assert failures == {}
