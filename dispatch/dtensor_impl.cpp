@@ -17,7 +17,7 @@ DTensorImpl::DTensorImpl(at::Tensor local, SpecPtr spec)
       local_(std::move(local)),
       spec_(std::move(spec)) {
   set_storage_access_should_throw();
-  set_sizes_and_strides(spec_->shape, spec_->stride);
+  set_sizes_and_strides(spec_->shape, spec_->stride, spec_->storage_offset);
 }
 
 const char* DTensorImpl::tensorimpl_type_name() const {
@@ -51,6 +51,12 @@ void DTensorImpl::shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& i
   copy_tensor_metadata(other, this, version_counter(), allow_tensor_metadata_change());
   local_ = other->local_;
   spec_ = other->spec_;
+}
+
+void DTensorImpl::relayout(at::Tensor local, SpecPtr spec) {
+  TORCH_INTERNAL_ASSERT(spec->shape == spec_->shape && spec->stride == spec_->stride);
+  local_ = std::move(local);
+  spec_ = std::move(spec);
 }
 
 DTensorImpl* checked_dtensor_impl(const at::TensorBase& t, const char* what) {

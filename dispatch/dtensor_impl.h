@@ -26,8 +26,16 @@ class DTensorImpl final : public c10::TensorImpl {
   const at::Tensor& local() const { return local_; }
   const SpecPtr& spec() const { return spec_; }
 
+  // Lays the same global values out differently: the local shard and spec change,
+  // the global metadata (and every Python reference) stays. Only valid while no other
+  // tensor aliases the local storage.
+  void relayout(at::Tensor local, SpecPtr spec);
+
   // Set once a gradient-placement hook is attached (see align_grad_placements).
   bool grads_aligned = false;
+  // Set on a view result that had to be computed from a copy of its base: writing
+  // into it in place would not reach the base, so that is refused.
+  bool copied_view = false;
 
   c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
       const c10::VariableVersion& version_counter,

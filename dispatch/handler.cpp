@@ -27,6 +27,21 @@ void check_local(const OpInfo& info, const TensorSpec& spec, const at::Tensor& l
               " and dtype ", spec.dtype, ". Please report it with the op's arguments.");
 }
 
+// Writing into a view that was computed from a copy of its base would silently miss
+// the base.
+void check_writable(const OpInfo& info, const TensorSlot& slot, const DTensorImpl& impl) {
+  TORCH_CHECK(!(impl.copied_view && info.arg_written[slot.arg]), info.name,
+              ": this DTensor is a view whose base had to be re-laid out for the view (", impl.spec()->str(),
+              ") while another tensor shared the base's storage, so it views a copy and an in-place write "
+              "would not reach the base. Write into the base itself, or clone() the view first.");
+}
+
+// No other tensor shares this shard's storage (saved-for-backward shallow copies share
+// the shard object itself, which is fine: they only read).
+bool exclusively_owned(const at::Tensor& local) {
+  return local.has_storage() && local.storage().use_count() == 1;
+}
+
 size_t tensor_count(const c10::IValue& v, ReturnKind kind) {
   if (kind == ReturnKind::Tensor) return 1;
   if (kind == ReturnKind::TensorList) return v.toListRef().size();
@@ -54,21 +69,29 @@ void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
   // Unwrap, moving each input to the layout the local op needs.
   const size_t n = scan.tensors.size();
   c10::SmallVector<at::Tensor, 6> locals(n);
+  bool view_of_copy = false;
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& t = scan.tensors[i];
     if (!t.defined()) continue;
-    if (!is_dtensor(t)) {
+    DTensorImpl* impl = is_dtensor(t) ? dtensor_impl(t) : nullptr;
+    if (impl == nullptr) {
       locals[i] = t;
     } else {
-      auto* impl = dtensor_impl(t);
       // A DTensor leaf that will receive a gradient gets it in its own placements;
       // the hook goes on the first time the leaf takes part in an op.
       if (C10_UNLIKELY(!impl->grads_aligned) && t.requires_grad() && t.is_leaf()) align_grad_placements(t);
+      check_writable(info, scan.slots[i], *impl);
       locals[i] = impl->local();
     }
-    if (const auto& plan = d.to_target[i]; !plan.empty()) {
-      const auto& src = *d.sources[i];
-      locals[i] = collectives::execute_redistribution(plan, *src.mesh, src.shape, src.stride, locals[i]);
+    const auto& plan = d.to_target[i];
+    if (plan.empty()) continue;
+    const auto& src = *d.sources[i];
+    locals[i] = collectives::execute_redistribution(plan, *src.mesh, src.shape, src.stride, locals[i]);
+    if (impl != nullptr && static_cast<int>(scan.slots[i].arg) == info.view_of) {
+      // A view must alias its base: re-lay the base out in place (same values, new
+      // placements) unless another tensor shares its storage; then the view is of a copy.
+      if (exclusively_owned(impl->local())) impl->relayout(locals[i], d.targets[i]);
+      else view_of_copy = true;
     }
   }
   replace_tensors(*stack, base, info, scan.slots, locals);
@@ -101,7 +124,9 @@ void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
     }
     const SpecPtr& spec = d.outputs[slot];
     check_local(info, *spec, local);
-    return make_dtensor(local, spec);
+    auto out = make_dtensor(local, spec);
+    if (C10_UNLIKELY(view_of_copy)) dtensor_impl(out)->copied_view = true;
+    return out;
   };
   for (size_t r = 0; r < info.num_returns; ++r) {
     auto& v = (*stack)[base + r];

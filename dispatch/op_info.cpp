@@ -49,6 +49,12 @@ std::unique_ptr<OpInfo> build(const c10::OperatorHandle& op) {
                                 : k == ArgKind::TensorList ? ReturnKind::TensorList
                                                            : ReturnKind::Other);
     int alias_of = -1;
+    if (r.alias_info() && !r.alias_info()->isWrite()) {
+      for (size_t i = 0; i < schema.arguments().size(); ++i) {
+        const auto& a = schema.arguments()[i];
+        if (a.alias_info() && a.alias_info()->beforeSets() == r.alias_info()->beforeSets()) info->view_of = static_cast<int>(i);
+      }
+    }
     if (r.alias_info() && r.alias_info()->isWrite()) {
       for (size_t i = 0; i < schema.arguments().size(); ++i) {
         const auto& a = schema.arguments()[i];

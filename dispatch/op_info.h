@@ -31,6 +31,7 @@ struct OpInfo {
   std::vector<ReturnKind> returns;
   std::vector<int> return_alias_of;  // per result: index of the written argument it returns, or -1
   bool writes_any = false;
+  int view_of = -1;                  // view ops (results alias an argument without writing): that argument
 };
 
 // Cached per operator; thread-safe.

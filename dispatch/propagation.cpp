@@ -24,11 +24,13 @@ TensorArg describe(const at::Tensor& t, int64_t mesh_ndim) {
     a.is_dtensor = true;
     a.shape = spec.shape;
     a.stride = spec.stride;
+    a.storage_offset = spec.storage_offset;
     a.dtype = spec.dtype;
     a.placements = spec.placements;
   } else {
     a.shape.assign(t.sizes().begin(), t.sizes().end());
     a.stride.assign(t.strides().begin(), t.strides().end());
+    a.storage_offset = t.storage_offset();
     a.dtype = t.scalar_type();
     a.placements.assign(static_cast<size_t>(mesh_ndim), Placement::replicate());
   }
@@ -39,7 +41,7 @@ TensorArg describe(const at::Tensor& t, int64_t mesh_ndim) {
 SpecPtr source_spec(const at::Tensor& t, const TensorArg& a, const MeshPtr& mesh) {
   if (!t.defined()) return nullptr;
   if (a.is_dtensor) return dtensor_impl(t)->spec();
-  return make_spec(mesh, a.placements, a.shape, a.stride, a.dtype);
+  return make_spec(mesh, a.placements, a.shape, a.stride, a.dtype, a.storage_offset);
 }
 
 // ---- global result metadata from the meta kernels ---------------------------------
@@ -49,7 +51,12 @@ at::Tensor meta_like(const at::Tensor& t, const TensorArg& a) {
   // Plain 0-dim CPU tensors (Python scalars among them) mix with meta tensors as
   // scalars do, and keep type promotion right.
   if (!a.is_dtensor && t.dim() == 0 && t.is_cpu()) return t;
-  return at::empty_strided(a.shape, a.stride, at::TensorOptions().dtype(a.dtype).device(c10::kMeta));
+  auto options = at::TensorOptions().dtype(a.dtype).device(c10::kMeta);
+  if (a.storage_offset == 0) return at::empty_strided(a.shape, a.stride, options);
+  // A view: give it room before it in its storage, so views of it compute offsets right.
+  int64_t span = a.storage_offset + 1;
+  for (size_t d = 0; d < a.shape.size(); ++d) span += (a.shape[d] - 1) * a.stride[d];
+  return at::empty({span}, options).as_strided(a.shape, a.stride, a.storage_offset);
 }
 
 // Runs the op on meta tensors with the global metadata. Returns false (with the
@@ -75,6 +82,7 @@ bool run_meta(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRef<c
       a.defined = true;
       a.shape.assign(t.sizes().begin(), t.sizes().end());
       a.stride.assign(t.strides().begin(), t.strides().end());
+      a.storage_offset = t.storage_offset();
       a.dtype = t.scalar_type();
     }
     outputs.push_back(std::move(a));
@@ -110,7 +118,8 @@ std::unique_ptr<Decision> from_choice(const OpCall& call, const CallScan& scan,
   }
   for (size_t j = 0; j < n_out; ++j) {
     const auto& out = call.outputs[j];
-    d->outputs.push_back(out.defined ? make_spec(mesh, choice.outputs[j], out.shape, out.stride, out.dtype)
+    d->outputs.push_back(out.defined ? make_spec(mesh, choice.outputs[j], out.shape, out.stride, out.dtype,
+                                                 out.storage_offset)
                                      : nullptr);
   }
   d->local_args = std::move(choice.local_args);

@@ -63,7 +63,7 @@ int32_t normalize_shard_dim(int64_t dim, int64_t ndim, const std::string& what) 
 namespace {
 
 size_t hash_spec(const TensorSpec& s) {
-  auto h = absl::HashOf(s.mesh.get(), static_cast<int>(s.dtype));
+  auto h = absl::HashOf(s.mesh.get(), static_cast<int>(s.dtype), s.storage_offset);
   for (const auto& p : s.placements) h = absl::HashOf(h, p.code());
   for (auto v : s.shape) h = absl::HashOf(h, v);
   for (auto v : s.stride) h = absl::HashOf(h, v);
@@ -85,7 +85,8 @@ struct SpecEq {
     const TensorSpec& x = get(a);
     const TensorSpec& y = get(b);
     return x.hash == y.hash && x.mesh == y.mesh && x.dtype == y.dtype &&
-        x.placements == y.placements && x.shape == y.shape && x.stride == y.stride;
+        x.placements == y.placements && x.shape == y.shape && x.stride == y.stride &&
+        x.storage_offset == y.storage_offset;
   }
 };
 
@@ -96,7 +97,8 @@ SpecPtr make_spec(
     PlacementsRef placements,
     c10::ArrayRef<int64_t> shape,
     c10::ArrayRef<int64_t> stride,
-    c10::ScalarType dtype) {
+    c10::ScalarType dtype,
+    int64_t storage_offset) {
   TORCH_CHECK_VALUE(mesh, "a DTensor spec needs a mesh");
   TORCH_CHECK_VALUE(static_cast<int64_t>(placements.size()) == mesh->ndim(), "got ",
                     placements.size(), " placements ", to_string(placements), " for a ",
@@ -111,6 +113,7 @@ SpecPtr make_spec(
   spec.shape.assign(shape.begin(), shape.end());
   spec.stride.assign(stride.begin(), stride.end());
   spec.dtype = dtype;
+  spec.storage_offset = storage_offset;
   spec.hash = hash_spec(spec);
 
   static std::mutex mu;
@@ -126,7 +129,7 @@ SpecPtr make_spec(
 
 SpecPtr with_placements(const SpecPtr& spec, PlacementsRef placements) {
   if (PlacementsRef(spec->placements) == placements) return spec;
-  return make_spec(spec->mesh, placements, spec->shape, spec->stride, spec->dtype);
+  return make_spec(spec->mesh, placements, spec->shape, spec->stride, spec->dtype, spec->storage_offset);
 }
 
 }  // namespace vescale

@@ -23,6 +23,7 @@ struct TensorSpec {
   Placements placements;  // one per mesh dim, Shard dims non-negative
   Shape shape;            // global
   Shape stride;           // global
+  int64_t storage_offset = 0;  // global; nonzero for views (autograd's as_strided reads it)
   c10::ScalarType dtype = c10::ScalarType::Float;
 
   // Derived for this rank.
@@ -44,9 +45,10 @@ SpecPtr make_spec(
     PlacementsRef placements,
     c10::ArrayRef<int64_t> shape,
     c10::ArrayRef<int64_t> stride,
-    c10::ScalarType dtype);
+    c10::ScalarType dtype,
+    int64_t storage_offset = 0);
 
-// Same spec with other placements (shape, stride and dtype kept).
+// Same spec with other placements (shape, stride, offset and dtype kept).
 SpecPtr with_placements(const SpecPtr& spec, PlacementsRef placements);
 
 // Contiguous strides for a shape.

@@ -38,6 +38,7 @@ struct TensorArg {
   bool written = false;     // the op mutates it (in-place self, out=)
   Shape shape;
   Shape stride;
+  int64_t storage_offset = 0;
   c10::ScalarType dtype = c10::ScalarType::Float;
   Placements placements;    // current placements; empty for results
 

@@ -265,6 +265,29 @@ ShardingChoice index_backward_rule(const OpCall& call, bool dim_removed) {
   return c;
 }
 
+// as_strided(self, size, stride, storage_offset?) addresses storage directly (autograd
+// uses it to re-create views). It runs on the replicated tensor, whose shard must then
+// be laid out exactly as the global tensor claims; it is for tensors autograd made
+// fresh. Anything else is refused with an explanation rather than computed wrongly.
+void as_strided_locally(const c10::OperatorHandle& op, torch::jit::Stack* stack, const LocalContext& ctx) {
+  const auto& spec = *ctx.inputs[0];
+  const auto self = (*stack)[stack->size() - op.schema().arguments().size()].toTensor();
+  bool same = self.storage_offset() == spec.storage_offset;
+  for (int64_t d = 0; d < self.dim() && same; ++d)
+    same = self.size(d) <= 1 || self.stride(d) == spec.stride[static_cast<size_t>(d)];
+  TORCH_CHECK(same, "as_strided on a DTensor needs its replicated shard laid out like the global tensor ",
+              spec.str(), " (strides ", c10::IntArrayRef(spec.stride), ", offset ", spec.storage_offset,
+              "), but the shard has strides ", self.strides(), " and offset ", self.storage_offset(),
+              ". Use view/reshape/slicing ops instead of as_strided on distributed tensors.");
+  op.callBoxed(stack);
+}
+
+ShardingChoice as_strided_rule(const OpCall& call) {
+  auto c = replicate_all(call);
+  c.local_fn = as_strided_locally;
+  return c;
+}
+
 // ---- joining -------------------------------------------------------------------------
 
 // cat(tensors, dim) / stack(tensors, dim): every input alike; the joined dim whole.
@@ -302,6 +325,7 @@ VESCALE_RULES(view) {
   rules.add("aten::unbind.int", unbind_rule);
   rules.add("aten::select_backward", [](const OpCall& c) { return index_backward_rule(c, true); });
   rules.add("aten::slice_backward", [](const OpCall& c) { return index_backward_rule(c, false); });
+  rules.add("aten::as_strided", as_strided_rule);
   rules.add("aten::cat", [](const OpCall& c) { return join_rule(c, false); });
   rules.add("aten::stack", [](const OpCall& c) { return join_rule(c, true); });
 }

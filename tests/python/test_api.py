@@ -169,3 +169,30 @@ def _case_warm_loop_has_no_cache_misses():
 
 def test_warm_loop_has_no_cache_misses(pool4):
     assert pool4.run(_case_warm_loop_has_no_cache_misses) == [0, 0, 0, 0]
+
+
+def _case_inplace_on_views_with_autograd():
+    """Autograd re-creates views written in place (CopySlices, with as_strided)."""
+    m = mesh("2d")
+    a, g = rand((4, 6), seed=1), rand((4, 6), seed=2)
+    failures = {}
+    for p in ([Shard(0), Replicate()], [Replicate(), Shard(1)], [Shard(1), Shard(0)], [Replicate(), Replicate()]):
+        x = make_dtensor(a, m, p, requires_grad=True)
+        y = x * 1
+        y[:, 2] = 0.0
+        y.view(-1).mul_(2)
+        (y * make_dtensor(g, m, [Replicate(), Replicate()])).sum().backward()
+        ref_x = a.clone().requires_grad_()
+        ref_y = ref_x * 1
+        ref_y[:, 2] = 0.0
+        ref_y.view(-1).mul_(2)
+        (ref_y * g).sum().backward()
+        err = mismatch(y.full_tensor(), ref_y.detach()) or mismatch(x.grad.full_tensor(), ref_x.grad)
+        if err:
+            failures[str(p)] = err
+    return failures
+
+
+def test_inplace_on_views_with_autograd(pool4):
+    for failures in pool4.run(_case_inplace_on_views_with_autograd):
+        assert failures == {}

@@ -28,6 +28,15 @@ def _still_works(m) -> str | None:
     return mismatch((x * 2 + 1).sum(0).full_tensor(), (a * 2 + 1).sum(0))
 
 
+def _write_into_view_of_shared_base():
+    m = mesh("1d4")
+    y = make_dtensor(rand((4, 6), seed=5), m, [Shard(1)])
+    alias = y.view(4, 6)  # shares y's storage, so y can't be re-laid out in place
+    column = y[:, 2]      # selecting along the split dim needs that dim whole
+    column.fill_(0.0)
+    return alias
+
+
 def _case_errors():
     m1, m2 = mesh("1d4"), mesh("2d")
     t = rand((4, 6), seed=2)
@@ -61,6 +70,8 @@ def _case_errors():
         "distribute a DTensor": _raises(lambda: vescale.distribute_tensor(x, m1, [Replicate()]), TypeError,
                                         "redistribute"),
         "DTensor constructor": _raises(lambda: vescale.DTensor(), TypeError, "from_local"),
+        "write into a view of a copy": _raises(_write_into_view_of_shared_base, RuntimeError,
+                                               "aten::fill_", "would not reach the base", "clone()"),
     }
     failures = {k: v for k, v in checks.items() if v is not None}
     after = _still_works(m1) or _still_works(m2)
