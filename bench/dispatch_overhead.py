@@ -2,16 +2,16 @@
 """Per-op dispatch overhead: plain torch vs vescale DTensor vs torch's own DTensor.
 
 Small tensors (64x64 float32) make the op itself cheap, so what is left is the cost of
-getting to it. All three stacks run in the same process on the same ranks, interleaved
-block by block so that a noisy machine slows them alike; each number is the median
-per-call time over many blocks. "Overhead" is a stack's time minus plain torch on the
-same local tensors (the shard, for Shard(0)), i.e. what the DTensor layer adds.
+getting to it. All three stacks run in the same process on the same ranks and take turns
+block by block, so that load on the shared machine slows them alike; each number is the
+median per-call time over many blocks. "Overhead" is a stack's time minus plain torch's
+on the same local tensors (the shard, for Shard(0)): what the DTensor layer adds.
 
     .venv/bin/python bench/dispatch_overhead.py [--quick] [--json PATH] [--broadcast]
 
 The 1-rank mesh runs in this process; the 2-rank mesh runs in two spawned processes
-(gloo), of which rank 0 reports. A benchmark, never a test: errors, fallbacks and
-wrong results are reported in the output, not raised.
+(gloo), of which rank 0 reports. A benchmark, never a test: errors, fallbacks and wrong
+results are listed in the output, not raised.
 """
 
 import os
@@ -42,20 +42,20 @@ from torch.utils._pytree import tree_leaves
 
 import vescale
 
-SIZE = 64                   # tensors are SIZE x SIZE float32
-N_PARAMS = 50               # parameters in the AdamW step
-TARGET_US = 3.0             # vescale may add at most this much per op over plain torch...
-TARGET_RATIO = 0.2          # ...and at most this fraction of what torch's DTensor adds
+SIZE = 64            # tensors are SIZE x SIZE float32
+N_PARAMS = 50        # parameters in the AdamW step
+TARGET_US = 3.0      # vescale may add at most this much per op over plain torch...
+TARGET_RATIO = 0.2   # ...and at most this fraction of what torch's DTensor adds
 STACKS = ("plain", "vescale", "torch")
 
-# name -> (fn(x, y, w), runs without communication under Shard(0)).
-# x, y share the layout under test; w (the right mm operand) is always replicated.
+# name -> (fn(x, y, w), needs no communication under Shard(0)).
+# x and y have the layout under test; w (the right mm operand) is always replicated.
 OPS = {
     "add": (lambda x, y, w: x + y, True),
     "mul": (lambda x, y, w: x * y, True),
     "mm": (lambda x, y, w: x @ w, True),
     "view": (lambda x, y, w: x.view(-1, 8, 8), True),
-    "sum": (lambda x, y, w: x.sum(), False),           # Shard(0) would give a Partial result
+    "sum": (lambda x, y, w: x.sum(), False),  # under Shard(0) the result would be Partial
     "softmax": (lambda x, y, w: torch.softmax(x, -1), True),
     "layer_norm": (lambda x, y, w: F.layer_norm(x, (SIZE,)), True),
     "detach": (lambda x, y, w: x.detach(), True),
@@ -63,23 +63,18 @@ OPS = {
 
 
 def settings(args) -> dict:
-    # rounds x blocks timed blocks of `calls` calls each, after untimed warm-up calls (caches, allocator);
-    # a rank still running after watchdog_s dumps its stack and exits instead of hanging.
-    if args.quick:
-        cfg = dict(rounds=2, calls=50, blocks=4, warmup=100, adamw_calls=1, adamw_blocks=3, adamw_warmup=2,
-                   watchdog_s=120)
-    else:
-        cfg = dict(rounds=6, calls=200, blocks=6, warmup=1000, adamw_calls=1, adamw_blocks=10, adamw_warmup=5,
-                   watchdog_s=600)
-    # Every rank builds the same seeded data, so the setup needs no broadcast (src_data_rank=None).
+    # rounds x blocks timed blocks of about block_us per stack and op, after untimed warm-up
+    # calls (caches, allocator); a rank still running after watchdog_s dumps its stack and exits.
+    cfg = (dict(rounds=2, blocks=4, block_us=300, warmup=100, adamw_blocks=3, adamw_warmup=2, watchdog_s=120)
+           if args.quick else
+           dict(rounds=6, blocks=10, block_us=1000, warmup=1000, adamw_blocks=10, adamw_warmup=5, watchdog_s=600))
+    # Every rank builds the same seeded data, so the inputs need no broadcast (src_data_rank=None).
     # --broadcast broadcasts from rank 0 instead, which can deadlock vescale (docs/benchmarks.md).
     cfg["src_data_rank"] = 0 if args.broadcast else None
     return cfg
 
 
-# ---- building the same tensor on each stack --------------------------------------------
-
-def makers(vmesh, src_data_rank):
+def makers(vmesh, src_data_rank) -> dict:
     """stack -> fn(full tensor, layout) giving that stack's version of it on this rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tmesh = vmesh.to_torch()  # torch's DTensor runs on the very same process groups
@@ -104,39 +99,52 @@ class Case:
     op: str
     layout: str
     fns: dict
-    calls: int                      # calls per timed block
+    calls: dict                     # stack -> calls per timed block
     blocks: int                     # blocks per round
     ops_per_call: int = 1           # aten ops one call dispatches (an AdamW step: many)
     after: Callable | None = None   # a check to run once the timing is over
     samples: dict = field(default_factory=lambda: defaultdict(list))
 
 
+def per_call_us(fn, calls: int) -> float:
+    t0 = time.perf_counter_ns()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter_ns() - t0) / calls / 1e3
+
+
+def calls_per_block(fns: dict, block_us: float) -> dict:
+    """Calls that make each stack's block last about block_us: a preemption is then as likely
+    to spoil a block of the fast stack as one of the slow. The fastest of a few short runs
+    estimates a call's cost despite the noise."""
+    return {s: max(1, round(block_us / min(per_call_us(fn, 10) for _ in range(5)))) for s, fn in fns.items()}
+
+
 def measure(cases: list, rounds: int) -> None:
-    """Times every case in `rounds` rounds spread over the whole run, pooling the samples:
-    a burst of load on the shared machine then spoils a few blocks of many cases, not all
-    blocks of one. Within a case the stacks take turns block by block, for the same reason."""
+    """Times every case in `rounds` rounds spread over the whole run and pools the samples:
+    a burst of load then spoils a few blocks of many cases rather than all blocks of one."""
     for _ in range(rounds):
         for case in cases:
             gc.collect()
             dist.barrier()  # both ranks time the same case together (same CPU contention)
             for _ in range(case.blocks):
-                for name, fn in case.fns.items():
-                    t0 = time.perf_counter_ns()
-                    for _ in range(case.calls):
-                        fn()
-                    case.samples[name].append((time.perf_counter_ns() - t0) / case.calls / 1e3)
+                for stack, fn in case.fns.items():
+                    case.samples[stack].append(per_call_us(fn, case.calls[stack]))
 
+
+# ---- preparing the cases, with the checks that find problems in vescale ---------------------
 
 def warm(fns: dict, n: int, problems: list, what: str) -> dict:
     """Runs each fn n times; a stack whose fn raises is dropped and its error recorded."""
     ok = {}
-    for name, fn in fns.items():
+    for stack, fn in fns.items():
         try:
             for _ in range(n):
                 fn()
-            ok[name] = fn
+            ok[stack] = fn
         except Exception as e:  # record, never hide: the table shows the stack as missing
-            problems.append(f"{what}: {name} raised {type(e).__name__}: {e}".splitlines()[0])
+            problems.append(f"{what}: {stack} raised {type(e).__name__}: {e}".splitlines()[0])
+    check_fallbacks(problems, what)
     return ok
 
 
@@ -148,11 +156,9 @@ def check_fallbacks(problems: list, what: str) -> None:
 
 
 def check_placements(ves, tor, problems: list, what: str) -> None:
-    """Records where vescale's output layout differs from torch's DTensor's."""
-    if ves is not None and tor is not None:
-        got, want = str(tuple(ves.placements)), str(tuple(tor.placements))
-        if got != want:
-            problems.append(f"{what}: vescale gives placements {got}, torch's DTensor {want}")
+    if ves is not None and tor is not None and str(tuple(ves.placements)) != str(tuple(tor.placements)):
+        problems.append(f"{what}: vescale gives placements {tuple(ves.placements)}, "
+                        f"torch's DTensor {tuple(tor.placements)}")
 
 
 def prepare_op(name, fn, layout, make, cfg, problems) -> Case:
@@ -161,21 +167,16 @@ def prepare_op(name, fn, layout, make, cfg, problems) -> Case:
     what = f"{name} {layout} on {dist.get_world_size()} rank(s)"
     fns = {}
     for stack in STACKS:
-        x, y = make[stack](full["x"], layout), make[stack](full["y"], layout)
-        w = make[stack](full["w"], "R")
+        x, y, w = make[stack](full["x"], layout), make[stack](full["y"], layout), make[stack](full["w"], "R")
         fns[stack] = (lambda x=x, y=y, w=w: fn(x, y, w))
-    vescale.reset_fallback_counts()
     fns = warm(fns, cfg["warmup"], problems, what)
-    check_fallbacks(problems, what)
     outs = {stack: f() for stack, f in fns.items()}
     for stack in ("vescale", "torch"):  # same math on the same local data: the results must agree
         if stack in outs and not torch.allclose(local(outs[stack]), outs["plain"], atol=1e-5):
             problems.append(f"{what}: {stack} result differs from plain torch on the local shard")
     check_placements(outs.get("vescale"), outs.get("torch"), problems, what)
-    return Case(name, layout, fns, cfg["calls"], cfg["blocks"])
+    return Case(name, layout, fns, calls_per_block(fns, cfg["block_us"]), cfg["blocks"])
 
-
-# ---- AdamW -------------------------------------------------------------------------------
 
 def make_adamw(make_one, layout: str):
     g = torch.Generator().manual_seed(1)
@@ -188,35 +189,22 @@ def make_adamw(make_one, layout: str):
 
 
 class _TensorOpCounter(TorchDispatchMode):
-    """Counts aten ops with a non-scalar tensor argument: the ones a DTensor stack dispatches
-    (the scalar `step` counter stays a plain tensor)."""
+    """Counts aten ops with a non-scalar tensor argument: those a DTensor stack dispatches
+    (AdamW's scalar `step` counter stays a plain tensor)."""
 
-    def __init__(self):
-        super().__init__()
-        self.n = 0
+    n = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(isinstance(a, torch.Tensor) and a.dim() > 0 for a in tree_leaves((args, kwargs))):
-            self.n += 1
+        self.n += any(isinstance(a, torch.Tensor) and a.dim() > 0 for a in tree_leaves((args, kwargs)))
         return func(*args, **kwargs)
-
-
-def adamw_ops_per_step(layout: str, make) -> int:
-    _, opt = make_adamw(make["plain"], layout)
-    opt.step()  # the first step also creates the state; count a steady-state one
-    with _TensorOpCounter() as counter:
-        opt.step()
-    return counter.n
 
 
 def prepare_adamw(layout, make, cfg, problems) -> Case:
     what = f"adamw {layout} on {dist.get_world_size()} rank(s)"
     built = {stack: make_adamw(make[stack], layout) for stack in STACKS}
     check_placements(built["vescale"][0][0], built["torch"][0][0], problems, f"{what}: nn.Parameter")
-    vescale.reset_fallback_counts()
     fns = warm({s: opt.step for s, (_, opt) in built.items()}, cfg["adamw_warmup"], problems, what)
-    check_fallbacks(problems, what)
 
     def after():  # every surviving stack has taken the same number of steps from the same start
         for stack in ("vescale", "torch"):
@@ -224,39 +212,41 @@ def prepare_adamw(layout, make, cfg, problems) -> Case:
                                         for p, q in zip(built[stack][0], built["plain"][0])):
                 problems.append(f"{what}: {stack} parameters differ from plain torch after the same steps")
 
-    return Case(f"adamw({N_PARAMS})", layout, fns, cfg["adamw_calls"], cfg["adamw_blocks"],
-                adamw_ops_per_step(layout, make), after)
+    _, opt = make_adamw(make["plain"], layout)  # count the ops of a steady-state step (not the first)
+    opt.step()
+    with _TensorOpCounter() as counter:
+        opt.step()
+    return Case(f"adamw({N_PARAMS})", layout, fns, {s: 1 for s in fns}, cfg["adamw_blocks"], counter.n, after)
 
 
-# ---- results -----------------------------------------------------------------------------
+# ---- running and reporting ------------------------------------------------------------------
 
 def row(case: Case, ranks: int) -> dict:
-    """A table row; a case of many ops (AdamW) spreads its overhead over the ops it dispatched."""
-    ops = case.ops_per_call
-    r = dict(op=case.op, layout=case.layout, ranks=ranks, ops_per_call=ops)
+    """A table row; a case of many ops (an AdamW step) spreads its overhead over them."""
+    r = dict(op=case.op, layout=case.layout, ranks=ranks, ops_per_call=case.ops_per_call,
+             calls_per_block=case.calls)
     for s in STACKS:
         v = case.samples.get(s)
         r[f"{s}_us"] = statistics.median(v) if v else None
-        r[f"{s}_quartiles_us"] = statistics.quantiles(v, n=4) if v else None  # spread, for the JSON
+        r[f"{s}_quartiles_us"] = statistics.quantiles(v, n=4) if v else None  # the spread, for the JSON
     p, v, t = r["plain_us"], r["vescale_us"], r["torch_us"]
     vo = r["vescale_overhead_us"] = None if v is None else v - p
     to = r["torch_overhead_us"] = None if t is None else t - p
     r["overhead_ratio"] = vo / to if vo is not None and to and to > 0 else None
-    r["vescale_overhead_per_op_us"] = None if vo is None else vo / ops
-    r["meets_3us"] = None if vo is None else vo / ops <= TARGET_US
+    r["vescale_overhead_per_op_us"] = None if vo is None else vo / case.ops_per_call
+    r["meets_3us"] = None if vo is None else r["vescale_overhead_per_op_us"] <= TARGET_US
     r["meets_fifth"] = None if r["overhead_ratio"] is None else r["overhead_ratio"] <= TARGET_RATIO
     return r
 
 
 def run_mesh(rank: int, world: int, port: int, cfg: dict) -> tuple[list, list]:
-    """Every benchmark on a 1-d mesh of `world` ranks; returns (rows, problems)."""
+    """Every case on a 1-d mesh of `world` ranks; returns (rows, problems)."""
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(cfg["watchdog_s"], exit=True)  # a hang shows where, then ends
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        vmesh = vescale.DeviceMesh("cpu", list(range(world)))
+        make = makers(vescale.DeviceMesh("cpu", list(range(world))), cfg["src_data_rank"])
         cases, problems = [], []
-        make = makers(vmesh, cfg["src_data_rank"])
         for layout in ("R", "S0"):
             for name, (fn, comm_free_sharded) in OPS.items():
                 if layout == "R" or comm_free_sharded:
@@ -269,6 +259,7 @@ def run_mesh(rank: int, world: int, port: int, cfg: dict) -> tuple[list, list]:
                 case.after()
         return [row(case, world) for case in cases], problems
     finally:
+        dist.barrier()  # let every rank finish its collectives before the groups go away
         dist.destroy_process_group()
         faulthandler.cancel_dump_traceback_later()
 
@@ -286,27 +277,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def fmt(x, spec=".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def print_table(rows: list) -> None:
-    head = ("op", "layout", "ranks", "plain", "vescale", "torchDT", "vescale+", "torchDT+", "v+/t+", "targets")
-    print("%-11s %-6s %5s %9s %9s %9s %9s %9s %6s  %s" % head)
-    print("(microseconds per call, medians; X+ = X minus plain; targets: vescale+ <= 3 us per op, v+/t+ <= 0.20)")
+def print_report(rows: list, problems: list) -> None:
+    fmt = lambda x, spec=".1f": "-" if x is None else format(x, spec)  # noqa: E731
+    met = {True: "ok", False: "MISS", None: "?"}
+    line = "%-11s %-6s %5s %9s %9s %9s %9s %9s %6s  %s"
+    print(line % ("op", "layout", "ranks", "plain", "vescale", "torchDT", "vescale+", "torchDT+", "v+/t+", "targets"))
+    print(f"(us per call, medians; X+ = X minus plain; targets: vescale+ <= {TARGET_US:g} us per op, "
+          f"v+/t+ <= {TARGET_RATIO:g})")
     for r in rows:
-        met = {True: "ok", False: "MISS", None: "?"}
-        targets = f"{met[r['meets_3us']]}/{met[r['meets_fifth']]}"
-        print("%-11s %-6s %5d %9s %9s %9s %9s %9s %6s  %s" % (
-            r["op"], r["layout"], r["ranks"], fmt(r["plain_us"], ".1f"), fmt(r["vescale_us"], ".1f"),
-            fmt(r["torch_us"], ".1f"), fmt(r["vescale_overhead_us"], ".1f"), fmt(r["torch_overhead_us"], ".1f"),
-            fmt(r["overhead_ratio"], ".3f"), targets))
+        print(line % (r["op"], r["layout"], r["ranks"], fmt(r["plain_us"]), fmt(r["vescale_us"]), fmt(r["torch_us"]),
+                      fmt(r["vescale_overhead_us"]), fmt(r["torch_overhead_us"]), fmt(r["overhead_ratio"], ".3f"),
+                      f"{met[r['meets_3us']]}/{met[r['meets_fifth']]}"))
         if r["ops_per_call"] > 1:
             print(f"{'':11s} one step = {r['ops_per_call']} tensor ops: vescale adds "
-                  f"{fmt(r['vescale_overhead_per_op_us'])} us per op")
-
-
-def print_summary(rows: list, problems: list) -> None:
+                  f"{fmt(r['vescale_overhead_per_op_us'], '.2f')} us per op")
     print()
     for key, target in (("meets_3us", f"vescale adds <= {TARGET_US:g} us per op over plain torch"),
                         ("meets_fifth", f"vescale's overhead <= {TARGET_RATIO:g} x torch DTensor's")):
@@ -323,11 +307,11 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--broadcast", action="store_true",
-                    help="build the inputs with distribute_tensor(src_data_rank=0) (a broadcast)")
+                    help="build the inputs with distribute_tensor(src_data_rank=0), i.e. with a broadcast")
     args = ap.parse_args()
     cfg = settings(args)
 
-    load_before = os.getloadavg()  # the machine is shared: say how busy it was
+    load_before = os.getloadavg()[0]  # the machine is shared: say how busy it was
     rows, problems = run_mesh(0, 1, free_port(), cfg)  # 1 rank: in this process
     with tempfile.TemporaryDirectory() as tmp:  # 2 ranks: spawned; rank 0 leaves its results here
         out_path = os.path.join(tmp, "rank0.json")
@@ -335,23 +319,22 @@ def main() -> int:
             mp.spawn(_rank_main, args=(2, free_port(), cfg, out_path), nprocs=2, join=True)
             with open(out_path) as f:
                 two = json.load(f)
-            rows += two["rows"]
-            problems += two["problems"]
+            rows, problems = rows + two["rows"], problems + two["problems"]
         except Exception as e:  # e.g. the watchdog ended a hung rank: report what we have
-            problems.append(f"the 2-rank run failed (the stderr above shows where): {type(e).__name__}: {e}")
+            problems.append(f"the 2-rank run failed (its stderr above shows where): {type(e).__name__}: {e}")
     rows.sort(key=lambda r: (r["layout"], list(OPS).index(r["op"]) if r["op"] in OPS else 99, r["ranks"]))
+    load = dict(before=load_before, after=os.getloadavg()[0])
 
     print(f"dispatch overhead: torch {torch.__version__}, gloo, {SIZE}x{SIZE} float32, "
-          f"{cfg['rounds'] * cfg['blocks']} blocks x {cfg['calls']} calls "
-          f"(AdamW: {cfg['rounds'] * cfg['adamw_blocks']} x {cfg['adamw_calls']} steps)"
-          f"{' [--quick]' if args.quick else ''}; inputs built with src_data_rank={cfg['src_data_rank']}")
-    load = dict(before=load_before[0], after=os.getloadavg()[0])
+          f"{cfg['rounds'] * cfg['blocks']} blocks of ~{cfg['block_us']} us per stack and op "
+          f"(AdamW: {cfg['rounds'] * cfg['adamw_blocks']} single steps){' [--quick]' if args.quick else ''}; "
+          f"inputs built with src_data_rank={cfg['src_data_rank']}")
     print(f"1-min load average on {os.cpu_count()} cores: {load['before']:.2f} before, {load['after']:.2f} after\n")
-    print_table(rows)
-    print_summary(rows, problems)
+    print_report(rows, problems)
     if args.json:
         meta = dict(torch=torch.__version__, size=SIZE, n_params=N_PARAMS, quick=args.quick, settings=cfg,
                     cpu_count=os.cpu_count(), load_average=load, omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows, "problems": problems}, f, indent=1)
     return 0

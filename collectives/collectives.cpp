@@ -1,6 +1,7 @@
 #include "collectives/collectives.h"
 
 #include <ATen/ATen.h>
+#include <ATen/ThreadLocalPythonObjects.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
@@ -12,13 +13,36 @@ c10::OperatorHandle functional_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
+// A backend work object captures the calling thread's ThreadLocalState, including
+// the Python objects torch stashes there (backward() stashes a contextvars object),
+// and may be destroyed later on the backend's own thread, which then needs the GIL;
+// at interpreter exit that aborts the process. Collectives are issued with that
+// stash set aside (shared_ptr copies only: no Python object is touched).
+class WithoutStashedPythonObjects {
+ public:
+  WithoutStashedPythonObjects() : saved_(at::impl::ThreadLocalPythonObjects::get_state()) {
+    at::impl::ThreadLocalPythonObjects::set_state({});
+  }
+  ~WithoutStashedPythonObjects() { at::impl::ThreadLocalPythonObjects::set_state(std::move(saved_)); }
+
+ private:
+  at::impl::ThreadLocalPythonObjects saved_;
+};
+
 // Boxed call: the group_name argument is typed `Any`, which typed calls can't express.
+// Below autograd: torch registers Python autograd kernels for these ops, and the
+// collectives vescale inserts are not differentiated through anyway.
 at::Tensor call_and_wait(const c10::OperatorHandle& op, torch::jit::Stack stack) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  WithoutStashedPythonObjects no_python_objects;
   op.callBoxed(stack);
   static const auto wait = functional_op("_c10d_functional::wait_tensor");
   torch::jit::Stack wait_stack{std::move(stack.at(0))};
   wait.callBoxed(wait_stack);
-  return wait_stack.at(0).toTensor();
+  // The backend's work object may keep the result tensor alive and drop it later on
+  // its own thread; hand out another TensorImpl over the same storage, so that no
+  // Python object ever hangs off the one the work object holds.
+  return wait_stack.at(0).toTensor().detach();
 }
 
 std::string reduce_name(ReduceOp op) { return reduce_op_name(op); }

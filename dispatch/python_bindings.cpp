@@ -81,23 +81,32 @@ PYBIND11_MODULE(_C, m) {
     return make_spec(mesh, to_placements(placements), shape, stride, dtype);
   };
 
+  // Calls that may communicate release the GIL first (as torch's own c10d bindings
+  // do): backend threads may need it to finish the collectives they wait on.
   m.def("is_dtensor", [](const at::Tensor& t) { return is_dtensor(t); });
   m.def("from_local",
         [spec_from](const at::Tensor& local, const std::shared_ptr<Mesh>& mesh, const py::sequence& placements,
                     std::vector<int64_t> shape, std::vector<int64_t> stride) {
-          return from_local(local, spec_from(mesh, placements, shape, stride, local.scalar_type()));
+          auto spec = spec_from(mesh, placements, shape, stride, local.scalar_type());
+          py::gil_scoped_release no_gil;
+          return from_local(local, std::move(spec));
         });
   m.def("to_local", [](const at::Tensor& t, const std::optional<py::sequence>& grad_placements) {
     std::optional<Placements> g;
     if (grad_placements) g = to_placements(*grad_placements);
+    py::gil_scoped_release no_gil;
     return to_local(t, g);
   });
   m.def("redistribute", [](const at::Tensor& t, const py::sequence& placements) {
-    return redistribute(t, to_placements(placements));
+    auto p = to_placements(placements);
+    py::gil_scoped_release no_gil;
+    return redistribute(t, p);
   });
   m.def("distribute_tensor", [](const at::Tensor& full, const std::shared_ptr<Mesh>& mesh,
                                 const py::sequence& placements, std::optional<int64_t> src_rank) {
-    return distribute_tensor(full, mesh, to_placements(placements), src_rank);
+    auto p = to_placements(placements);
+    py::gil_scoped_release no_gil;
+    return distribute_tensor(full, mesh, p, src_rank);
   });
   m.def("align_grad_placements", [](const at::Tensor& t) { align_grad_placements(t); });
   m.def("local_tensor", [](const at::Tensor& t) {

@@ -43,13 +43,14 @@ def tp_placement(module_name: str, param_name: str):
 
 def distribute_model(model: nn.Module, mesh: vescale.DeviceMesh) -> dict[str, tuple]:
     """Replaces every parameter in place by a DTensor; returns name -> placements."""
-    plan = {}
+    plan, done = {}, {}  # done: id(plain param) -> its DTensor, so tied weights stay tied
     for mod_name, module in model.named_modules():
         for p_name, param in list(module.named_parameters(recurse=False)):
-            placements = [Replicate(), tp_placement(mod_name, p_name)]
-            dparam = nn.Parameter(vescale.distribute_tensor(param.data, mesh, placements))
-            setattr(module, p_name, dparam)
-            plan[f"{mod_name}.{p_name}" if mod_name else p_name] = tuple(placements)
+            if id(param) not in done:
+                placements = [Replicate(), tp_placement(mod_name, p_name)]
+                done[id(param)] = nn.Parameter(vescale.distribute_tensor(param.data, mesh, placements))
+                plan[f"{mod_name}.{p_name}" if mod_name else p_name] = tuple(placements)
+            setattr(module, p_name, done[id(param)])
     return plan
 
 
@@ -118,16 +119,19 @@ def main() -> int:
     ref_losses = train(ref_model, batches, log)
 
     rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
+    # Parameters too (information only). attn.k.bias is left out: softmax is invariant to
+    # it, so its gradient is zero up to rounding and AdamW turns that noise into lr-size steps.
     with torch.no_grad():
         ref_params = dict(ref_model.named_parameters())
         pdiff = max((p.full_tensor() - ref_params[n]).abs().max().item()
-                    for n, p in model.named_parameters())
+                    for n, p in model.named_parameters() if not n.endswith("attn.k.bias"))
     ok = rel <= RTOL
-    log(f"max |param - reference param| after {STEPS} steps: {pdiff:.3e}")
+    log(f"max |param - reference| after {STEPS} steps (attn.k.bias aside): {pdiff:.3e}")
     log(f"{'PASS' if ok else 'FAIL'}: max relative loss difference {rel:.3e} "
         f"(tolerance {RTOL:.0e}, float32)")
     log(f"fallback ops (no sharding rule, ran replicated): {vescale.fallback_counts() or 'none'}")
 
+    dist.barrier()  # let every rank finish its collectives before the groups go away
     dist.destroy_process_group()
     return 0 if ok else 1
 
