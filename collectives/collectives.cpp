@@ -151,6 +151,13 @@ at::Tensor broadcast(const at::Tensor& x, int64_t src, const std::string& group)
   return call_and_wait(fn, {x.contiguous(), src, group});
 }
 
+bool all_ranks(const Mesh& mesh, bool value) {
+  auto flag = at::full({1}, value ? 1 : 0, at::TensorOptions().dtype(at::kInt).device(mesh.device_type));
+  for (size_t m = 0; m < mesh.shape.size(); ++m)
+    if (mesh.shape[m] > 1) flag = all_reduce(flag, ReduceOp::Min, mesh.group_names[m]);
+  return flag.item<int>() == 1;
+}
+
 at::Tensor with_layout_of(const at::Tensor& local, c10::ArrayRef<int64_t> global_stride) {
   const auto want = strides_like(local.sizes(), global_stride);
   bool same = true;

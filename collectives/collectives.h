@@ -20,6 +20,10 @@ at::Tensor all_to_all_dim0(const at::Tensor& x, int64_t k, const std::string& gr
 // `src` is the source's index within the group.
 at::Tensor broadcast(const at::Tensor& x, int64_t src, const std::string& group);
 
+// True on every rank of the mesh when `value` is true on every rank: for decisions
+// that depend on per-rank state but must be taken alike everywhere.
+bool all_ranks(const Mesh& mesh, bool value);
+
 // Runs `plan` on this rank's shard `local` of a tensor with `global_shape` on
 // `mesh`. The result is a fresh tensor: it never aliases `local`, unless the plan is
 // empty. Its layout follows `global_stride`'s dim order.

@@ -86,11 +86,14 @@ void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
     const auto& plan = d.to_target[i];
     if (plan.empty()) continue;
     const auto& src = *d.sources[i];
+    const bool owned = impl != nullptr && exclusively_owned(impl->local());
     locals[i] = collectives::execute_redistribution(plan, *src.mesh, src.shape, src.stride, locals[i]);
     if (impl != nullptr && static_cast<int>(scan.slots[i].arg) == info.view_of) {
       // A view must alias its base: re-lay the base out in place (same values, new
-      // placements) unless another tensor shares its storage; then the view is of a copy.
-      if (exclusively_owned(impl->local())) impl->relayout(locals[i], d.targets[i]);
+      // placements) unless another tensor shares its storage; then the view is of a
+      // copy. Sharing is a per-rank fact (Python frees cycles whenever its collector
+      // runs), but the choice changes later decisions, so the ranks agree on it first.
+      if (collectives::all_ranks(*src.mesh, owned)) impl->relayout(locals[i], d.targets[i]);
       else view_of_copy = true;
     }
   }
