@@ -31,9 +31,11 @@ void check_local(const OpInfo& info, const TensorSpec& spec, const at::Tensor& l
 // the base.
 void check_writable(const OpInfo& info, const TensorSlot& slot, const DTensorImpl& impl) {
   TORCH_CHECK(!(impl.copied_view && info.arg_written[slot.arg]), info.name,
-              ": this DTensor is a view whose base had to be re-laid out for the view (", impl.spec()->str(),
-              ") while another tensor shared the base's storage, so it views a copy and an in-place write "
-              "would not reach the base. Write into the base itself, or clone() the view first.");
+              ": this DTensor is a view (", impl.spec()->str(), ") of a base that had to be laid out "
+              "differently to take the view, and the base could not change in place (it is a leaf, or "
+              "another tensor shares its storage), so the view is of a copy and an in-place write would not "
+              "reach the base. Redistribute the base first (base = base.redistribute(...)), write into the "
+              "base itself, or clone() the view.");
 }
 
 // No other tensor shares this shard's storage (saved-for-backward shallow copies share
@@ -89,11 +91,12 @@ void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
     const bool owned = impl != nullptr && exclusively_owned(impl->local());
     locals[i] = collectives::execute_redistribution(plan, *src.mesh, src.shape, src.stride, locals[i]);
     if (impl != nullptr && static_cast<int>(scan.slots[i].arg) == info.view_of) {
-      // A view must alias its base: re-lay the base out in place (same values, new
-      // placements) unless another tensor shares its storage; then the view is of a
-      // copy. Sharing is a per-rank fact (Python frees cycles whenever its collector
-      // runs), but the choice changes later decisions, so the ranks agree on it first.
-      if (collectives::all_ranks(*src.mesh, owned)) impl->relayout(locals[i], d.targets[i]);
+      // A view must alias its base. An intermediate result is re-laid out in place
+      // (same values, new placements) unless another tensor shares its storage; a
+      // leaf (a parameter, an input) keeps the placements its owner gave it. Otherwise
+      // the view is of a copy. Sharing is a per-rank fact (Python frees cycles whenever
+      // its collector runs) but the choice steers later decisions, so ranks agree first.
+      if (!t.is_leaf() && collectives::all_ranks(*src.mesh, owned)) impl->relayout(locals[i], d.targets[i]);
       else view_of_copy = true;
     }
   }
