@@ -7,7 +7,7 @@ block by block, so that load on the shared machine slows them alike; each number
 median per-call time over many blocks. "Overhead" is a stack's time minus plain torch's
 on the same local tensors (the shard, for Shard(0)): what the DTensor layer adds.
 
-    .venv/bin/python bench/dispatch_overhead.py [--quick] [--json PATH] [--broadcast]
+    .venv/bin/python bench/dispatch_overhead.py [--quick] [--json PATH]
 
 The 1-rank mesh runs in this process; the 2-rank mesh runs in two spawned processes
 (gloo), of which rank 0 reports. A benchmark, never a test: errors, fallbacks and wrong
@@ -68,13 +68,10 @@ def settings(args) -> dict:
     cfg = (dict(rounds=2, blocks=4, block_us=300, warmup=100, adamw_blocks=3, adamw_warmup=2, watchdog_s=120)
            if args.quick else
            dict(rounds=6, blocks=10, block_us=1000, warmup=1000, adamw_blocks=10, adamw_warmup=5, watchdog_s=600))
-    # Every rank builds the same seeded data, so the inputs need no broadcast (src_data_rank=None).
-    # --broadcast broadcasts from rank 0 instead, which can deadlock vescale (docs/benchmarks.md).
-    cfg["src_data_rank"] = 0 if args.broadcast else None
     return cfg
 
 
-def makers(vmesh, src_data_rank) -> dict:
+def makers(vmesh) -> dict:
     """stack -> fn(full tensor, layout) giving that stack's version of it on this rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tmesh = vmesh.to_torch()  # torch's DTensor runs on the very same process groups
@@ -82,8 +79,8 @@ def makers(vmesh, src_data_rank) -> dict:
     tp = {"R": [TReplicate()], "S0": [TShard(0)]}
     return {
         "plain": lambda full, lay: full.chunk(world, 0)[rank].clone() if lay == "S0" else full.clone(),
-        "vescale": lambda full, lay: vescale.distribute_tensor(full, vmesh, vp[lay], src_data_rank=src_data_rank),
-        "torch": lambda full, lay: torch_distribute(full, tmesh, tp[lay], src_data_rank=src_data_rank),
+        "vescale": lambda full, lay: vescale.distribute_tensor(full, vmesh, vp[lay]),
+        "torch": lambda full, lay: torch_distribute(full, tmesh, tp[lay]),
     }
 
 
@@ -245,7 +242,7 @@ def run_mesh(rank: int, world: int, port: int, cfg: dict) -> tuple[list, list]:
     faulthandler.dump_traceback_later(cfg["watchdog_s"], exit=True)  # a hang shows where, then ends
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        make = makers(vescale.DeviceMesh("cpu", list(range(world))), cfg["src_data_rank"])
+        make = makers(vescale.DeviceMesh("cpu", list(range(world))))
         cases, problems = [], []
         for layout in ("R", "S0"):
             for name, (fn, comm_free_sharded) in OPS.items():
@@ -306,8 +303,6 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    ap.add_argument("--broadcast", action="store_true",
-                    help="build the inputs with distribute_tensor(src_data_rank=0), i.e. with a broadcast")
     args = ap.parse_args()
     cfg = settings(args)
 
@@ -327,8 +322,7 @@ def main() -> int:
 
     print(f"dispatch overhead: torch {torch.__version__}, gloo, {SIZE}x{SIZE} float32, "
           f"{cfg['rounds'] * cfg['blocks']} blocks of ~{cfg['block_us']} us per stack and op "
-          f"(AdamW: {cfg['rounds'] * cfg['adamw_blocks']} single steps){' [--quick]' if args.quick else ''}; "
-          f"inputs built with src_data_rank={cfg['src_data_rank']}")
+          f"(AdamW: {cfg['rounds'] * cfg['adamw_blocks']} single steps){' [--quick]' if args.quick else ''}")
     print(f"1-min load average on {os.cpu_count()} cores: {load['before']:.2f} before, {load['after']:.2f} after\n")
     print_report(rows, problems)
     if args.json:
