@@ -128,10 +128,19 @@ void align_grad_placements(const at::Tensor& leaf) {
   c10::weak_intrusive_ptr<c10::TensorImpl> weak(leaf.getIntrusivePtr());
   leaf.register_hook([weak](const at::Tensor& grad) -> at::Tensor {
     auto strong = weak.lock();
-    if (!strong || !is_dtensor(grad)) return {};
-    const auto want = partial_as_replicate(static_cast<DTensorImpl*>(strong.get())->spec()->placements);
-    if (PlacementsRef(dtensor_impl(grad)->spec()->placements) == PlacementsRef(want)) return {};
-    return redistribute_no_grad(grad, want);
+    if (!strong || !grad.defined()) return {};
+    const auto& spec = static_cast<DTensorImpl*>(strong.get())->spec();
+    const auto want = partial_as_replicate(spec->placements);
+    // Backward formulas that build their result with a factory (zeros(...).scatter_)
+    // hand back a plain, whole gradient: it is the replicated value.
+    at::Tensor g = grad;
+    if (!is_dtensor(g)) {
+      const Placements replicated(want.size(), Placement::replicate());
+      g = make_dtensor(g, make_spec(spec->mesh, replicated, g.sizes(), g.strides(), g.scalar_type()));
+    } else if (PlacementsRef(dtensor_impl(g)->spec()->placements) == PlacementsRef(want)) {
+      return {};
+    }
+    return redistribute_no_grad(g, want);
   });
 }
 

@@ -22,6 +22,7 @@ struct Decision {
   std::vector<SpecPtr> outputs;
   std::vector<std::pair<size_t, c10::IValue>> local_args;
   LocalFn local_fn = nullptr;
+  DecomposeFn decompose = nullptr;
   // Set for the replicate fallback: the per-op counter to bump on every call.
   std::atomic<int64_t>* fallback_counter = nullptr;
 };

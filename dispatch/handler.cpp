@@ -60,6 +60,10 @@ void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
   CallScan scan;
   scan.run(op, info, args);
   const Decision& d = lookup_decision(op, info, args, scan);
+  if (d.decompose) {
+    d.decompose(op, stack);
+    return;
+  }
   if (d.fallback_counter) d.fallback_counter->fetch_add(1, std::memory_order_relaxed);
 
   // Arguments the op writes and hands back: the caller gets its own tensors back.
@@ -195,4 +199,16 @@ void claim_composite_explicit_ops() {
 
 TORCH_LIBRARY_IMPL(_, PrivateUse2, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&vescale::dtensor_kernel>());
+}
+
+// Non-differentiable CompositeImplicitAutograd ops whose decomposition builds its result
+// with a factory (a plain tensor, filled in place from the DTensor): taken whole, so
+// the result is a DTensor. With a kernel for our backend key, our autograd key no
+// longer decomposes them; it passes through, which is right only because they have
+// no gradient.
+TORCH_LIBRARY_IMPL(aten, PrivateUse2, m) {
+  m.impl("one_hot", torch::CppFunction::makeFromBoxedFunction<&vescale::dtensor_kernel>());
+}
+TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse2, m) {
+  m.impl("one_hot", torch::CppFunction::makeFallthrough());
 }

@@ -1,5 +1,7 @@
 #include "dispatch/op_info.h"
 
+#include "sharding_rules/rule.h"
+
 #include <absl/container/flat_hash_map.h>
 
 #include <memory>
@@ -37,8 +39,10 @@ std::unique_ptr<OpInfo> build(const c10::OperatorHandle& op) {
   info->name = c10::toString(op.operator_name());
   info->num_args = schema.arguments().size();
   info->num_returns = schema.returns().size();
+  const bool scalars_matter = rules().keyed_on_scalar_values(info->name);
   for (const auto& a : schema.arguments()) {
-    info->args.push_back(kind_of(a));
+    const auto kind = kind_of(a);
+    info->args.push_back(kind == ArgKind::TypeOnly && scalars_matter ? ArgKind::Value : kind);
     const bool written = a.alias_info() && a.alias_info()->isWrite();
     info->arg_written.push_back(written);
     info->writes_any |= written;

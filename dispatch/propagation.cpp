@@ -95,6 +95,12 @@ bool run_meta(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRef<c
 
 std::unique_ptr<Decision> from_choice(const OpCall& call, const CallScan& scan,
                                       const MeshPtr& mesh, ShardingChoice choice) {
+  if (choice.decompose) {
+    auto d = std::make_unique<Decision>();
+    d->mesh = mesh;
+    d->decompose = choice.decompose;
+    return d;
+  }
   const size_t n_in = call.inputs.size();
   const size_t n_out = call.outputs.size();
   TORCH_INTERNAL_ASSERT(choice.inputs.size() == n_in && choice.outputs.size() == n_out,

@@ -85,7 +85,7 @@ VESCALE_RULES(pointwise) {
                          "aten::sub.Tensor", "aten::sub_.Tensor", "aten::sub.out",
                          "aten::neg", "aten::neg_", "aten::neg.out",
                          "aten::clone", "aten::detach", "aten::alias", "aten::_to_copy",
-                         "aten::copy_", "aten::zero_", "aten::positive"})
+                         "aten::copy_", "aten::zero_", "aten::positive", "aten::conj_physical"})
     rules.add(op, pointwise(additive));
   // Interpolation is linear jointly in its two end points; the weight stays replicated.
   for (const char* op : {"aten::lerp.Scalar", "aten::lerp_.Scalar", "aten::lerp.Tensor", "aten::lerp_.Tensor"})
@@ -95,23 +95,40 @@ VESCALE_RULES(pointwise) {
   for (const char* op : {"aten::mul.Tensor", "aten::mul_.Tensor", "aten::mul.out"})
     rules.add(op, pointwise(linear_in_either));
   for (const char* op : {"aten::mul.Scalar", "aten::mul_.Scalar", "aten::div.Tensor", "aten::div_.Tensor",
-                         "aten::div.out", "aten::div.Scalar", "aten::div_.Scalar",
-                         // activation backward: linear in the incoming gradient
-                         "aten::threshold_backward", "aten::gelu_backward", "aten::tanh_backward",
-                         "aten::sigmoid_backward", "aten::silu_backward"})
+                         "aten::div.out", "aten::div.Scalar", "aten::div_.Scalar"})
     rules.add(op, pointwise(linear_in_first));
+  // Activation backward: linear in the incoming gradient.
+  for (const char* base : {"aten::threshold_backward", "aten::gelu_backward", "aten::tanh_backward",
+                           "aten::sigmoid_backward", "aten::silu_backward", "aten::elu_backward",
+                           "aten::hardtanh_backward", "aten::hardswish_backward", "aten::hardsigmoid_backward",
+                           "aten::leaky_relu_backward", "aten::softplus_backward", "aten::mish_backward",
+                           "aten::log_sigmoid_backward", "aten::softshrink_backward", "aten::hardshrink_backward",
+                           "aten::logit_backward"})
+    rules.add_overloads(base, pointwise(linear_in_first));
 
   // Nonlinear: every overload and in-place/out variant of these.
-  for (const char* base : {"aten::abs", "aten::exp", "aten::log", "aten::log1p", "aten::expm1",
-                           "aten::sqrt", "aten::rsqrt", "aten::sin", "aten::cos", "aten::tanh",
-                           "aten::sigmoid", "aten::relu", "aten::gelu", "aten::silu", "aten::erf",
-                           "aten::reciprocal", "aten::sign", "aten::pow", "aten::clamp",
-                           "aten::clamp_min", "aten::clamp_max", "aten::maximum", "aten::minimum",
-                           "aten::eq", "aten::ne", "aten::lt", "aten::le", "aten::gt", "aten::ge",
-                           "aten::logical_not", "aten::logical_and", "aten::logical_or",
-                           "aten::isnan", "aten::isinf", "aten::floor", "aten::ceil", "aten::round",
-                           "aten::trunc", "aten::square", "aten::addcmul", "aten::addcdiv",
-                           "aten::fill", "aten::masked_fill", "aten::rsub", "aten::threshold"})
+  for (const char* base : {
+           "aten::abs", "aten::acos", "aten::acosh", "aten::asin", "aten::asinh", "aten::atan", "aten::atan2",
+           "aten::atanh", "aten::ceil", "aten::clamp", "aten::clamp_min", "aten::clamp_max", "aten::cos",
+           "aten::cosh", "aten::deg2rad", "aten::digamma", "aten::erf", "aten::erfc", "aten::erfinv", "aten::exp",
+           "aten::exp2", "aten::expm1", "aten::floor", "aten::frac", "aten::hypot", "aten::i0", "aten::lgamma",
+           "aten::log", "aten::log10", "aten::log1p", "aten::log2", "aten::logaddexp", "aten::logaddexp2",
+           "aten::logit", "aten::logical_not", "aten::logical_and", "aten::logical_or", "aten::logical_xor",
+           "aten::mvlgamma", "aten::nan_to_num", "aten::nextafter", "aten::polygamma", "aten::pow", "aten::rad2deg",
+           "aten::reciprocal", "aten::remainder", "aten::fmod", "aten::round", "aten::rsqrt", "aten::sigmoid",
+           "aten::sign", "aten::sgn", "aten::signbit", "aten::sin", "aten::sinc", "aten::sinh", "aten::sqrt",
+           "aten::square", "aten::tan", "aten::tanh", "aten::trunc", "aten::xlogy", "aten::relu", "aten::relu6",
+           "aten::gelu", "aten::silu", "aten::mish", "aten::hardtanh", "aten::hardswish", "aten::hardsigmoid",
+           "aten::elu", "aten::selu", "aten::celu", "aten::leaky_relu", "aten::softplus", "aten::softshrink",
+           "aten::hardshrink", "aten::threshold", "aten::log_sigmoid_forward", "aten::isnan", "aten::isinf",
+           "aten::isfinite", "aten::isposinf", "aten::isneginf", "aten::bitwise_and", "aten::bitwise_or",
+           "aten::bitwise_xor", "aten::bitwise_not", "aten::eq", "aten::ne", "aten::lt", "aten::le", "aten::gt",
+           "aten::ge", "aten::maximum", "aten::minimum", "aten::fmax", "aten::fmin", "aten::copysign",
+           "aten::float_power", "aten::heaviside", "aten::addcmul", "aten::addcdiv", "aten::fill",
+           "aten::masked_fill", "aten::rsub", "aten::gcd", "aten::lcm", "aten::floor_divide",
+           "aten::special_entr", "aten::special_erfcx", "aten::special_i0e", "aten::special_i1",
+           "aten::special_i1e", "aten::special_ndtri", "aten::special_log_ndtr", "aten::special_xlog1py",
+           "aten::special_zeta"})
     rules.add_overloads(base, pointwise(nonlinear));
   for (const char* op : {"aten::add.Scalar", "aten::add_.Scalar", "aten::sub.Scalar", "aten::sub_.Scalar"})
     rules.add(op, pointwise(nonlinear));

@@ -34,6 +34,11 @@ std::vector<int64_t> OpCall::dims_arg(size_t i, int64_t ndim, bool empty_means_a
 
 std::string OpCall::name() const { return c10::toString(op.operator_name()); }
 
+const c10::IValue* OpCall::find_arg(const char* name) const {
+  const auto index = schema().argumentIndexWithName(name);
+  return index ? &args[static_cast<size_t>(*index)] : nullptr;
+}
+
 namespace {
 
 // Redistribution costs of one input, memoised by target placements (the same
@@ -127,6 +132,13 @@ ShardingChoice replicate_all(const OpCall& call) {
   return choice;
 }
 
+bool is_tensor_argument(const c10::Argument& arg) {
+  const auto& t = arg.type();
+  if (t->kind() == c10::TypeKind::TensorType) return true;
+  auto opt = t->cast<c10::OptionalType>();
+  return opt && opt->getElementType()->kind() == c10::TypeKind::TensorType;
+}
+
 Placement broadcast_input_placement(const Placement& out, c10::ArrayRef<int64_t> out_shape, const TensorArg& in) {
   if (!out.is_shard()) return out;
   const int64_t d = out.dim - (static_cast<int64_t>(out_shape.size()) - in.ndim());
@@ -166,6 +178,11 @@ void RuleTable::add_overloads(const std::string& base, const RuleFn& fn) {
     any = true;
   }
   if (!any) missing_.push_back(base);
+}
+
+bool RuleTable::keyed_on_scalar_values(const std::string& op_name) const {
+  const auto base = op_name.substr(0, op_name.find('.', op_name.find("::")));
+  return std::find(scalar_keyed_.begin(), scalar_keyed_.end(), base) != scalar_keyed_.end();
 }
 
 const RuleFn* RuleTable::find(const std::string& op_name) const {

@@ -54,6 +54,8 @@ struct OpCall {
 
   const c10::FunctionSchema& schema() const { return op.schema(); }
   const c10::IValue& arg(size_t i) const { return args[i]; }
+  // The argument called `name` in the schema, or nullptr when the op has none.
+  const c10::IValue* find_arg(const char* name) const;
   int64_t int_arg(size_t i) const { return args[i].toInt(); }
   bool bool_arg(size_t i) const { return args[i].toBool(); }
   std::vector<int64_t> int_list_arg(size_t i) const;
@@ -83,12 +85,26 @@ struct LocalContext {
 // op itself applied to the shards.
 using LocalFn = void (*)(const c10::OperatorHandle&, torch::jit::Stack*, const LocalContext&);
 
+// Computes the op from its DTensor arguments on `stack` as a composition of other ops
+// on DTensors (each dispatched through vescale in turn), for ops whose sharded form
+// needs several collectives in between (log_softmax over a split dim). Replaces the
+// arguments with the results, like a boxed kernel.
+using DecomposeFn = void (*)(const c10::OperatorHandle&, torch::jit::Stack*);
+
 struct ShardingChoice {
   std::vector<Placements> inputs;   // target placements per flattened input
   std::vector<Placements> outputs;  // placements per flattened result
   LocalFn local_fn = nullptr;
   // Non-tensor arguments to replace in the local call (e.g. a local shape).
   std::vector<std::pair<size_t, c10::IValue>> local_args;
+  // When set, inputs/outputs are not used: the op is this composition.
+  DecomposeFn decompose = nullptr;
+
+  static ShardingChoice composition(DecomposeFn fn) {
+    ShardingChoice c;
+    c.decompose = fn;
+    return c;
+  }
 };
 
 using RuleFn = std::function<ShardingChoice(const OpCall&)>;
@@ -102,6 +118,9 @@ ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& strategi
 ShardingChoice replicate_all(const OpCall& call);
 
 // ---- helpers for writing rules ----------------------------------------------
+
+// A Tensor or Tensor? argument (one flattened input slot).
+bool is_tensor_argument(const c10::Argument& arg);
 
 // The placement an input of a broadcasting op needs so that it lines up with a
 // result of `out_shape` placed as `out`: a sharded result dim maps to the input's
@@ -121,8 +140,14 @@ class RuleTable {
   // Names given to add/add_overloads that match no operator in this torch build.
   const std::vector<std::string>& missing() const { return missing_; }
 
+  // Scalar arguments normally stay out of the decision cache key (their values never
+  // change a layout); for ops whose rule reads one (a norm's order), they go in.
+  void key_on_scalar_values(const std::string& base_name) { scalar_keyed_.push_back(base_name); }
+  bool keyed_on_scalar_values(const std::string& op_name) const;
+
  private:
   std::vector<std::string> missing_;
+  std::vector<std::string> scalar_keyed_;
 };
 
 RuleTable& rules();

@@ -50,9 +50,18 @@ ShardingChoice new_tensor_rule(const OpCall& call) {
   return c;
 }
 
+// one_hot(self, num_classes): a new trailing class dim, whole.
+ShardingChoice one_hot_rule(const OpCall& call) {
+  ShardingChoice c;
+  c.inputs.push_back(current(call.inputs[0]));
+  c.outputs.push_back(current(call.inputs[0]));
+  return c;
+}
+
 }  // namespace
 
 VESCALE_RULES(tensor_creation) {
+  rules.add("aten::one_hot", one_hot_rule);
   for (const char* op : {"aten::zeros_like", "aten::ones_like", "aten::empty_like", "aten::full_like"})
     rules.add(op, like_rule);
   for (const char* op : {"aten::new_zeros", "aten::new_ones", "aten::new_empty", "aten::new_full",

@@ -84,6 +84,17 @@ def _cases() -> list[Case]:
         Case("mean_all", torch.mean, [x56]),
         Case("mean_dim", lambda x: x.mean(0), [x56]),
         Case("mean_dim_keepdim", lambda x: x.mean(-1, keepdim=True), [x356]),
+        Case("amax", lambda x: x.amax(1), [x356]),
+        Case("max_all", lambda x: x.max(), [x56]),
+        Case("max_dim", lambda x: x.max(1).values, [x56]),
+        Case("argmax_gather", lambda x: x.gather(1, x.argmax(1, keepdim=True)), [x56]),
+        Case("var_std", lambda x: x.var(0) + x.std(1, keepdim=True).mean(), [x56]),
+        Case("logsumexp", lambda x: x.logsumexp(-1), [x356]),
+        Case("cumsum", lambda x: x.cumsum(0), [x56]),
+        Case("norm2", lambda x: torch.linalg.vector_norm(x, dim=1), [x356]),
+        Case("norm1_all", lambda x: torch.linalg.vector_norm(x, ord=1), [x56]),
+        Case("norm_inf", lambda x: torch.linalg.vector_norm(x, ord=float("inf"), dim=(0, 2)), [x356]),
+        Case("any_all", lambda x: (x > 0).any(1).float() + (x > -3).all(0).float().sum(), [x56]),
         # views and shapes
         Case("view_merge", lambda x: x.view(30), [x56]),
         Case("view_split", lambda x: x.view(2, 3, 5), [Arg((6, 5))]),
@@ -98,6 +109,20 @@ def _cases() -> list[Case]:
         Case("slice_select", lambda x: x[1:4, 2], [x56]),
         Case("split_cat", lambda x: torch.cat(x.split(2, dim=1)[::-1], dim=1), [x56]),
         Case("stack", lambda a, b: torch.stack([a, b], dim=1), [x56, x56]),
+        # indexing, sorting, reordering
+        Case("gather", lambda x, i: x.gather(1, i), [x56, Arg((5, 3), "index:6")]),
+        Case("scatter_add", lambda x, i, s: x.scatter_add(1, i, s), [x56, Arg((5, 6), "index:6"), x56]),
+        Case("index_select", lambda x, i: x.index_select(0, i), [x56, Arg((7,), "index:5")]),
+        Case("index_select_dim1", lambda x, i: x.index_select(1, i), [x356, Arg((4,), "index:5")]),
+        Case("advanced_index", lambda x, i: x[:, i], [x356, Arg((2, 4), "index:5")]),
+        Case("index_add", lambda x, i, s: x.index_add(0, i, s), [x56, Arg((3,), "index:5"), Arg((3, 6))]),
+        Case("topk", lambda x: x.topk(3, dim=1).values, [x56]),
+        Case("sort", lambda x: x.sort(dim=0, descending=True).values, [x356]),
+        Case("flip_roll", lambda x: x.flip(1).roll(2, 0), [x56]),
+        Case("tril_triu", lambda x: x.tril(1) + x.triu(-1), [x356]),
+        Case("repeat", lambda x: x.repeat(2, 1, 3), [x56]),
+        Case("one_hot", lambda i: F.one_hot(i, 7).float(), [Arg((3, 5), "index:7")]),
+        Case("masked_fill", lambda x: x.masked_fill(x > 0.5, -1.0), [x56]),
         # softmax
         Case("softmax", lambda x: torch.softmax(x, -1), [x356]),
         Case("log_softmax", lambda x: torch.log_softmax(x, 0), [x56]),
@@ -134,7 +159,8 @@ def _case_op(name: str, mesh_name: str):
     ref_inputs = [f.clone().requires_grad_(a.differentiable) for f, a in zip(fulls, case.args)]
     ref_out = case.fn(*ref_inputs)
     grad_out = rand(ref_out.shape, seed=99)
-    (ref_out * grad_out).sum().backward()
+    if ref_out.requires_grad:
+        (ref_out * grad_out).sum().backward()
     ref_grads = [t.grad for t in ref_inputs]
 
     failures = []

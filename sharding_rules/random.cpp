@@ -1,0 +1,158 @@
+// Random ops give every rank the values one device would draw: each rank draws the
+// whole tensor from its generator and keeps its own block. Ranks must seed alike (as
+// with torch.manual_seed on every rank); since every rank draws the same numbers, the
+// generators stay in step. The cost is the whole tensor's draws on every rank.
+//
+//   in-place fills (normal_, uniform_, bernoulli_, ...)   self keeps its layout (a
+//        Partial one is filled as Replicate and written back); tensor parameters
+//        (bernoulli_'s p) are replicated
+//   *_like draws (rand_like, randn_like, randint_like, bernoulli.p, out-of-place fills)
+//        the result takes the input's layout; the input's values are never read, so
+//        nothing moves
+//   draws that read data (bernoulli(p), multinomial, normal(mean, std), poisson, ...)
+//        inputs replicated; a result of the first input's shape takes its layout
+//   native_dropout  linear in its input: input and result keep any layout; the mask is
+//        drawn whole
+
+#include "sharding_rules/rule.h"
+
+#include <ATen/ATen.h>
+
+namespace vescale {
+
+namespace {
+
+Placements no_partial(PlacementsRef p) {
+  Placements out(p.begin(), p.end());
+  for (auto& x : out)
+    if (x.is_partial()) x = Placement::replicate();
+  return out;
+}
+
+Placements replicated(const OpCall& call) {
+  return Placements(static_cast<size_t>(call.mesh.ndim()), Placement::replicate());
+}
+
+// This rank's block of a whole tensor, laid out densely.
+at::Tensor block_of(const at::Tensor& whole, const TensorSpec& spec) {
+  at::Tensor b = whole;
+  for (size_t d = 0; d < spec.local.sizes.size(); ++d)
+    b = b.narrow(static_cast<int64_t>(d), spec.local.offsets[d], spec.local.sizes[d]);
+  return b.contiguous();
+}
+
+at::Tensor whole_stand_in(const TensorSpec& spec, const c10::Device& device) {
+  return at::empty_strided(spec.shape, spec.stride, at::TensorOptions().dtype(spec.dtype).device(device));
+}
+
+// Runs the op with every input that is not replicated replaced by an uninitialised
+// tensor of its global shape (its values are never read), then keeps this rank's
+// block of each result, or of the written self for in-place fills.
+void draw_whole_keep_block(const c10::OperatorHandle& op, torch::jit::Stack* stack, const LocalContext& ctx) {
+  const auto& schema = op.schema();
+  const size_t n_args = schema.arguments().size();
+  const size_t base = stack->size() - n_args;
+  at::Tensor written;  // in-place: the local shard to fill
+  size_t slot = 0;     // flattened tensor slot (these ops take no tensor lists)
+  for (size_t a = 0; a < n_args; ++a) {
+    auto& v = (*stack)[base + a];
+    if (!is_tensor_argument(schema.arguments()[a])) continue;
+    const auto& spec_ptr = ctx.inputs[slot++];
+    if (!spec_ptr) continue;
+    const auto& spec = *spec_ptr;
+    const bool is_written = schema.arguments()[a].alias_info() && schema.arguments()[a].alias_info()->isWrite();
+    if (is_written) written = v.toTensor();
+    if (!spec.is_replicated() || is_written) v = whole_stand_in(spec, v.toTensor().device());
+  }
+  op.callBoxed(stack);
+  const size_t n_ret = schema.returns().size();
+  for (size_t r = 0; r < n_ret; ++r) {
+    auto& v = (*stack)[stack->size() - n_ret + r];
+    if (!v.isTensor()) continue;
+    if (written.defined()) {
+      written.copy_(block_of(v.toTensor(), *ctx.inputs[0]));
+      v = written;
+    } else {
+      v = block_of(v.toTensor(), *ctx.outputs[r]);
+    }
+  }
+}
+
+ShardingChoice with_draw(ShardingChoice c) {
+  c.local_fn = draw_whole_keep_block;
+  return c;
+}
+
+// In-place fills: self keeps its layout (Partial read as Replicate and written back),
+// tensor parameters replicated.
+ShardingChoice fill_rule(const OpCall& call) {
+  ShardingChoice c;
+  c.inputs.push_back(no_partial(call.inputs[0].placements));
+  for (size_t i = 1; i < call.inputs.size(); ++i) c.inputs.push_back(replicated(call));
+  c.outputs.assign(call.outputs.size(), c.inputs[0]);
+  return with_draw(std::move(c));
+}
+
+// Draws shaped like the input: the input stays where it is.
+ShardingChoice like_rule(const OpCall& call) {
+  ShardingChoice c;
+  for (const auto& in : call.inputs) c.inputs.push_back(in.placements);
+  c.outputs.assign(call.outputs.size(), no_partial(call.inputs[0].placements));
+  return with_draw(std::move(c));
+}
+
+// Draws that read their inputs' values: inputs replicated.
+ShardingChoice data_rule(const OpCall& call) {
+  ShardingChoice c;
+  c.inputs.assign(call.inputs.size(), replicated(call));
+  for (const auto& out : call.outputs)
+    c.outputs.push_back(out.shape == call.inputs[0].shape ? no_partial(call.inputs[0].placements) : replicated(call));
+  return with_draw(std::move(c));
+}
+
+// native_dropout(input, p, train) -> (output, mask): the mask is drawn whole by the op
+// itself (on a whole tensor of ones, so its output is mask * scale), and this rank's
+// output is its input block times that.
+void dropout_locally(const c10::OperatorHandle& op, torch::jit::Stack* stack, const LocalContext& ctx) {
+  const size_t base = stack->size() - 3;
+  const at::Tensor input = (*stack)[base].toTensor();
+  const auto& in_spec = *ctx.inputs[0];
+  (*stack)[base] = at::ones(in_spec.shape, input.options());
+  op.callBoxed(stack);
+  const auto scaled_mask = block_of((*stack)[stack->size() - 2].toTensor(), *ctx.outputs[1]);
+  const auto mask = block_of((*stack)[stack->size() - 1].toTensor(), *ctx.outputs[1]);
+  torch::jit::drop(*stack, 2);
+  torch::jit::push(*stack, input * scaled_mask, mask);
+}
+
+ShardingChoice dropout_rule(const OpCall& call) {
+  ShardingChoice c;
+  const auto& in = call.inputs[0].placements;
+  c.inputs.push_back(in);
+  c.outputs = {in, no_partial(in)};
+  c.local_fn = dropout_locally;
+  return c;
+}
+
+}  // namespace
+
+VESCALE_RULES(random) {
+  for (const char* base : {"aten::normal_", "aten::uniform_", "aten::exponential_", "aten::cauchy_",
+                           "aten::log_normal_", "aten::geometric_", "aten::random_", "aten::bernoulli_"})
+    rules.add_overloads(base, fill_rule);
+  for (const char* op : {"aten::rand_like", "aten::rand_like.generator", "aten::randn_like",
+                         "aten::randn_like.generator", "aten::randint_like", "aten::randint_like.low_dtype",
+                         "aten::randint_like.generator", "aten::randint_like.low_generator_dtype",
+                         "aten::bernoulli.p", "aten::normal_functional", "aten::uniform", "aten::exponential",
+                         "aten::cauchy", "aten::log_normal", "aten::geometric", "aten::random", "aten::random.from",
+                         "aten::random.to"})
+    rules.add(op, like_rule);
+  for (const char* op : {"aten::bernoulli", "aten::multinomial", "aten::normal.Tensor_Tensor",
+                         "aten::normal.Tensor_float", "aten::normal.float_Tensor", "aten::poisson",
+                         "aten::_standard_gamma", "aten::binomial", "aten::randint_like.Tensor",
+                         "aten::randint_like.Tensor_generator"})
+    rules.add(op, data_rule);
+  rules.add("aten::native_dropout", dropout_rule);
+}
+
+}  // namespace vescale

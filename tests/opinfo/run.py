@@ -1,0 +1,172 @@
+"""OpInfo conformance runner: torch's op_db on vescale's DTensor and on torch's own.
+
+    .venv/bin/python -m tests.opinfo.run --out docs/op_coverage.md            # everything
+    .venv/bin/python -m tests.opinfo.run --ops softmax addmm --stack vescale   # a few ops
+    .venv/bin/python -m tests.opinfo.run --quick                               # the CI subset
+
+The parent process holds no DTensors: it sends "run op X on stack S and mesh M" to four
+gloo ranks (tests/opinfo/check.py does the work there), gathers their answers, and
+restarts them when an op leaves them hung, dead or out of step, so one bad op never
+stops the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from collections import Counter
+
+from . import check, report
+from .pool import Ranks, log
+
+WORLD = 4
+MESHES = ("1d4", "2d")
+STACKS = ("vescale", "torch")
+
+# The CI subset: common ops of transformer training, one sample each.
+QUICK_OPS = (
+    "add", "mul", "sub", "div.no_rounding_mode", "neg", "exp", "tanh", "sigmoid", "nn.functional.relu",
+    "nn.functional.gelu", "nn.functional.silu", "sum", "mean", "amax", "max.reduction_with_dim", "var",
+    "matmul", "mm", "bmm", "addmm", "softmax", "log_softmax", "nn.functional.layer_norm",
+    "nn.functional.embedding", "nn.functional.cross_entropy", "transpose", "permute", "view", "reshape",
+    "t", "squeeze", "unsqueeze", "cat", "stack", "split", "chunk", "select", "narrow", "where", "clone",
+)
+
+# Answers that mean a collective failed or waited out its timeout inside the ranks.
+_COLLECTIVE_ERRORS = ("timed out", "timeout", "connection closed", "connection reset", "gloo")
+
+
+def all_op_keys() -> list[str]:
+    from torch.testing._internal.common_methods_invocations import op_db
+    return sorted(check.op_key(op) for op in op_db)
+
+
+def select_ops(names: list[str] | None) -> list[str]:
+    """Each name picks the op of that exact key, or else every op whose key contains it."""
+    keys = all_op_keys()
+    if not names:
+        return keys
+    chosen = []
+    for name in names:
+        hits = [name] if name in keys else [k for k in keys if name in k]
+        if not hits:
+            raise SystemExit(f"no op_db entry matches {name!r}")
+        chosen += [k for k in hits if k not in chosen]
+    return chosen
+
+
+def run_ops(keys, *, stacks=STACKS, meshes=MESHES, max_samples=3, combo_limit=30,
+            op_timeout_s=600.0, results: dict | None = None) -> dict:
+    """{op key: {stack: result dict}}; ``results`` (from an earlier run) is updated in place."""
+    results = {} if results is None else results
+    ranks = Ranks(WORLD, f"{check.__name__}:handle")
+    opts = dict(max_samples=max_samples, combo_limit=combo_limit)
+    ranks.start()  # before the clock of the first op starts
+    log(f"rank output: {ranks.log_dir}")
+    try:
+        for n, key in enumerate(keys, 1):
+            for stack in stacks:
+                start = time.monotonic()
+                per_mesh = {m: _run_one(ranks, key, stack, m, opts, op_timeout_s) for m in meshes}
+                res = _merge_meshes(per_mesh)
+                res["seconds"] = round(time.monotonic() - start, 2)
+                results.setdefault(key, {})[stack] = res
+                log(f"[{n}/{len(keys)}] {key:<40} {stack:<8} {res['status']:<8} {res['seconds']:6.1f}s "
+                    f"{res['samples']}s/{res['combos']}c {res['reason'][:150]}")
+    finally:
+        ranks.stop()
+    return results
+
+
+def _run_one(ranks: Ranks, key: str, stack: str, mesh: str, opts: dict, timeout_s: float) -> dict:
+    reply = ranks.call(("run", key, stack, mesh, opts), timeout_s)
+    if reply.kind != "ok":
+        return dict(vars(check.Outcome(reply.kind, reply.message)), seconds=0.0)
+    outcomes = reply.values
+    statuses = [o["status"] for o in outcomes]
+    worst = max(range(WORLD), key=lambda r: check.STATUS_ORDER.index(statuses[r]))
+    res = dict(outcomes[worst])
+    if len(set(statuses)) > 1:
+        res["reason"] += f" (rank {worst}; ranks gave {statuses})"
+    reasons = " ".join(o["reason"].lower() for o in outcomes)
+    if any(e in reasons for e in _COLLECTIVE_ERRORS):
+        res["status"] = "hang"
+    # An exception at different points (or on some ranks only) leaves collectives unmatched.
+    if res["status"] == "hang" or len({tuple(o["stopped_at"]) for o in outcomes}) > 1:
+        ranks.restart()
+    return res
+
+
+def _merge_meshes(per_mesh: dict) -> dict:
+    worst_mesh = max(per_mesh, key=lambda m: check.STATUS_ORDER.index(per_mesh[m]["status"]))
+    worst = per_mesh[worst_mesh]
+    fallbacks = Counter()
+    for r in per_mesh.values():
+        fallbacks.update(r["fallbacks"])
+    notes = sorted({n for r in per_mesh.values() for n in r["notes"]})
+    return dict(status=worst["status"],
+                reason=f"{worst_mesh}: {worst['reason']}" if worst["reason"] else "",
+                meshes={m: r["status"] for m, r in per_mesh.items()},
+                fallbacks=dict(fallbacks), notes=notes,
+                samples=max(r["samples"] for r in per_mesh.values()),
+                combos=sum(r["combos"] for r in per_mesh.values()),
+                failed_combos=sum(r["failed_combos"] for r in per_mesh.values()))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="write the markdown table here (e.g. docs/op_coverage.md)")
+    p.add_argument("--json", help="raw results: read (if there) and merged with this run, then written back")
+    p.add_argument("--ops", nargs="+", help="op_db keys (name or name.variant), exact or substring")
+    p.add_argument("--max-samples", type=int, default=3, help="samples per op (default 3)")
+    p.add_argument("--combo-limit", type=int, default=30,
+                   help="run every placement combination up to this many, else a covering set (default 30)")
+    p.add_argument("--meshes", default=",".join(MESHES), help="comma-separated: 1d4,2d")
+    p.add_argument("--stack", choices=("vescale", "torch", "both"), default="both")
+    p.add_argument("--quick", action="store_true", help="the CI subset: common ops, 1 sample, 1d4 mesh")
+    p.add_argument("--op-timeout", type=float, default=600, help="seconds before an op counts as hung")
+    args = p.parse_args(argv)
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the ranks are stopped
+    if args.quick:
+        args.ops, args.max_samples, args.meshes = args.ops or list(QUICK_OPS), 1, "1d4"
+    keys = select_ops(args.ops)
+    stacks = STACKS if args.stack == "both" else (args.stack,)
+    meshes = tuple(m for m in args.meshes.split(",") if m)
+    previous = _load(args.json)
+    run = dict(command="python -m tests.opinfo.run " + " ".join(sys.argv[1:] if argv is None else argv),
+               max_samples=args.max_samples, combo_limit=args.combo_limit, meshes=list(meshes),
+               stacks=list(stacks), ops=len(keys), **report.machine())
+    start = time.monotonic()
+    results = run_ops(keys, stacks=stacks, meshes=meshes, max_samples=args.max_samples,
+                      combo_limit=args.combo_limit, op_timeout_s=args.op_timeout, results=previous["results"])
+    run["minutes"] = round((time.monotonic() - start) / 60, 1)
+    previous["runs"].append(run)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(previous, f, indent=1, sort_keys=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report.markdown(previous["results"], previous["runs"]))
+    ran = {k: results[k] for k in keys}
+    for stack in stacks:
+        log(stack, dict(Counter(r[stack]["status"] for r in ran.values())))
+    bad = [k for k in keys for s in stacks if ran[k][s]["status"] in ("fail", "hang", "crash")]
+    return 1 if bad else 0
+
+
+def _load(path: str | None) -> dict:
+    if path:
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            pass
+    return {"results": {}, "runs": []}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
