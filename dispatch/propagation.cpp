@@ -155,6 +155,7 @@ std::unique_ptr<Decision> decide(const c10::OperatorHandle& op, const OpInfo& in
   for (size_t i = 0; i < scan.tensors.size(); ++i) {
     call.inputs.push_back(describe(scan.tensors[i], mesh->ndim()));
     call.inputs.back().written = info.arg_written[scan.slots[i].arg];
+    call.input_arg.push_back(scan.slots[i].arg);
   }
   const RuleFn* rule = rules().find(info.name);
   if (rule == nullptr) return fallback(call, scan, mesh, info.name, "no rule");

@@ -51,6 +51,7 @@ struct OpCall {
   const Mesh& mesh;
   std::vector<TensorArg> inputs;    // flattened tensor arguments
   std::vector<TensorArg> outputs;   // flattened tensor results (global metadata)
+  std::vector<uint32_t> input_arg;  // the schema argument each flattened input comes from
 
   const c10::FunctionSchema& schema() const { return op.schema(); }
   const c10::IValue& arg(size_t i) const { return args[i]; }

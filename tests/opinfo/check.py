@@ -39,6 +39,7 @@ FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # A sharded run adds in another order than the single-device one; it may be off by a few
 # times what float32 rounding does to the op on this sample (measured against float64).
 SLACK_FACTOR = 8
+TRACE = os.environ.get("OPINFO_TRACE") == "1"
 STATUS_ORDER = ("pass", "fallback", "skipped", "fail", "hang", "crash")  # worst last
 
 
@@ -124,6 +125,8 @@ def run_op(op, stack: str, mesh_name: str, *, max_samples: int, combo_limit: int
         for j, combo in enumerate(_combos(ref, mesh.ndim, combo_limit)):
             result.combos += 1
             label = f"sample {i} [{' '.join(_describe(p) for p in combo)}]"
+            if TRACE:  # goes to the rank's log: which combination a hang happened in
+                print(f"{op_key(op)} {stack} {mesh_name} {label}", file=sys.stderr, flush=True)
             try:
                 err = _check_combo(op, sample, ref, combo, stack, mesh, seed=1000 + i)
             except Exception as e:  # noqa: BLE001
