@@ -5,6 +5,7 @@
 //   op                                      split dims            parameter grads
 //   native_layer_norm(+_backward)           d < ndim - len(norm)  Partial(sum)
 //   _softmax / _log_softmax (+_backward)    d != softmax dim      -
+//     (input already split along the softmax dim: composed from max / sum reductions)
 
 #include "sharding_rules/rule.h"
 
@@ -40,11 +41,44 @@ ShardingChoice layer_norm_backward_rule(const OpCall& call) {
   return choose_cheapest(call, s);
 }
 
+// Softmax over a split dim, composed from reductions whose partial results are
+// combined across ranks (max and sum of exponentials: one small all-reduce each) instead
+// of gathering the whole tensor: the loss-parallel form of log_softmax over a split
+// vocabulary.
+at::Tensor float_if(const at::Tensor& x, bool to_float) { return to_float ? x.to(at::kFloat) : x; }
+
+void softmax_composed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  auto args = torch::jit::last(*stack, 3);
+  const auto x = float_if(args[0].toTensor(), args[2].toBool());
+  const int64_t dim = args[1].toInt();
+  const bool log = op.schema().name() == "aten::_log_softmax";
+  const auto shifted = x - at::amax(x, {dim}, true);
+  auto out = log ? shifted - shifted.exp().sum({dim}, true).log() : shifted.exp() / shifted.exp().sum({dim}, true);
+  torch::jit::drop(*stack, 3);
+  torch::jit::push(*stack, std::move(out));
+}
+
+void softmax_backward_composed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  auto args = torch::jit::last(*stack, 4);
+  const auto grad = args[0].toTensor();
+  const auto output = args[1].toTensor();
+  const int64_t dim = args[2].toInt();
+  const auto dtype = static_cast<at::ScalarType>(args[3].toInt());
+  const bool log = op.schema().name() == "aten::_log_softmax_backward_data";
+  auto out = log ? grad - output.exp() * grad.sum({dim}, true) : output * (grad - (grad * output).sum({dim}, true));
+  torch::jit::drop(*stack, 4);
+  torch::jit::push(*stack, out.to(dtype));
+}
+
 // _softmax(self, dim, half_to_float), _softmax_backward_data(grad, output, dim, dtype),
-// and the log_softmax pair: every tensor split alike, never along `dim`.
-ShardingChoice softmax_rule(const OpCall& call, size_t dim_arg) {
+// and the log_softmax pair: every tensor split alike, never along `dim`; when the input
+// is split along `dim` already, the composed form above.
+ShardingChoice softmax_rule(const OpCall& call, size_t dim_arg, bool backward) {
   const int64_t ndim = call.outputs[0].ndim();
   const int64_t dim = at::maybe_wrap_dim(call.int_arg(dim_arg), ndim);
+  for (const auto& in : call.inputs)
+    for (const auto& p : in.placements)
+      if (p.is_shard(dim)) return ShardingChoice::composition(backward ? softmax_backward_composed : softmax_composed);
   const size_t n = call.inputs.size();
   DimStrategies s = {{Placements(n, R), {R}}};
   for (int32_t d = 0; d < ndim; ++d)
@@ -58,9 +92,9 @@ VESCALE_RULES(norm) {
   rules.add("aten::native_layer_norm", layer_norm_rule);
   rules.add("aten::native_layer_norm_backward", layer_norm_backward_rule);
   for (const char* op : {"aten::_softmax", "aten::_log_softmax"})
-    rules.add(op, [](const OpCall& c) { return softmax_rule(c, 1); });
+    rules.add(op, [](const OpCall& c) { return softmax_rule(c, 1, false); });
   for (const char* op : {"aten::_softmax_backward_data", "aten::_log_softmax_backward_data"})
-    rules.add(op, [](const OpCall& c) { return softmax_rule(c, 2); });
+    rules.add(op, [](const OpCall& c) { return softmax_rule(c, 2, true); });
 }
 
 }  // namespace vescale

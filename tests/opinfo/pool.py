@@ -91,6 +91,10 @@ class Ranks:
         ctx = mp.get_context("spawn")
         port = _free_port()
         os.environ["OMP_NUM_THREADS"] = "1"  # read by the children's torch at import
+        # One hash seed for all ranks: Python code that iterates over a set to pick among
+        # equal choices (torch's DTensor does) then picks alike on every rank. With a seed
+        # per process, as torchrun leaves it, ranks can pick different collectives and hang.
+        os.environ["PYTHONHASHSEED"] = os.environ.get("OPINFO_HASHSEED", "0")
         for rank in range(self.world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker, daemon=True,
