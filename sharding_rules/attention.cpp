@@ -11,21 +11,28 @@ namespace vescale {
 
 namespace {
 
-// Candidate splits shared by forward and backward: every tensor split on `d`
-// (logsumexp is [batch, heads, seq], aligned from the left), except the attention
-// mask, the last tensor argument, which broadcasts from the right.
+bool is_mask(const OpCall& call, size_t slot) {
+  const auto& name = call.schema().arguments()[call.input_arg[slot]].name();
+  return name == "attn_mask" || name == "attn_bias";
+}
+
+// Candidate splits shared by forward and backward: the [batch, heads, seq, dim]
+// tensors and logsumexp ([batch, heads, seq], aligned from the left) split on `d`;
+// the mask broadcasts from the right; the rest (random-state scalars, empty sequence
+// offsets) stays replicated.
 DimStrategies batch_or_heads(const OpCall& call) {
+  const auto& q_shape = call.inputs[0].shape;
   DimStrategies s;
-  const size_t mask = call.inputs.size() - 1;
   for (int32_t d : {-1, 0, 1}) {
     const Placement p = d < 0 ? Placement::replicate() : Placement::shard(d);
+    auto follows = [&](const TensorArg& t) { return t.ndim() >= 3 ? p : Placement::replicate(); };
     DimStrategy st;
     for (size_t i = 0; i < call.inputs.size(); ++i) {
       const auto& in = call.inputs[i];
       if (!in.defined) st.inputs.push_back(Placement::replicate());
-      else st.inputs.push_back(i == mask ? broadcast_input_placement(p, call.outputs[0].shape, in) : p);
+      else st.inputs.push_back(is_mask(call, i) ? broadcast_input_placement(p, q_shape, in) : follows(in));
     }
-    st.outputs.assign(call.outputs.size(), p);
+    for (const auto& out : call.outputs) st.outputs.push_back(follows(out));
     s.push_back(std::move(st));
   }
   return s;
@@ -62,8 +69,16 @@ ShardingChoice sdp_choice_rule(const OpCall& call) {
 }  // namespace
 
 VESCALE_RULES(attention) {
-  rules.add("aten::_scaled_dot_product_flash_attention_for_cpu", sdpa_rule);
-  rules.add("aten::_scaled_dot_product_flash_attention_for_cpu_backward", sdpa_rule);
+  // The CPU kernel, and the CUDA ones (flash, memory-efficient, cuDNN) with their
+  // backward: all take [batch, heads, seq, head_dim] and split alike.
+  for (const char* op : {"aten::_scaled_dot_product_flash_attention_for_cpu",
+                         "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+                         "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_flash_attention_backward",
+                         "aten::_scaled_dot_product_efficient_attention",
+                         "aten::_scaled_dot_product_efficient_attention_backward",
+                         "aten::_scaled_dot_product_cudnn_attention",
+                         "aten::_scaled_dot_product_cudnn_attention_backward"})
+    rules.add(op, sdpa_rule);
   rules.add("aten::_fused_sdp_choice", sdp_choice_rule);
 }
 

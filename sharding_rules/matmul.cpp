@@ -8,8 +8,8 @@
 //   Partial   R         Partial    linear in A
 //   R         Partial   Partial    linear in B
 //
-// bmm adds a batch dim that may be split on all three. linear and matmul decompose
-// into these above autograd.
+// bmm adds a batch dim that may be split on all three; mv and dot are the same with
+// fewer dims. linear, matmul and einsum decompose into these above autograd.
 
 #include "sharding_rules/rule.h"
 
@@ -47,6 +47,26 @@ DimStrategies with_bias(const OpCall& call, DimStrategies product) {
   return product;
 }
 
+// Matrix-vector and vector-vector products: the matrix's rows split the result; a
+// split contraction makes it Partial.
+DimStrategies mv_strategies() {
+  DimStrategies s = {{{R, R}, {R}}, {{S(0), R}, {S(0)}}, {{S(1), S(0)}, {Placement::partial()}}};
+  for (const ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
+    s.push_back({{Placement::partial(op), R}, {Placement::partial(op)}});
+    s.push_back({{R, Placement::partial(op)}, {Placement::partial(op)}});
+  }
+  return s;
+}
+
+DimStrategies dot_strategies() {
+  DimStrategies s = {{{R, R}, {R}}, {{S(0), S(0)}, {Placement::partial()}}};
+  for (const ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
+    s.push_back({{Placement::partial(op), R}, {Placement::partial(op)}});
+    s.push_back({{R, Placement::partial(op)}, {Placement::partial(op)}});
+  }
+  return s;
+}
+
 ShardingChoice mm_rule(const OpCall& call) { return choose_cheapest(call, matmul_strategies(0)); }
 ShardingChoice bmm_rule(const OpCall& call) { return choose_cheapest(call, matmul_strategies(1)); }
 ShardingChoice addmm_rule(const OpCall& call) {
@@ -63,6 +83,10 @@ VESCALE_RULES(matmul) {
   rules.add("aten::bmm", bmm_rule);
   rules.add("aten::addmm", addmm_rule);
   rules.add("aten::baddbmm", baddbmm_rule);
+  rules.add("aten::mv", [](const OpCall& c) { return choose_cheapest(c, mv_strategies()); });
+  rules.add("aten::addmv", [](const OpCall& c) { return choose_cheapest(c, with_bias(c, mv_strategies())); });
+  for (const char* op : {"aten::dot", "aten::vdot"})
+    rules.add(op, [](const OpCall& c) { return choose_cheapest(c, dot_strategies()); });
 }
 
 }  // namespace vescale

@@ -4,6 +4,8 @@
 //
 //   op                                      split dims            parameter grads
 //   native_layer_norm(+_backward)           d < ndim - len(norm)  Partial(sum)
+//   native_group_norm(+_backward)           batch (dim 0)         Partial(sum)
+//   rms_norm                                composite: decomposes into the ops above autograd
 //   _softmax / _log_softmax (+_backward)    d != softmax dim      -
 //     (input already split along the softmax dim: composed from max / sum reductions)
 
@@ -86,9 +88,37 @@ ShardingChoice softmax_rule(const OpCall& call, size_t dim_arg, bool backward) {
   return choose_cheapest(call, s);
 }
 
+// native_group_norm(input[N, C, *], weight?, bias?, N, C, HxW, group, eps)
+//   -> (out, mean[N, G], rstd[N, G]): only the batch may split; the local call gets
+// the local batch size.
+std::vector<std::pair<size_t, c10::IValue>> local_batch(const OpCall& call, size_t input, const Placements& p,
+                                                        size_t n_arg) {
+  const auto box = local_box(call.inputs[input].shape, p, call.mesh.shape, call.mesh.coordinate);
+  return {{n_arg, c10::IValue(box.sizes[0])}};
+}
+
+ShardingChoice group_norm_rule(const OpCall& call) {
+  const auto S0 = Placement::shard(0);
+  auto c = choose_cheapest(call, {{{R, R, R}, {R, R, R}}, {{S0, R, R}, {S0, S0, S0}}});
+  c.local_args = local_batch(call, 0, c.inputs[0], 3);
+  return c;
+}
+
+// native_group_norm_backward(grad_out, input, mean, rstd, weight?, N, C, HxW, group,
+// output_mask) -> (grad_input, grad_weight, grad_bias)
+ShardingChoice group_norm_backward_rule(const OpCall& call) {
+  const auto S0 = Placement::shard(0);
+  const auto P = Placement::partial();
+  auto c = choose_cheapest(call, {{{R, R, R, R, R}, {R, R, R}}, {{S0, S0, S0, S0, R}, {S0, P, P}}});
+  c.local_args = local_batch(call, 1, c.inputs[1], 5);
+  return c;
+}
+
 }  // namespace
 
 VESCALE_RULES(norm) {
+  rules.add("aten::native_group_norm", group_norm_rule);
+  rules.add("aten::native_group_norm_backward", group_norm_backward_rule);
   rules.add("aten::native_layer_norm", layer_norm_rule);
   rules.add("aten::native_layer_norm_backward", layer_norm_backward_rule);
   for (const char* op : {"aten::_softmax", "aten::_log_softmax"})

@@ -135,6 +135,12 @@ def _cases() -> list[Case]:
         Case("nll_none", lambda x, t: F.nll_loss(x, t, reduction="none"), [Arg((7, 5)), Arg((7,), "target:5")]),
         Case("nll_weighted", lambda x, t, w: F.nll_loss(x, t, weight=w),
              [Arg((7, 5)), Arg((7,), "target:5"), Arg((5,), "positive", grad=False)]),
+        Case("mv", torch.mv, [x56, x6]),
+        Case("dot", torch.dot, [x6, x6]),
+        Case("group_norm", lambda x, w, b: F.group_norm(x, 3, w, b), [Arg((4, 6, 5)), x6, x6]),
+        Case("rms_norm", lambda x, w: F.rms_norm(x, (6,), w), [x356, x6]),
+        Case("sdpa_mask", lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+             [Arg((2, 4, 6, 8)), Arg((2, 4, 6, 8)), Arg((2, 4, 6, 8)), Arg((1, 4, 6, 6), grad=False)], partial=False),
         Case("sdpa_causal", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
              [Arg((2, 4, 6, 8)), Arg((2, 4, 6, 8)), Arg((2, 4, 6, 8))], partial=False),
     ]
