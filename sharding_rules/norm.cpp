@@ -75,12 +75,13 @@ void softmax_backward_composed(const c10::OperatorHandle& op, torch::jit::Stack*
 // _softmax(self, dim, half_to_float), _softmax_backward_data(grad, output, dim, dtype),
 // and the log_softmax pair: every tensor split alike, never along `dim`; when the input
 // is split along `dim` already, the composed form above.
-ShardingChoice softmax_rule(const OpCall& call, size_t dim_arg, bool backward) {
+ShardingChoice softmax_rule(const OpCall& call, size_t dim_arg, bool backward, bool composable = true) {
   const int64_t ndim = call.outputs[0].ndim();
   const int64_t dim = at::maybe_wrap_dim(call.int_arg(dim_arg), ndim);
   for (const auto& in : call.inputs)
     for (const auto& p : in.placements)
-      if (p.is_shard(dim)) return ShardingChoice::composition(backward ? softmax_backward_composed : softmax_composed);
+      if (composable && p.is_shard(dim))
+        return ShardingChoice::composition(backward ? softmax_backward_composed : softmax_composed);
   const size_t n = call.inputs.size();
   DimStrategies s = {{Placements(n, R), {R}}};
   for (int32_t d = 0; d < ndim; ++d)
@@ -125,6 +126,8 @@ VESCALE_RULES(norm) {
     rules.add(op, [](const OpCall& c) { return softmax_rule(c, 1, false); });
   for (const char* op : {"aten::_softmax_backward_data", "aten::_log_softmax_backward_data"})
     rules.add(op, [](const OpCall& c) { return softmax_rule(c, 2, true); });
+  // Attention's softmax, which gives 0 rather than NaN on rows that are wholly masked.
+  rules.add("aten::_safe_softmax", [](const OpCall& c) { return softmax_rule(c, 1, false, false); });
 }
 
 }  // namespace vescale
