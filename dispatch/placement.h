@@ -14,6 +14,7 @@
 #include <c10/util/ArrayRef.h>
 
 #include <cstdint>
+#include <ostream>
 #include <string>
 
 namespace vescale {
@@ -66,6 +67,8 @@ using Placements = c10::SmallVector<Placement, 4>;
 using PlacementsRef = c10::ArrayRef<Placement>;
 
 std::string to_string(PlacementsRef placements);  // "[Shard(0), Replicate()]"
+
+inline std::ostream& operator<<(std::ostream& os, const Placement& p) { return os << p.str(); }
 
 bool any_partial(PlacementsRef placements);
 bool all_replicate(PlacementsRef placements);

@@ -23,7 +23,7 @@ std::string TensorSpec::str() const {
   return os.str();
 }
 
-Shape contiguous_strides(c10::ArrayRef<int64_t> shape) {
+Shape dense_strides(c10::ArrayRef<int64_t> shape) {
   Shape strides(shape.size());
   int64_t s = 1;
   for (size_t i = shape.size(); i-- > 0;) {
@@ -35,7 +35,7 @@ Shape contiguous_strides(c10::ArrayRef<int64_t> shape) {
 
 Shape strides_like(c10::ArrayRef<int64_t> shape, c10::ArrayRef<int64_t> like_strides) {
   const size_t n = shape.size();
-  if (like_strides.size() != n) return vescale::contiguous_strides(shape);
+  if (like_strides.size() != n) return dense_strides(shape);
   c10::SmallVector<size_t, 6> order(n);
   std::iota(order.begin(), order.end(), 0);
   // Innermost first: smallest stride; ties keep the later dim inner.

@@ -52,7 +52,7 @@ SpecPtr make_spec(
 SpecPtr with_placements(const SpecPtr& spec, PlacementsRef placements);
 
 // Contiguous strides for a shape.
-Shape contiguous_strides(c10::ArrayRef<int64_t> shape);
+Shape dense_strides(c10::ArrayRef<int64_t> shape);
 
 // Strides for `shape` that keep the dim order of `like_strides` (outermost first),
 // densely packed: how a local shard's layout maps onto the global tensor.

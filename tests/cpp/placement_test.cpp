@@ -65,7 +65,7 @@ TEST(Placement, EqualityAndNames) {
 TEST(Spec, InternedAndNormalised) {
   auto mesh = make_test_mesh({2, 2}, {1, 0});
   const std::vector<int64_t> shape = {4, 6};
-  const auto stride = contiguous_strides(shape);
+  const auto stride = dense_strides(shape);
   auto a = make_spec(mesh, {Placement::shard(-1), Placement::replicate()}, shape, stride, at::kFloat);
   auto b = make_spec(mesh, {Placement::shard(1), Placement::replicate()}, shape, stride, at::kFloat);
   EXPECT_EQ(a.get(), b.get());
@@ -79,7 +79,7 @@ TEST(Spec, InternedAndNormalised) {
 TEST(Spec, RejectsBadPlacements) {
   auto mesh = make_test_mesh({2}, {0});
   const std::vector<int64_t> shape = {4, 6};
-  const auto stride = contiguous_strides(shape);
+  const auto stride = dense_strides(shape);
   EXPECT_THROW(make_spec(mesh, {Placement::shard(2)}, shape, stride, at::kFloat), c10::IndexError);
   EXPECT_THROW(make_spec(mesh, {Placement::shard(-3)}, shape, stride, at::kFloat), c10::IndexError);
   EXPECT_THROW(make_spec(mesh, {Placement::shard(0), Placement::shard(1)}, shape, stride, at::kFloat),
@@ -91,7 +91,7 @@ TEST(Spec, StridesLikeKeepsDimOrder) {
   const auto s = strides_like(std::vector<int64_t>{3, 2}, std::vector<int64_t>{1, 3});
   EXPECT_EQ(s[0], 1);
   EXPECT_EQ(s[1], 3);
-  EXPECT_EQ(contiguous_strides(std::vector<int64_t>{2, 3, 4})[0], 12);
+  EXPECT_EQ(dense_strides(std::vector<int64_t>{2, 3, 4})[0], 12);
 }
 
 TEST(Mesh, InternedAndValidated) {

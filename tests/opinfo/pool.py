@@ -79,7 +79,7 @@ def _die_with_parent() -> None:
 class Ranks:
     """``world`` processes running ``handler`` ("module:function") on every message."""
 
-    def __init__(self, world: int, handler: str, *, gloo_timeout_s: float = 90, start_timeout_s: float = 300):
+    def __init__(self, world: int, handler: str, *, gloo_timeout_s: float = 60, start_timeout_s: float = 300):
         self.world, self.handler = world, handler
         self.log_dir = tempfile.mkdtemp(prefix="opinfo-ranks-")
         self.gloo_timeout_s, self.start_timeout_s = gloo_timeout_s, start_timeout_s

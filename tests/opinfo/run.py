@@ -59,7 +59,7 @@ def select_ops(names: list[str] | None) -> list[str]:
 
 
 def run_ops(keys, *, stacks=STACKS, meshes=MESHES, max_samples=3, combo_limit=30,
-            op_timeout_s=600.0, results: dict | None = None) -> dict:
+            op_timeout_s=180.0, results: dict | None = None) -> dict:
     """{op key: {stack: result dict}}; ``results`` (from an earlier run) is updated in place."""
     results = {} if results is None else results
     ranks = Ranks(WORLD, f"{check.__name__}:handle")
@@ -70,7 +70,11 @@ def run_ops(keys, *, stacks=STACKS, meshes=MESHES, max_samples=3, combo_limit=30
         for n, key in enumerate(keys, 1):
             for stack in stacks:
                 start = time.monotonic()
-                per_mesh = {m: _run_one(ranks, key, stack, m, opts, op_timeout_s) for m in meshes}
+                per_mesh = {}
+                for m in meshes:
+                    per_mesh[m] = _run_one(ranks, key, stack, m, opts, op_timeout_s)
+                    if per_mesh[m]["status"] in ("hang", "crash"):
+                        break  # another mesh would most likely cost another timeout
                 res = _merge_meshes(per_mesh)
                 res["seconds"] = round(time.monotonic() - start, 2)
                 results.setdefault(key, {})[stack] = res
@@ -127,7 +131,7 @@ def main(argv=None) -> int:
     p.add_argument("--meshes", default=",".join(MESHES), help="comma-separated: 1d4,2d")
     p.add_argument("--stack", choices=("vescale", "torch", "both"), default="both")
     p.add_argument("--quick", action="store_true", help="the CI subset: common ops, 1 sample, 1d4 mesh")
-    p.add_argument("--op-timeout", type=float, default=600, help="seconds before an op counts as hung")
+    p.add_argument("--op-timeout", type=float, default=180, help="seconds before an op counts as hung")
     args = p.parse_args(argv)
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the ranks are stopped
