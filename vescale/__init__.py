@@ -11,6 +11,7 @@ from .debug import fallback_counts, reset_fallback_counts
 from .device_mesh import DeviceMesh, get_device_mesh, init_device_mesh
 from .dtensor import DTensor, distribute_tensor
 from .placement_types import Partial, Placement, Replicate, Shard
+from .parallel import DDP, DistributedOptimizer, parallelize_module
 
 _install()
 
@@ -19,4 +20,5 @@ __all__ = [
     "DTensor", "distribute_tensor",
     "Placement", "Shard", "Replicate", "Partial",
     "fallback_counts", "reset_fallback_counts",
+    "parallelize_module", "DDP", "DistributedOptimizer",
 ]

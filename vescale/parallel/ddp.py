@@ -1,0 +1,180 @@
+"""DDP: data parallelism over one mesh dim, for plain and tensor-parallel DTensor models.
+
+    model = DDP(parallelize_module(model, mesh["TP"], plan), mesh["DP"])
+
+Each data-parallel rank runs its own micro-batch; gradients are averaged over the DP
+group as backward produces them: parameters are grouped into buckets (reverse
+registration order, ``bucket_cap_mb`` each), and a bucket's all-reduce starts as soon
+as its last gradient is accumulated, overlapping the rest of backward. The end of
+backward waits for every bucket. For a DTensor parameter the reduction acts on this
+rank's local shard: DP ranks at the same tensor-parallel coordinate hold the same
+shard. ``no_sync()`` accumulates locally (gradient accumulation).
+
+With ``reduce_scatter=True`` (ZeRO-2, set by DistributedOptimizer) a bucket is
+reduce-scattered instead: each rank keeps only its slice of every gradient (see
+``vescale.parallel.optimizer``), and the full gradients are dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import _C
+from ..device_mesh import DeviceMesh
+from ..dtensor import DTensor
+
+__all__ = ["DDP"]
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a rank actually holds: a DTensor's shard, or a plain tensor itself."""
+    return _C.local_tensor(t) if isinstance(t, DTensor) else t
+
+
+@dataclass
+class Slot:
+    """Where one parameter's local gradient sits in its bucket: flat, padded to a
+    multiple of the DP size, laid out rank-major so a reduce-scatter hands every rank
+    its own slice of each gradient."""
+    param: nn.Parameter
+    numel: int
+    chunk: int   # elements per rank
+    offset: int  # in each rank's row of the bucket
+
+
+@dataclass
+class Bucket:
+    dtype: torch.dtype
+    device: torch.device
+    slots: list[Slot] = field(default_factory=list)
+    chunk_total: int = 0  # elements per rank
+    buffer: torch.Tensor | None = None
+    pending: int = 0
+    work: object = None
+
+    def numel(self) -> int:
+        return self.chunk_total
+
+
+class DDP(nn.Module):
+    def __init__(self, module: nn.Module, data_parallel: DeviceMesh | dist.ProcessGroup, *,
+                 bucket_cap_mb: float = 25.0, reduce_scatter: bool = False):
+        super().__init__()
+        self.module = module
+        if isinstance(data_parallel, DeviceMesh):
+            if data_parallel.ndim != 1:
+                raise ValueError(f"DDP takes a 1-d data-parallel mesh (e.g. mesh['DP']), got {data_parallel}")
+            self.group = data_parallel.get_group(0)
+        else:
+            self.group = data_parallel
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.reduce_scatter = reduce_scatter
+        self._sync = True
+        self._callback_queued = False
+        self.buckets = self._make_buckets(bucket_cap_mb)
+        self._slot_of = {id(s.param): (b, s) for b in self.buckets for s in b.slots}
+        self._broadcast_parameters()
+        for b in self.buckets:
+            for s in b.slots:
+                s.param.register_post_accumulate_grad_hook(self._grad_ready)
+        # ZeRO-2: per parameter, this rank's slice of the averaged gradient.
+        self.grad_shards: dict[int, torch.Tensor] = {}
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; the next backward outside reduces them all."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    # ---- set-up ----
+
+    def _make_buckets(self, cap_mb: float) -> list[Bucket]:
+        params, seen = [], set()
+        for p in self.module.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        buckets: list[Bucket] = []
+        open_buckets: dict[tuple, Bucket] = {}
+        cap = int(cap_mb * 2**20)
+        for p in reversed(params):  # gradients arrive roughly in reverse order
+            local = local_of(p)
+            key = (local.dtype, local.device)
+            b = open_buckets.get(key)
+            if b is None or (b.chunk_total * self.world * local.element_size() >= cap):
+                b = Bucket(local.dtype, local.device)
+                buckets.append(b)
+                open_buckets[key] = b
+            chunk = -(-local.numel() // self.world)
+            b.slots.append(Slot(p, local.numel(), chunk, b.chunk_total))
+            b.chunk_total += chunk
+        return buckets
+
+    def _broadcast_parameters(self) -> None:
+        """Start from the same values on every DP rank (rank 0's)."""
+        src = dist.get_global_rank(self.group, 0)
+        with torch.no_grad():
+            for p in self.module.parameters():
+                dist.broadcast(local_of(p), src=src, group=self.group)
+            for b in self.module.buffers():
+                dist.broadcast(local_of(b), src=src, group=self.group)
+
+    # ---- backward ----
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            for b in self.buckets:
+                b.pending = len(b.slots)
+        bucket, _ = self._slot_of[id(param)]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch(bucket)
+
+    def _launch(self, b: Bucket) -> None:
+        b.buffer = torch.zeros(self.world, b.chunk_total, dtype=b.dtype, device=b.device)
+        for s in b.slots:
+            if s.param.grad is None:
+                continue  # unused this step: contributes zeros
+            flat = local_of(s.param.grad).reshape(-1)
+            padded = torch.nn.functional.pad(flat, (0, s.chunk * self.world - s.numel))
+            b.buffer[:, s.offset:s.offset + s.chunk].copy_(padded.view(self.world, s.chunk))
+            if self.reduce_scatter:
+                s.param.grad = None  # only this rank's slice is kept
+        if self.reduce_scatter:
+            out = torch.empty(b.chunk_total, dtype=b.dtype, device=b.device)
+            b.work = (dist.reduce_scatter_tensor(out, b.buffer.view(-1), group=self.group, async_op=True), out)
+        else:
+            b.work = (dist.all_reduce(b.buffer, group=self.group, async_op=True), b.buffer)
+
+    def _finish(self) -> None:
+        self._callback_queued = False
+        for b in self.buckets:
+            if b.work is None:
+                self._launch(b)  # a parameter did not get a gradient this step
+        for b in self.buckets:
+            work, result = b.work
+            work.wait()
+            result.div_(self.world)
+            for s in b.slots:
+                if self.reduce_scatter:
+                    self.grad_shards[id(s.param)] = result[s.offset:s.offset + s.chunk].clone()
+                elif s.param.grad is not None:
+                    averaged = result.view(self.world, -1)[:, s.offset:s.offset + s.chunk].reshape(-1)[: s.numel]
+                    local_of(s.param.grad).copy_(averaged.view_as(local_of(s.param.grad)))
+            b.work, b.buffer = None, None

@@ -1,0 +1,234 @@
+"""DistributedOptimizer: ZeRO over the data-parallel group of DDP-wrapped models.
+
+    model = DDP(model, mesh["DP"])
+    optimizer = DistributedOptimizer(torch.optim.AdamW, models=[model], lr=1e-3, zero_stage=2)
+
+Every parameter's local tensor (a DTensor's shard, or the plain tensor) is split into
+DP slices; this rank keeps an fp32 master copy of its slice and runs the wrapped
+optimizer, unchanged, on those slices only, so optimizer state and master weights
+take 1/DP of the memory. After the step the updated slices are all-gathered back into
+the parameters (in their own dtype: bf16/fp16 compute, fp32 master weights).
+
+    zero_stage=1  gradients are all-reduced (DDP), each rank reads its slice
+    zero_stage=2  gradients are reduce-scattered as backward produces them; only the
+                  slice stays (DDP(reduce_scatter=True), set up here)
+
+The wrapped optimizer must update each element from that element's state alone
+(SGD, Adam, AdamW, Adagrad, ...): it sees flat slices, not the parameters' shapes.
+``loss_scale="dynamic"`` adds fp16 loss scaling: ``scale_loss(loss)`` before
+backward; ``step()`` skips the update on every rank when any rank finds an inf/NaN
+gradient, and adapts the scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..dtensor import DTensor
+from .ddp import DDP, Slot, local_of
+
+__all__ = ["DistributedOptimizer"]
+
+
+@dataclass
+class Owned:
+    """This rank's slice [start, end) of one parameter's flat local tensor."""
+    param: nn.Parameter
+    slot: Slot
+    start: int
+    end: int
+    master: nn.Parameter
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    def __init__(self, optimizer_cls, models, *, zero_stage: int = 1, loss_scale: str | float | None = None,
+                 **optimizer_kwargs):
+        if zero_stage not in (1, 2):
+            raise ValueError(f"zero_stage must be 1 or 2 (got {zero_stage}); use vescale.parallel.ZeRO3 for stage 3")
+        models = list(models)
+        if not models or not all(isinstance(m, DDP) for m in models):
+            raise TypeError("DistributedOptimizer shards over the data-parallel group of DDP models: "
+                            "pass models=[DDP(model, mesh['DP'])]")
+        self.ddps = models
+        self.group = models[0].group
+        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.zero_stage = zero_stage
+        for ddp in models:
+            ddp.reduce_scatter = zero_stage == 2
+        self.owned: list[Owned] = []
+        for ddp in models:
+            for bucket in ddp.buckets:
+                for slot in bucket.slots:
+                    start = min(self.rank * slot.chunk, slot.numel)
+                    end = min(start + slot.chunk, slot.numel)
+                    flat = local_of(slot.param).detach().reshape(-1)
+                    master = nn.Parameter(flat[start:end].to(torch.float32).clone())
+                    self.owned.append(Owned(slot.param, slot, start, end, master))
+        self.inner = optimizer_cls([o.master for o in self.owned], **optimizer_kwargs)
+        # Present the wrapped optimizer's groups and state as ours (LR schedulers, logging).
+        super().__init__([o.master for o in self.owned], self.inner.defaults)
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self.scaler = _LossScaler(loss_scale) if loss_scale is not None else None
+
+    # ---- the step ----
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler else loss
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for o in self.owned:
+            grad = self._grad_slice(o)
+            o.master.grad = None if grad is None else grad.to(torch.float32)
+        if self.scaler is not None:
+            if not self.scaler.unscale_and_check([o.master.grad for o in self.owned if o.master.grad is not None]):
+                return loss  # inf/NaN somewhere: every rank skips this step
+        self.inner.step()
+        self._gather_parameters()
+        return loss
+
+    def _grad_slice(self, o: Owned) -> torch.Tensor | None:
+        if self.zero_stage == 2:
+            for ddp in self.ddps:
+                shard = ddp.grad_shards.get(id(o.param))
+                if shard is not None:
+                    return shard[: o.end - o.start]
+            return None
+        if o.param.grad is None:
+            return None
+        return local_of(o.param.grad).reshape(-1)[o.start:o.end]
+
+    def _gather_parameters(self) -> None:
+        """All-gather the updated slices, one collective per dtype and device."""
+        groups: dict[tuple, list[Owned]] = {}
+        for o in self.owned:
+            local = local_of(o.param)
+            groups.setdefault((local.dtype, local.device), []).append(o)
+        for (dtype, device), owned in groups.items():
+            total = sum(o.slot.chunk for o in owned)
+            mine = torch.zeros(total, dtype=dtype, device=device)
+            offset = 0
+            for o in owned:
+                mine[offset:offset + (o.end - o.start)].copy_(o.master.detach())
+                offset += o.slot.chunk
+            gathered = torch.empty(self.world * total, dtype=dtype, device=device)
+            _all_gather(gathered, mine, self.group)
+            gathered = gathered.view(self.world, total)
+            offset = 0
+            for o in owned:
+                full = gathered[:, offset:offset + o.slot.chunk].reshape(-1)[: o.slot.numel]
+                local = local_of(o.param)
+                local.copy_(full.view_as(local))
+                offset += o.slot.chunk
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.owned:
+            o.param.grad = None
+            o.master.grad = None
+        for ddp in self.ddps:
+            ddp.grad_shards.clear()
+
+    # ---- norms and state ----
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips by the global gradient norm over every rank; returns that norm.
+
+        Call after backward, before step(). Elements a DTensor replicates across its mesh
+        are counted once.
+        """
+        slices = [(o, self._grad_slice(o)) for o in self.owned]
+        # DP ranks split each local tensor, so sums over the DP group give whole local
+        # tensors. A DTensor's local tensors then sum over its mesh (its replicated
+        # dims counted once); a plain parameter is the same on every other rank.
+        distributed = torch.zeros((), dtype=torch.float64)
+        plain = torch.zeros((), dtype=torch.float64)
+        for o, g in slices:
+            if g is None:
+                continue
+            power = g.double().abs().pow(norm_type).sum()
+            if isinstance(o.param, DTensor):
+                distributed += power / _copies(o.param)
+            else:
+                plain += power
+        dist.all_reduce(distributed)
+        dist.all_reduce(plain, group=self.group)
+        norm = (distributed + plain).pow(1.0 / norm_type)
+        coef = max_norm / (float(norm) + 1e-6)
+        if coef < 1.0:
+            for o, g in slices:
+                if g is not None:
+                    g.mul_(coef)
+        return norm.float()
+
+    def state_dict(self) -> dict:
+        return {"inner": self.inner.state_dict(), "zero_stage": self.zero_stage, "dp_world": self.world,
+                "dp_rank": self.rank, "loss_scale": self.scaler.state_dict() if self.scaler else None,
+                "masters": [o.master.detach().clone() for o in self.owned]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("dp_world") != self.world or state.get("dp_rank") != self.rank:
+            raise ValueError(f"this optimizer state was saved by DP rank {state.get('dp_rank')} of "
+                             f"{state.get('dp_world')}; this is rank {self.rank} of {self.world} "
+                             f"(use vescale.load to reshard)")
+        self.inner.load_state_dict(state["inner"])
+        for o, m in zip(self.owned, state["masters"]):
+            o.master.data.copy_(m)
+        if self.scaler and state.get("loss_scale"):
+            self.scaler.load_state_dict(state["loss_scale"])
+
+
+def _all_gather(out: torch.Tensor, mine: torch.Tensor, group) -> None:
+    # torch 2.13 renames all_gather_into_tensor to all_gather_single; 2.11 has only the former.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, mine, group=group)
+
+
+def _copies(param: DTensor) -> int:
+    """How many ranks of its mesh hold each element of a DTensor (replicated dims)."""
+    copies = 1
+    for p, size in zip(param.placements, param.device_mesh.shape):
+        if not p.is_shard():
+            copies *= size
+    return copies
+
+
+class _LossScaler:
+    """Dynamic loss scaling: halves on overflow (skipping the step), doubles after
+    `growth_interval` clean steps."""
+
+    def __init__(self, init: str | float, growth_interval: int = 1000):
+        self.scale = 2.0**16 if init == "dynamic" else float(init)
+        self.dynamic = init == "dynamic"
+        self.growth_interval = growth_interval
+        self.clean_steps = 0
+
+    def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
+        found = torch.zeros(1)
+        for g in grads:
+            g.div_(self.scale)
+            if not torch.isfinite(g).all():
+                found.fill_(1.0)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)  # any rank's overflow skips the step everywhere
+        ok = found.item() == 0.0
+        if self.dynamic:
+            if not ok:
+                self.scale /= 2.0
+                self.clean_steps = 0
+            else:
+                self.clean_steps += 1
+                if self.clean_steps % self.growth_interval == 0:
+                    self.scale *= 2.0
+        return ok
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps = state["scale"], state["clean_steps"]
