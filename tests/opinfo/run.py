@@ -36,7 +36,7 @@ QUICK_OPS = (
 )
 
 # Answers that mean a collective failed or waited out its timeout inside the ranks.
-_COLLECTIVE_ERRORS = ("timed out", "timeout", "connection closed", "connection reset", "gloo")
+_COLLECTIVE_ERRORS = ("timed out", "connection closed", "connection reset", "broken pipe")
 
 
 def all_op_keys() -> list[str]:
@@ -91,13 +91,16 @@ def _run_one(ranks: Ranks, key: str, stack: str, mesh: str, opts: dict, timeout_
         return dict(vars(check.Outcome(reply.kind, reply.message)), seconds=0.0)
     outcomes = reply.values
     statuses = [o["status"] for o in outcomes]
-    worst = max(range(WORLD), key=lambda r: check.STATUS_ORDER.index(statuses[r]))
-    res = dict(outcomes[worst])
-    if len(set(statuses)) > 1:
-        res["reason"] += f" (rank {worst}; ranks gave {statuses})"
-    reasons = " ".join(o["reason"].lower() for o in outcomes)
-    if any(e in reasons for e in _COLLECTIVE_ERRORS):
+    waited = [any(e in o["reason"].lower() for e in _COLLECTIVE_ERRORS) for o in outcomes]
+    # The worst outcome, as told by a rank that did not merely time out waiting for the others.
+    first = min(range(WORLD), key=lambda r: (waited[r], -check.STATUS_ORDER.index(statuses[r]), r))
+    res = dict(outcomes[first])
+    if any(waited):
         res["status"] = "hang"
+        if not waited[first]:
+            res["reason"] += f" (rank {first}; ranks {[r for r in range(WORLD) if waited[r]]} timed out waiting)"
+    elif len(set(statuses)) > 1:
+        res["reason"] += f" (rank {first}; ranks gave {statuses})"
     # An exception at different points (or on some ranks only) leaves collectives unmatched.
     if res["status"] == "hang" or len({tuple(o["stopped_at"]) for o in outcomes}) > 1:
         ranks.restart()

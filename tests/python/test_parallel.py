@@ -37,6 +37,8 @@ LAYOUTS = {
     "zero1_dp4": ("1d4", None, 0, False, 1),
     "zero2_dp4": ("1d4", None, 0, False, 2),
     "zero2_dp2_tp2": ("2d", "TP", "DP", True, 2),
+    "zero3_dp4": ("1d4", None, 0, False, 3),
+    "zero3_dp2_tp2": ("2d", "TP", "DP", True, 3),
 }
 
 
@@ -116,11 +118,12 @@ def _case_train(model_name: str, layout: str, accumulate: int = 1):
     if err:
         failures.append(f"losses {losses} vs {ref_losses}: {err}")
     inner = model.module if isinstance(model, DDP) else model
-    for name, p in inner.named_parameters():
-        full = p.full_tensor() if isinstance(p, vescale.DTensor) else p.detach()
-        err = mismatch(full, ref_params[name], rtol=1e-4, atol=1e-5)
-        if err:
-            failures.append(f"{name}: {err}")
+    with opt.full_parameters() if zero else torch.no_grad():
+        for name, p in inner.named_parameters():
+            full = p.full_tensor() if isinstance(p, vescale.DTensor) else p.detach()
+            err = mismatch(full, ref_params[name], rtol=1e-4, atol=1e-5)
+            if err:
+                failures.append(f"{name}: {err}")
     return failures
 
 

@@ -158,7 +158,7 @@ class DDP(nn.Module):
                 s.param.grad = None  # only this rank's slice is kept
         if self.reduce_scatter:
             out = torch.empty(b.chunk_total, dtype=b.dtype, device=b.device)
-            b.work = (dist.reduce_scatter_tensor(out, b.buffer.view(-1), group=self.group, async_op=True), out)
+            b.work = (_reduce_scatter(out, b.buffer.view(-1), self.group), out)
         else:
             b.work = (dist.all_reduce(b.buffer, group=self.group, async_op=True), b.buffer)
 
@@ -178,3 +178,9 @@ class DDP(nn.Module):
                     averaged = result.view(self.world, -1)[:, s.offset:s.offset + s.chunk].reshape(-1)[: s.numel]
                     local_of(s.param.grad).copy_(averaged.view_as(local_of(s.param.grad)))
             b.work, b.buffer = None, None
+
+
+def _reduce_scatter(out: torch.Tensor, whole: torch.Tensor, group):
+    # torch 2.13 renames reduce_scatter_tensor to reduce_scatter_single; 2.11 has only the former.
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(out, whole, group=group, async_op=True)

@@ -12,6 +12,8 @@ the parameters (in their own dtype: bf16/fp16 compute, fp32 master weights).
     zero_stage=1  gradients are all-reduced (DDP), each rank reads its slice
     zero_stage=2  gradients are reduce-scattered as backward produces them; only the
                   slice stays (DDP(reduce_scatter=True), set up here)
+    zero_stage=3  parameters too live as slices, gathered only while a module that
+                  owns them runs forward or backward (vescale.parallel.zero3)
 
 The wrapped optimizer must update each element from that element's state alone
 (SGD, Adam, AdamW, Adagrad, ...): it sees flat slices, not the parameters' shapes.
@@ -22,6 +24,7 @@ gradient, and adapts the scale.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +33,7 @@ import torch.nn as nn
 
 from ..dtensor import DTensor
 from .ddp import DDP, Slot, local_of
+from .zero3 import ShardedParameters, _all_gather
 
 __all__ = ["DistributedOptimizer"]
 
@@ -47,8 +51,8 @@ class Owned:
 class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer_cls, models, *, zero_stage: int = 1, loss_scale: str | float | None = None,
                  **optimizer_kwargs):
-        if zero_stage not in (1, 2):
-            raise ValueError(f"zero_stage must be 1 or 2 (got {zero_stage}); use vescale.parallel.ZeRO3 for stage 3")
+        if zero_stage not in (1, 2, 3):
+            raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
         models = list(models)
         if not models or not all(isinstance(m, DDP) for m in models):
             raise TypeError("DistributedOptimizer shards over the data-parallel group of DDP models: "
@@ -58,7 +62,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.zero_stage = zero_stage
         for ddp in models:
-            ddp.reduce_scatter = zero_stage == 2
+            ddp.reduce_scatter = zero_stage >= 2
         self.owned: list[Owned] = []
         for ddp in models:
             for bucket in ddp.buckets:
@@ -69,6 +73,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     master = nn.Parameter(flat[start:end].to(torch.float32).clone())
                     self.owned.append(Owned(slot.param, slot, start, end, master))
         self.inner = optimizer_cls([o.master for o in self.owned], **optimizer_kwargs)
+        self.sharded = None
+        if zero_stage == 3:
+            self.sharded = ShardedParameters([ddp.module for ddp in models],
+                                             [(o.slot, o.start, o.end) for o in self.owned], self.group)
         # Present the wrapped optimizer's groups and state as ours (LR schedulers, logging).
         super().__init__([o.master for o in self.owned], self.inner.defaults)
         self.param_groups = self.inner.param_groups
@@ -90,11 +98,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if not self.scaler.unscale_and_check([o.master.grad for o in self.owned if o.master.grad is not None]):
                 return loss  # inf/NaN somewhere: every rank skips this step
         self.inner.step()
-        self._gather_parameters()
+        if self.sharded is not None:
+            for o in self.owned:  # the next forward gathers them
+                self.sharded.slice_of(o.param).copy_(o.master.detach())
+        else:
+            self._gather_parameters()
         return loss
 
+    def full_parameters(self):
+        """A context in which ZeRO-3 parameters are whole (a no-op for stages 1 and 2)."""
+        return self.sharded.whole() if self.sharded is not None else contextlib.nullcontext()
+
     def _grad_slice(self, o: Owned) -> torch.Tensor | None:
-        if self.zero_stage == 2:
+        if self.zero_stage >= 2:
             for ddp in self.ddps:
                 shard = ddp.grad_shards.get(id(o.param))
                 if shard is not None:
@@ -182,12 +198,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             o.master.data.copy_(m)
         if self.scaler and state.get("loss_scale"):
             self.scaler.load_state_dict(state["loss_scale"])
-
-
-def _all_gather(out: torch.Tensor, mine: torch.Tensor, group) -> None:
-    # torch 2.13 renames all_gather_into_tensor to all_gather_single; 2.11 has only the former.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, mine, group=group)
 
 
 def _copies(param: DTensor) -> int:
