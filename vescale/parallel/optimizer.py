@@ -150,6 +150,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for ddp in self.ddps:
             ddp.grad_shards.clear()
 
+    # ---- memory, norms and state ----
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now for parameters, gradients and optimizer state
+        (master weights included)."""
+        def nbytes(t):
+            return 0 if t is None else local_of(t).untyped_storage().nbytes()
+
+        params = sum(nbytes(o.param) for o in self.owned)
+        if self.sharded is not None:
+            params += sum(self.sharded.slice_of(o.param).untyped_storage().nbytes() for o in self.owned)
+        grads = sum(nbytes(o.param.grad) for o in self.owned)
+        grads += sum(s.untyped_storage().nbytes() for ddp in self.ddps for s in ddp.grad_shards.values())
+        state = sum(o.master.untyped_storage().nbytes() for o in self.owned)
+        state += sum(v.untyped_storage().nbytes() for s in self.inner.state.values() for v in s.values()
+                     if isinstance(v, torch.Tensor))
+        return {"params": params, "grads": grads, "optimizer_state": state}
+
     # ---- norms and state ----
 
     @torch.no_grad()

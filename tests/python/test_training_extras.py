@@ -1,0 +1,181 @@
+"""Gradient clipping over every mesh dim, mixed precision with fp32 master weights,
+fp16 loss scaling that skips overflowing steps on every rank, several models with
+their own meshes in one program, and parallelize_module's errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import vescale
+from vescale import Replicate, Shard
+from vescale.parallel import DDP, DistributedOptimizer, parallelize_module
+from vescale.parallel.plans import gpt_plan, llama_plan
+
+from dist_utils import mesh, mismatch
+from test_parallel import _batches
+from tests.models.gpt import GPT, GPTConfig
+from tests.models.llama import LlamaConfig, LlamaForCausalLM
+
+CLIP = 0.05  # small enough that every step clips
+
+
+def _reference(factory, steps=3, clip=None, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = factory().to(dtype)
+    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.AdamW(masters, lr=1e-2)
+    losses = []
+    for idx, tgt in _batches()[:steps]:
+        for p in model.parameters():
+            p.grad = None
+        loss = model(idx, tgt)
+        loss.backward()
+        for m, p in zip(masters, model.parameters()):
+            m.grad = p.grad.float()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(masters, clip)
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, model.parameters()):
+                p.copy_(m)
+        losses.append(loss.float().item())
+    return losses
+
+
+def _train_dp2_tp2(factory, plan, *, steps=3, clip=None, zero=0, dtype=torch.float32):
+    m = mesh("2d")
+    torch.manual_seed(0)
+    model = factory().to(dtype)
+    parallelize_module(model, m["TP"], plan(sequence_parallel=True))
+    model = DDP(model, m["DP"])
+    if zero:
+        opt = DistributedOptimizer(torch.optim.AdamW, models=[model], zero_stage=zero, lr=1e-2)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dp_rank, losses = m.get_local_rank("DP"), []
+    for idx, tgt in _batches()[:steps]:
+        opt.zero_grad()
+        rows = slice(2 * dp_rank, 2 * dp_rank + 2)
+        loss = model(idx[rows], tgt[rows])
+        loss.backward()
+        if clip and zero:
+            opt.clip_grad_norm_(clip)
+        elif clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        value = loss.full_tensor().float()
+        dist.all_reduce(value, group=m["DP"].get_group())
+        losses.append(value.item() / 2)
+    return losses
+
+
+def _case_clip(zero: int):
+    factory = lambda: LlamaForCausalLM(LlamaConfig())  # noqa: E731
+    losses = _train_dp2_tp2(factory, llama_plan, clip=CLIP, zero=zero)
+    ref = _reference(factory, clip=CLIP)
+    return mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_clip_grad_norm_over_all_mesh_dims(pool4, zero):
+    assert pool4.run(_case_clip, zero) == [None] * 4
+
+
+def _case_bf16():
+    factory = lambda: GPT(GPTConfig(bias=False))  # noqa: E731
+    losses = _train_dp2_tp2(factory, gpt_plan, zero=2, dtype=torch.bfloat16)
+    ref = _reference(factory, dtype=torch.bfloat16)
+    # bf16 keeps 8 bits of mantissa: sums in another order differ in the 3rd digit
+    return mismatch(torch.tensor(losses), torch.tensor(ref), rtol=2e-2, atol=1e-2)
+
+
+def test_bf16_with_fp32_master_weights(pool4):
+    assert pool4.run(_case_bf16) == [None] * 4
+
+
+def _case_loss_scaling():
+    m = mesh("1d4")
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 8), m)
+    opt = DistributedOptimizer(torch.optim.SGD, models=[model], zero_stage=2, loss_scale="dynamic", lr=0.1)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    out = {}
+    for step in range(2):
+        opt.zero_grad()
+        opt.scale_loss(model(x).pow(2).mean()).backward()
+        if step == 1 and dist.get_rank() == 2:
+            # an overflow on one rank's gradient slice only
+            next(iter(model.grad_shards.values())).fill_(float("inf"))
+        before = [p.detach().clone() for p in model.parameters()]
+        scale = opt.scaler.scale
+        opt.step()
+        changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        out[step] = (changed, opt.scaler.scale / scale)
+    return out
+
+
+def test_fp16_loss_scaling_skips_on_every_rank(pool4):
+    for res in pool4.run(_case_loss_scaling):
+        assert res[0] == (True, 1.0)   # a clean step updates and keeps the scale
+        assert res[1] == (False, 0.5)  # one rank's overflow: nobody updates, the scale halves
+
+
+def _case_two_models():
+    """An actor on a 2-way TP mesh inside the 2x2 mesh and a critic on the 4-way mesh,
+    trained alternately in one program."""
+    actor_mesh, critic_mesh = mesh("2d")["TP"], mesh("1d4")
+    torch.manual_seed(0)
+    actor = parallelize_module(GPT(GPTConfig(bias=False)), actor_mesh, gpt_plan())
+    torch.manual_seed(1)
+    critic = parallelize_module(LlamaForCausalLM(LlamaConfig()), critic_mesh, llama_plan(sequence_parallel=True))
+    opts = [torch.optim.AdamW(actor.parameters(), lr=1e-2), torch.optim.AdamW(critic.parameters(), lr=1e-2)]
+    torch.manual_seed(0)
+    ref_actor = GPT(GPTConfig(bias=False))
+    torch.manual_seed(1)
+    ref_critic = LlamaForCausalLM(LlamaConfig())
+    ref_opts = [torch.optim.AdamW(ref_actor.parameters(), lr=1e-2), torch.optim.AdamW(ref_critic.parameters(), lr=1e-2)]
+    losses, ref_losses = [], []
+    for idx, tgt in _batches()[:3]:
+        for models, optims, out in (((actor, critic), opts, losses), ((ref_actor, ref_critic), ref_opts, ref_losses)):
+            for model, opt in zip(models, optims):
+                opt.zero_grad()
+                loss = model(idx, tgt)
+                loss.backward()
+                opt.step()
+                out.append(loss.full_tensor().item() if isinstance(loss, vescale.DTensor) else loss.item())
+    return mismatch(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+
+
+def test_two_models_with_their_own_meshes(pool4):
+    assert pool4.run(_case_two_models) == [None] * 4
+
+
+def _case_plan_errors():
+    m = mesh("1d4")
+    errors = {}
+    for name, plan in {
+        "unmatched": {"parameter": {r"h\.\d+\.nope\.weight": [Shard(0)]}},
+        "out of range": {"parameter": {r"lm_head\.weight": [Shard(2)]}},
+        "wrong arity": {"parameter": {r"lm_head\.weight": [Shard(0), Replicate()]}},
+        "bad forward key": {"forward": {r"transformer\.ln_f": [[Replicate()]]}},
+        "forward matches nothing": {"forward": {r"nope\.input": [[Replicate()]]}},
+        "tied conflict": {"parameter": {r"lm_head\.weight": [Shard(0)], r"transformer\.wte\.weight": [Shard(1)]}},
+    }.items():
+        try:
+            parallelize_module(GPT(GPTConfig()), m, plan)
+            errors[name] = None
+        except (ValueError, TypeError) as e:
+            errors[name] = str(e)
+    return errors
+
+
+def test_parallelize_module_errors(pool4):
+    errors = pool4.run(_case_plan_errors)[0]
+    assert "match no parameter" in errors["unmatched"] and "transformer.wte.weight" in errors["unmatched"]
+    assert "out of range" in errors["out of range"] and "Shard(dim=2)" in errors["out of range"]
+    assert "2 placements" in errors["wrong arity"]
+    assert "must end in '.input' or '.output'" in errors["bad forward key"]
+    assert "matches no submodule" in errors["forward matches nothing"]
+    assert "different placements" in errors["tied conflict"]
