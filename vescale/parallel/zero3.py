@@ -72,18 +72,31 @@ class ShardedParameters:
     # ---- gather and release ----
 
     def gather(self, entries: list[_Sharded]) -> None:
+        """One all-gather per dtype for all of `entries` that are not whole yet."""
+        by_kind: dict[tuple, list[_Sharded]] = {}
         for e in entries:
             local = local_of(e.param)
-            storage = local.untyped_storage()
-            if storage.nbytes() > 0:
-                continue  # whole already (a tied parameter another module gathered)
-            padded = torch.zeros(e.slot.chunk, dtype=local.dtype, device=local.device)
-            padded[: e.end - e.start].copy_(e.slice)
-            whole = torch.empty(self.world * e.slot.chunk, dtype=local.dtype, device=local.device)
-            _all_gather(whole, padded, self.group)
-            exact = whole[: local.numel()].clone()  # a storage of exactly the parameter's size
-            storage.resize_(exact.untyped_storage().nbytes())
-            storage.copy_(exact.untyped_storage())
+            if local.untyped_storage().nbytes() == 0:  # else whole already (tied, gathered elsewhere)
+                by_kind.setdefault((local.dtype, local.device), []).append(e)
+        for (dtype, device), group in by_kind.items():
+            total = sum(e.slot.chunk for e in group)
+            mine = torch.zeros(total, dtype=dtype, device=device)
+            offset = 0
+            for e in group:
+                mine[offset:offset + (e.end - e.start)].copy_(e.slice)
+                offset += e.slot.chunk
+            gathered = torch.empty(self.world * total, dtype=dtype, device=device)
+            _all_gather(gathered, mine, self.group)
+            gathered = gathered.view(self.world, total)
+            offset = 0
+            for e in group:
+                local = local_of(e.param)
+                # a storage of exactly the parameter's size, copied in without a version bump
+                exact = gathered[:, offset:offset + e.slot.chunk].reshape(-1)[: local.numel()].clone()
+                storage = local.untyped_storage()
+                storage.resize_(exact.untyped_storage().nbytes())
+                storage.copy_(exact.untyped_storage())
+                offset += e.slot.chunk
 
     def release(self, entries: list[_Sharded]) -> None:
         for e in entries:
