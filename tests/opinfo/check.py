@@ -1,13 +1,13 @@
-"""The rank side: one OpInfo, one stack (vescale or torch's DTensor), one mesh.
+"""The rank side: one OpInfo on one stack (vescale or torch's DTensor) and one mesh.
 
-For every sample the op first runs on plain tensors (the reference: outputs, and the
-gradients of the differentiable inputs for sum(out * g)); then, for each combination of
-input placements, on DTensors whose global values are the sample's tensors, and the
-gathered outputs and gradients are compared with the reference.
+For every sample the op first runs on plain tensors: the reference outputs, and the
+gradients of sum(out * g) for the differentiable inputs. Then, for each combination of
+input placements, it runs on DTensors whose global values are the sample's tensors, and
+the gathered outputs and gradients are compared with the reference.
 
 Every rank runs the same samples (seeded alike) and the same combinations in the same
-order, so the collectives line up. The first exception ends the op on that rank: after it
-the ranks may be out of step, which the parent notices from where each rank stopped.
+order, so the collectives line up. The first exception ends the op on that rank: the ranks
+may then be out of step, which the parent sees from where each rank stopped.
 """
 
 from __future__ import annotations
@@ -36,47 +36,45 @@ from dist_utils import mesh as named_mesh, placement_options  # noqa: E402
 from vescale import Partial, Replicate, Shard  # noqa: E402
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-# A sharded run adds in another order than the single-device one; it may be off by a few
-# times what float32 rounding does to the op on this sample (measured against float64).
-SLACK_FACTOR = 8
-TRACE = os.environ.get("OPINFO_TRACE") == "1"
 STATUS_ORDER = ("pass", "fallback", "skipped", "fail", "hang", "crash")  # worst last
+# Shards add up in another order than one device does: allow a few times what float32
+# rounding does to the op on this very sample (measured against float64).
+SLACK_FACTOR = 8
+TRACE = os.environ.get("OPINFO_TRACE") == "1"  # log each combination (find where a hang is)
+OPS: dict = {}
 
 
 @dataclass
 class Outcome:
-    status: str                     # pass | fallback | fail | skipped (hang/crash: parent)
+    status: str                     # pass | fallback | fail | skipped (hang, crash: the parent)
     reason: str = ""
     samples: int = 0                # samples that ran on DTensors
     combos: int = 0                 # placement combinations checked
     failed_combos: int = 0
     fallbacks: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
-    stopped_at: tuple = ()          # (sample, combo) of an exception: tells whether ranks kept step
+    stopped_at: tuple = ()          # (sample, combination) where an exception ended the op
 
 
 @dataclass
 class Reference:
-    flat: list                      # the sample's (input, args, kwargs) leaves, tensors detached
-    spec: object
-    out: list                       # flattened reference outputs (detached)
-    diff_out: list                  # indices of the outputs that backward goes through
-    grad_out: list                  # the fixed g for each of them
-    grads: list                     # per tensor leaf: reference gradient, or None
-    n_processed: int                # outputs after the OpInfo's output_process_fn_grad
-    values_comparable: bool         # False when equal seeds give different outputs (empty_like)
-    random: bool
-    slack: list = field(default_factory=list)       # per output: float32 rounding, measured
-    grad_slack: list = field(default_factory=list)  # per tensor leaf: the same for its gradient
-
-
-OPS: dict = {}
+    flat: list                      # the sample's (input, args, kwargs) leaves; pristine tensors
+    spec: object                    # to rebuild (input, args, kwargs) from ``flat``
+    out: list                       # flattened outputs
+    slack: list                     # per output: float32 rounding, measured
+    comparable: bool                # False when the output is uninitialized memory (empty_like)
+    random: bool                    # the op draws from the RNG
+    n_processed: int = 0            # outputs after the OpInfo's output_process_fn_grad
+    diff_out: list = field(default_factory=list)    # which of those backward goes through
+    grad_out: list = field(default_factory=list)    # the fixed g of each
+    grads: dict = field(default_factory=dict)       # leaf index -> gradient
+    grad_slack: dict = field(default_factory=dict)  # leaf index -> its rounding
 
 
 def setup() -> None:
-    """Once per rank: op_db, and the meshes (making process groups is a collective)."""
+    """Once per rank: op_db, and both meshes (making process groups is a collective)."""
     warnings.filterwarnings("ignore")  # fallback notices, deprecations: the results say it all
-    logging.disable(logging.WARNING)    # torch.distributed's advice on suboptimal redistributions
+    logging.disable(logging.WARNING)    # torch.distributed's advice on slow redistributions
     from torch.testing._internal.common_methods_invocations import op_db
     OPS.update((op_key(op), op) for op in op_db)
     for name in ("1d4", "2d"):
@@ -106,42 +104,24 @@ def run_op(op, stack: str, mesh_name: str, *, max_samples: int, combo_limit: int
         return Outcome("skipped", "sample_inputs gave different values on different ranks")
     mesh = named_mesh(mesh_name)
     result = Outcome("pass", notes=[] if dtype == torch.float32 else [str(dtype).replace("torch.", "")])
-    vescale.reset_fallback_counts()
     skipped = "no sample runs on plain tensors"
+    vescale.reset_fallback_counts()
     for i, sample in enumerate(samples):
         ref = _reference(op, sample, seed=1000 + i)
         if ref is None:
             continue  # the op rejects this sample on plain tensors too
-        if not any(isinstance(x, torch.Tensor) for x in ref.flat):
-            skipped = "no tensor inputs (a factory op: nothing to distribute)"
+        tensors = [x for x in ref.flat if isinstance(x, torch.Tensor)]
+        if not tensors or any(t.layout != torch.strided for t in tensors):
+            skipped = "no dense tensor inputs (factory or sparse op: nothing to distribute)"
             continue
-        if "empty" in op.name:  # uninitialized memory may repeat by chance in the check below
-            ref.values_comparable = False
-        if ref.random and "random" not in result.notes:
-            result.notes.append("random")
-        if not ref.values_comparable and "uninitialized" not in result.notes:
-            result.notes.append("uninitialized")
+        ref.comparable &= "empty" not in op.name  # uninitialized memory may repeat by chance
+        result.notes += [n for n, on in (("random", ref.random), ("uninitialized", not ref.comparable))
+                         if on and n not in result.notes]
         result.samples += 1
-        for j, combo in enumerate(_combos(ref, mesh.ndim, combo_limit)):
-            result.combos += 1
-            label = f"sample {i} [{' '.join(_describe(p) for p in combo)}]"
-            if TRACE:  # goes to the rank's log: which combination a hang happened in
-                print(f"{op_key(op)} {stack} {mesh_name} {label}", file=sys.stderr, flush=True)
-            try:
-                err = _check_combo(op, sample, ref, combo, stack, mesh, seed=1000 + i)
-            except Exception as e:  # noqa: BLE001
-                result.status, result.reason, result.stopped_at = "fail", f"{label}: {_short(e)}", (i, j)
-                return _finish(result, stack)
-            if err:
-                result.failed_combos += 1
-                if result.status == "pass":
-                    result.status, result.reason = "fail", f"{label}: {err}"
+        if not _run_sample(op, sample, i, ref, stack, mesh, combo_limit, result):
+            break
     if result.samples == 0:
         return Outcome("skipped", skipped)
-    return _finish(result, stack)
-
-
-def _finish(result: Outcome, stack: str) -> Outcome:
     if stack == "vescale":
         result.fallbacks = vescale.fallback_counts()
         if result.status == "pass" and result.fallbacks:
@@ -149,14 +129,28 @@ def _finish(result: Outcome, stack: str) -> Outcome:
     return result
 
 
-def _seed_all(seed: int) -> None:
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
+def _run_sample(op, sample, i: int, ref: Reference, stack: str, mesh, limit: int, result: Outcome) -> bool:
+    """Checks every combination; False when an exception ended the op."""
+    for j, combo in enumerate(_combos(ref, mesh.ndim, limit)):
+        result.combos += 1
+        label = f"sample {i} [{' '.join(_describe(p) for p in combo)}]"
+        if TRACE:
+            print(f"{op_key(op)} {stack} {mesh.shape} {label}", file=sys.stderr, flush=True)
+        try:
+            err = _check_combo(op, sample, ref, combo, stack, mesh, seed=1000 + i)
+        except Exception as e:  # noqa: BLE001
+            result.status, result.reason, result.stopped_at = "fail", f"{label}: {_short(e)}", (i, j)
+            return False
+        if err:  # a mismatch leaves the ranks in step: go on, to count the failing combinations
+            result.failed_combos += 1
+            if result.status == "pass":
+                result.status, result.reason = "fail", f"{label}: {err}"
+    return True
 
 
 def _samples(op, dtype, limit: int) -> list:
-    _seed_all(0)  # sample values are random: every rank must draw the same
+    for seed in (torch.manual_seed, random.seed, np.random.seed):
+        seed(0)  # sample values are random: every rank must draw the same
     grad = op.supports_autograd and dtype.is_floating_point
     return list(itertools.islice(op.sample_inputs("cpu", dtype, requires_grad=grad), limit))
 
@@ -165,9 +159,9 @@ def _same_on_all_ranks(samples) -> bool:
     prints = []
     for s in samples:
         for t in tree_flatten((s.input, s.args, s.kwargs))[0]:
-            if isinstance(t, torch.Tensor):
-                v = t.detach().to(torch.float64).nan_to_num(0.0, 1e300, -1e300).flatten()
-                prints.append((tuple(t.shape), str(t.dtype), float(v.sum()), float((v * torch.arange(v.numel())).sum())))
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                v = (torch.view_as_real(t) if t.is_complex() else t).detach().double().nan_to_num(0, 1e300, -1e300)
+                prints.append((tuple(t.shape), str(t.dtype), float(v.sum()), float((v.flatten() * torch.arange(v.numel())).sum())))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, prints)
     return all(g == gathered[0] for g in gathered)
@@ -181,47 +175,47 @@ def _fresh_leaves(flat: list) -> list:
 
 def _call(op, flat: list, spec, seed: int):
     inp, args, kwargs = tree_unflatten(flat, spec)
-    torch.manual_seed(seed)  # random ops: the same draws as the DTensor run
+    torch.manual_seed(seed)  # random ops: the DTensor run draws alike
     return op(inp, *args, **kwargs)
 
 
 def _reference(op, sample, seed: int) -> Reference | None:
     flat, spec = tree_flatten((sample.input, sample.args, sample.kwargs))
-    flat = _fresh_leaves(flat)  # pristine values: an op may write into its inputs
+    flat = _fresh_leaves(flat)  # pristine copies: an op may write into its inputs
     leaves = _fresh_leaves(flat)
-    outs = []
+    torch.manual_seed(seed)
+    seeded = torch.get_rng_state()
+    outs, drew = [], False
     try:
         outs.append(_call(op, leaves, spec, seed))
-        with torch.no_grad():
-            outs.append(_call(op, _fresh_leaves(flat), spec, seed))      # same seed
-            outs.append(_call(op, _fresh_leaves(flat), spec, seed + 1))  # another seed
+        drew = not torch.equal(torch.get_rng_state(), seeded)
+        outs.append(_call(op, _fresh_leaves(flat), spec, seed))
     except Exception:  # noqa: BLE001  (the op rejects this sample on plain tensors too)
         pass
-    first, again, other = (tree_flatten(o)[0] for o in outs) if len(outs) == 3 else ([], [], [])
-    seen = _agree(failed=len(outs) < 3, uninitialized=not _identical(first, again),
-                  random=not _identical(first, other))
+    first, again = (tree_flatten(o)[0] for o in outs) if len(outs) == 2 else ([], [])
+    # OpInfo's random ops seed themselves (wrapper_set_seed), restoring the RNG state after.
+    drew |= "wrapper_set_seed" in getattr(getattr(op.op, "__code__", None), "co_names", ())
+    seen = _agree(failed=len(outs) < 2, uninitialized=not _identical(first, again), random=drew)
     if seen["failed"]:
         return None
-    ref = Reference(flat, spec, [_detach(o) for o in first], [], [], [None] * len(flat), 0,
-                    values_comparable=not seen["uninitialized"], random=bool(seen["random"]))
+    ref = Reference(flat, spec, [_detach(o) for o in first], [0.0] * len(first),
+                    comparable=not seen["uninitialized"], random=seen["random"])
     _reference_grads(ref, sample, outs[0], leaves, seed)
-    ref.slack, ref.grad_slack = [0.0] * len(ref.out), [0.0] * len(flat)
     if not ref.random and any(_is_f32(x) for x in flat):
         _measure_slack(op, sample, ref, seed)
     return ref
 
 
 def _agree(**flags) -> dict:
-    """The flags OR-ed over all ranks: every rank must take the same path through the
-    samples (one that skipped a sample would leave the others waiting in a collective),
-    and uninitialized memory may by chance repeat on some ranks only."""
+    """The flags OR-ed over all ranks: every rank must take the same path through the samples
+    (one that skipped a sample would leave the others waiting in a collective)."""
     t = torch.tensor([int(v) for v in flags.values()])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return dict(zip(flags, (bool(v) for v in t.tolist())))
 
 
 def _reference_grads(ref: Reference, sample, out, leaves: list, seed: int) -> None:
-    """Fills the gradients of sum(out * g); leaves them out when the op has no backward here."""
+    """Gradients of sum(out * g) for a fixed g; none when the op has no backward here."""
     wrt = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
     processed = tree_flatten(sample.output_process_fn_grad(out))[0]
     ref.n_processed = len(processed)
@@ -237,24 +231,21 @@ def _reference_grads(ref: Reference, sample, out, leaves: list, seed: int) -> No
     except Exception:  # noqa: BLE001  (e.g. a backward that is not implemented)
         return
     ref.diff_out, ref.grad_out = diff, grad_out
-    for k, g in zip(wrt, grads):
-        ref.grads[k] = torch.zeros_like(leaves[k]) if g is None else g.detach()
+    ref.grads = {k: torch.zeros_like(leaves[k]) if g is None else g.detach() for k, g in zip(wrt, grads)}
+    ref.grad_slack = dict.fromkeys(ref.grads, 0.0)
 
 
 def _measure_slack(op, sample, ref: Reference, seed: int) -> None:
     """How far float32 rounding takes this op from its float64 result, per output and gradient."""
-    wide = [x.detach().double().requires_grad_(x.requires_grad) if _is_f32(x) else x for x in _fresh_leaves(ref.flat)]
+    wide = [x.double().requires_grad_(x.requires_grad) if _is_f32(x) else x for x in _fresh_leaves(ref.flat)]
     try:
         out = _call(op, wide, ref.spec, seed)
         ref.slack = [_max_diff(a, b) for a, b in zip(ref.out, tree_flatten(out)[0])]
-        if not ref.diff_out:
-            return
-        processed = tree_flatten(sample.output_process_fn_grad(out))[0]
-        loss = sum((processed[k] * g.to(processed[k].dtype)).sum() for k, g in zip(ref.diff_out, ref.grad_out))
-        wrt = [k for k, g in enumerate(ref.grads) if g is not None]
-        grads = torch.autograd.grad(loss, [wide[k] for k in wrt], allow_unused=True)
-        for k, g in zip(wrt, grads):
-            ref.grad_slack[k] = _max_diff(ref.grads[k], g)
+        if ref.grads:
+            processed = tree_flatten(sample.output_process_fn_grad(out))[0]
+            loss = sum((processed[k] * g.to(processed[k].dtype)).sum() for k, g in zip(ref.diff_out, ref.grad_out))
+            grads = torch.autograd.grad(loss, [wide[k] for k in ref.grads], allow_unused=True)
+            ref.grad_slack = {k: _max_diff(ref.grads[k], g) for k, g in zip(ref.grads, grads)}
     except Exception:  # noqa: BLE001  (no float64 kernel: the default tolerances alone apply)
         pass
 
@@ -284,28 +275,23 @@ def _identical(a: list, b: list) -> bool:
 
 # ---- placements ----------------------------------------------------------------------
 
-def _options(t: torch.Tensor, mesh_ndim: int) -> list:
-    # Partial only for finite floating tensors: the exact split below multiplies by 0.
-    partial = ("sum",) if t.is_floating_point() and bool(torch.isfinite(t).all()) else ()
-    return placement_options(t.dim(), mesh_ndim, partial=partial)
-
-
 def _combos(ref: Reference, mesh_ndim: int, limit: int) -> list:
     """Every combination when there are at most ``limit``; otherwise a covering set as long
-    as the longest option list, in which every input takes each of its options once."""
-    options = [_options(x, mesh_ndim) for x in ref.flat if isinstance(x, torch.Tensor)]
-    total = 1
-    for o in options:
-        total *= len(o)
-    if total <= limit:
+    as the longest option list, in which every input takes each of its options."""
+    options = []
+    for x in ref.flat:
+        if isinstance(x, torch.Tensor):
+            # Partial only for finite floating tensors: the exact split below multiplies by 0.
+            exact = x.is_floating_point() and bool(torch.isfinite(x).all())
+            options.append(placement_options(x.dim(), mesh_ndim, partial=("sum",) if exact else ()))
+    if np.prod([len(o) for o in options]) <= limit:
         return list(itertools.product(*options))
     longest = max(len(o) for o in options)
     return [tuple(o[(k + 3 * j) % len(o)] for j, o in enumerate(options)) for k in range(longest)]
 
 
 def _describe(placements) -> str:
-    one = {Replicate: lambda p: "R", Shard: lambda p: f"S{p.dim}", Partial: lambda p: "P"}
-    text = ",".join(one[type(p)](p) for p in placements)
+    text = ",".join("P" if p.is_partial() else f"S{p.dim}" if p.is_shard() else "R" for p in placements)
     return text if len(placements) == 1 else f"({text})"
 
 
@@ -313,48 +299,38 @@ _SPLITS: dict = {}
 
 
 def _split_rows(k: int) -> torch.Tensor:
-    """Ways to split a value x into k addends c_i * x whose partial sums, in any order,
-    are x times 0, +-1/2, +-1 or 2: the reduction is then exact in any precision, so a
-    Partial input holds exactly the sample's value, not the value plus rounding."""
+    """Ways to split x into k addends c_i * x whose partial sums, in any order, are x times
+    0, +-1/2, +-1 or 2: the reduction is exact, so a Partial input holds exactly the sample's
+    value (not the value plus rounding), while each rank's addend is far from it."""
     if k not in _SPLITS:
-        pad = [0.0] * k
-        base = [([1.0] + pad)[:k], ([2.0, -1.0] + pad)[:k], ([0.5, 0.5] + pad)[:k]]
-        if k >= 3:
-            base.append(([1.0, 1.0, -1.0] + pad)[:k])
-        _SPLITS[k] = torch.tensor(sorted({p for b in base for p in itertools.permutations(b)}), dtype=torch.float64)
+        base = [[1.0], [2.0, -1.0], [0.5, 0.5]] + ([[1.0, 1.0, -1.0]] if k >= 3 else [])
+        rows = {p for b in base for p in itertools.permutations((b + [0.0] * k)[:k])}
+        _SPLITS[k] = torch.tensor(sorted(rows), dtype=torch.float64)
     return _SPLITS[k]
 
 
-def _local_value(full: torch.Tensor, placements, mesh_shape, coord, seed: int) -> torch.Tensor:
-    """This rank's addend of ``full`` for the Partial mesh dims (whole shape, before sharding).
-    The coefficients are drawn on the full shape, alike on every rank."""
+def make_input(full: torch.Tensor, placements, stack: str, mesh, seed: int) -> torch.Tensor:
+    """A DTensor of ``stack`` whose global value is ``full``; Partial dims get real addends,
+    drawn per element on the full shape alike on every rank, then sharded."""
+    full, coord = full.detach().contiguous(), mesh.get_coordinate()
     value = full
     for md, p in enumerate(placements):
         if p.is_partial():
-            rows = _split_rows(mesh_shape[md])
+            rows = _split_rows(mesh.shape[md])
             pick = torch.randint(len(rows), full.shape, generator=torch.Generator().manual_seed(seed * 31 + md))
             value = value * rows[pick][..., coord[md]].to(full.dtype)
-    return value
-
-
-def make_input(full: torch.Tensor, placements, stack: str, mesh, seed: int) -> torch.Tensor:
-    """A DTensor of ``stack`` whose global value is ``full`` (Partial with real per-rank addends)."""
-    full = full.detach().contiguous()
-    coord = mesh.get_coordinate()
-    value = _local_value(full, placements, mesh.shape, coord, seed)
     if stack == "vescale":
         boxed = [Replicate() if p.is_partial() else p for p in placements]
         sizes, offsets = vescale._C.local_shape(list(full.shape), vescale.placement_types.to_c(boxed),
                                                 list(mesh.shape), list(coord))
-        local = value[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone()
-        out = vescale.DTensor.from_local(local, mesh, placements, shape=full.shape, stride=full.stride())
     else:
-        tmesh, tp = mesh.to_torch(), _to_torch(placements)
-        boxed = [tdt.Replicate() if p.is_partial() else p for p in tp]
+        tmesh, placements = mesh.to_torch(), _to_torch(placements)
+        boxed = [tdt.Replicate() if p.is_partial() else p for p in placements]
         sizes, offsets = compute_local_shape_and_global_offset(full.shape, tmesh, boxed)
-        local = value[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone()
-        out = tdt.DTensor.from_local(local, tmesh, tp, run_check=False, shape=full.shape, stride=full.stride())
-    return out
+    local = value[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone()
+    if stack == "vescale":
+        return vescale.DTensor.from_local(local, mesh, placements, shape=full.shape, stride=full.stride())
+    return tdt.DTensor.from_local(local, tmesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
 def _to_torch(placements) -> list:
@@ -362,54 +338,45 @@ def _to_torch(placements) -> list:
             for p in placements]
 
 
-def _is_dtensor(x) -> bool:
-    return isinstance(x, (vescale.DTensor, tdt.DTensor))
-
-
 # ---- one combination -----------------------------------------------------------------
 
 def _check_combo(op, sample, ref: Reference, combo, stack: str, mesh, seed: int) -> str | None:
     """None when outputs and gradients match the reference; otherwise what differed."""
-    flat, leaves, it = list(ref.flat), {}, iter(combo)
+    flat, leaves, placements = list(ref.flat), {}, iter(combo)
     for k, x in enumerate(flat):
         if isinstance(x, torch.Tensor):
-            flat[k] = make_input(x, next(it), stack, mesh, seed=seed * 7 + k)
+            flat[k] = make_input(x, next(placements), stack, mesh, seed=seed * 7 + k)
             if x.requires_grad:
                 leaves[k] = flat[k].requires_grad_(True)
     out = _call(op, flat, ref.spec, seed)
-    out_flat = tree_flatten(out)[0]
-    err = _compare_all(out_flat, ref.out, ref.slack, ref.values_comparable)
-    if err or not ref.diff_out:
-        return err and f"forward {err}"
+    got = tree_flatten(out)[0]
+    if len(got) != len(ref.out):
+        return f"forward: {len(got)} outputs, expected {len(ref.out)}"
+    for k, (g, want) in enumerate(zip(got, ref.out)):
+        err = _compare(_gathered(g), want, ref.slack[k], ref.comparable)
+        if err:
+            return f"forward out[{k}]: {err}"
+    if not ref.grads:
+        return None
     processed = tree_flatten(sample.output_process_fn_grad(out))[0]
     if len(processed) != ref.n_processed:
         return f"backward: {len(processed)} outputs to differentiate, expected {ref.n_processed}"
-    loss = None
-    for k, g in zip(ref.diff_out, ref.grad_out):
-        o = processed[k]
-        if not o.requires_grad:
+    for k in ref.diff_out:
+        if not processed[k].requires_grad:
             return f"backward: output {k} does not require grad"
-        term = (o * _like_output(g, o, stack, mesh)).sum()
-        loss = term if loss is None else loss + term
-    loss.backward()
-    for k, want in enumerate(ref.grads):
-        if want is None:
-            continue
+    sum((processed[k] * _like(g, processed[k], stack, mesh)).sum() for k, g in zip(ref.diff_out, ref.grad_out)).backward()
+    for k, want in ref.grads.items():
         got = leaves[k].grad
-        if got is None:
-            if bool((want != 0).any()):
-                return f"backward: no gradient for input {k}"
-            continue
-        err = _compare(_gathered(got), want, f"grad of input {k}", ref.grad_slack[k])
+        err = (None if not bool(want.any()) else "no gradient") if got is None else \
+            _compare(_gathered(got), want, ref.grad_slack[k])
         if err:
-            return f"backward {err}"
+            return f"backward grad of input {k}: {err}"
     return None
 
 
-def _like_output(g: torch.Tensor, o, stack: str, mesh):
-    """g as the output's kind: replicated DTensor for a DTensor output (torch's DTensor
-    refuses to mix), plain otherwise."""
-    if not _is_dtensor(o):
+def _like(g: torch.Tensor, out, stack: str, mesh):
+    """g as a replicated DTensor for a DTensor output (torch's DTensor refuses to mix)."""
+    if not isinstance(out, (vescale.DTensor, tdt.DTensor)):
         return g
     if stack == "vescale":
         return vescale.DTensor.from_local(g, mesh, [Replicate()] * mesh.ndim)
@@ -417,30 +384,20 @@ def _like_output(g: torch.Tensor, o, stack: str, mesh):
 
 
 def _gathered(x):
-    if _is_dtensor(x):
+    if isinstance(x, (vescale.DTensor, tdt.DTensor)):
         with torch.no_grad():
             return x.full_tensor()
-    return x.detach() if isinstance(x, torch.Tensor) else x
+    return _detach(x)
 
 
-def _compare_all(got: list, want: list, slack: list, values: bool) -> str | None:
-    if len(got) != len(want):
-        return f"{len(got)} outputs, expected {len(want)}"
-    for k, (g, w) in enumerate(zip(got, want)):
-        err = _compare(_gathered(g), w, f"out[{k}]", slack[k], values)
-        if err:
-            return err
-    return None
-
-
-def _compare(got, want, what: str, slack: float = 0.0, values: bool = True) -> str | None:
+def _compare(got, want, slack: float = 0.0, values: bool = True) -> str | None:
     """assert_close with its defaults for the dtype, atol widened by the measured rounding."""
     rtol = atol = None
     if isinstance(want, torch.Tensor):
         if not isinstance(got, torch.Tensor):
-            return f"{what}: got {type(got).__name__}, expected a tensor"
+            return f"got {type(got).__name__}, expected a tensor"
         if got.shape != want.shape or got.dtype != want.dtype:
-            return f"{what}: got {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}"
+            return f"got {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}"
         if not values:
             return None
         if want.is_floating_point() or want.is_complex():
@@ -449,7 +406,7 @@ def _compare(got, want, what: str, slack: float = 0.0, values: bool = True) -> s
     try:
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True, check_device=False)
     except (AssertionError, TypeError, ValueError) as e:
-        return f"{what}: {_condense(str(e))}"
+        return _condense(str(e))
     return None
 
 
@@ -463,6 +420,5 @@ def _short(e: BaseException) -> str:
     lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
     if lines:
         return f"{type(e).__name__}: {lines[0][:240]}"
-    # No message (a bare assert): where it was raised is the useful part.
-    frame = traceback.extract_tb(e.__traceback__)[-1]
+    frame = traceback.extract_tb(e.__traceback__)[-1]  # a bare assert: where it was raised tells most
     return f"{type(e).__name__} at {os.path.basename(frame.filename)}:{frame.lineno} `{frame.line}`"

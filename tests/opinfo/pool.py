@@ -87,7 +87,18 @@ class Ranks:
         self._conns: list = []
         self.restarts = 0
 
-    def start(self) -> None:
+    def start(self, attempts: int = 4) -> None:
+        """Starts the ranks; a failed start (say, the extension being rebuilt under us) is retried."""
+        for attempt in range(attempts):
+            try:
+                return self._start()
+            except RuntimeError as e:
+                if attempt == attempts - 1:
+                    raise
+                log(f"{e}; retrying in 30s")
+                time.sleep(30)
+
+    def _start(self) -> None:
         ctx = mp.get_context("spawn")
         port = _free_port()
         os.environ["OMP_NUM_THREADS"] = "1"  # read by the children's torch at import
@@ -135,7 +146,7 @@ class Ranks:
     def last_words(self, rank: int) -> str:
         try:
             with open(self.log_path(rank), errors="replace") as f:
-                lines = [ln.strip() for ln in f.readlines()[-3:] if ln.strip()]
+                lines = [ln.strip() for ln in f.readlines()[-20:] if ln.strip() and "Warning" not in ln][-2:]
         except OSError:
             return ""
         return " / ".join(lines)[-300:]

@@ -58,7 +58,7 @@ def select_ops(names: list[str] | None) -> list[str]:
     return chosen
 
 
-def run_ops(keys, *, stacks=STACKS, meshes=MESHES, max_samples=3, combo_limit=30,
+def run_ops(keys, *, stacks=STACKS, meshes=MESHES, max_samples=4, combo_limit=30,
             op_timeout_s=180.0, results: dict | None = None) -> dict:
     """{op key: {stack: result dict}}; ``results`` (from an earlier run) is updated in place."""
     results = {} if results is None else results
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the markdown table here (e.g. docs/op_coverage.md)")
     p.add_argument("--json", help="raw results: read (if there) and merged with this run, then written back")
     p.add_argument("--ops", nargs="+", help="op_db keys (name or name.variant), exact or substring")
-    p.add_argument("--max-samples", type=int, default=3, help="samples per op (default 3)")
+    p.add_argument("--max-samples", type=int, default=4, help="samples per op (default 4)")
     p.add_argument("--combo-limit", type=int, default=30,
                    help="run every placement combination up to this many, else a covering set (default 30)")
     p.add_argument("--meshes", default=",".join(MESHES), help="comma-separated: 1d4,2d")
@@ -151,6 +151,8 @@ def main(argv=None) -> int:
     results = run_ops(keys, stacks=stacks, meshes=meshes, max_samples=args.max_samples,
                       combo_limit=args.combo_limit, op_timeout_s=args.op_timeout, results=previous["results"])
     run["minutes"] = round((time.monotonic() - start) / 60, 1)
+    if report.engine_version() != run["vescale"]:
+        run["rebuilt"] = report.engine_version()
     previous["runs"].append(run)
     if args.json:
         with open(args.json, "w") as f:
