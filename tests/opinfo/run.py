@@ -87,22 +87,24 @@ def run_ops(keys, *, stacks=STACKS, meshes=MESHES, max_samples=4, combo_limit=30
 
 def _run_one(ranks: Ranks, key: str, stack: str, mesh: str, opts: dict, timeout_s: float) -> dict:
     reply = ranks.call(("run", key, stack, mesh, opts), timeout_s)
-    if reply.kind != "ok":
-        return dict(vars(check.Outcome(reply.kind, reply.message)), seconds=0.0)
-    outcomes = reply.values
-    statuses = [o["status"] for o in outcomes]
-    waited = [any(e in o["reason"].lower() for e in _COLLECTIVE_ERRORS) for o in outcomes]
+    if not reply.values:
+        return vars(check.Outcome(reply.kind, reply.message))
+    outcomes = reply.values  # rank -> its Outcome; every rank's unless some hung or died
+    statuses = [o["status"] for o in outcomes.values()]
+    waited = {r: any(e in o["reason"].lower() for e in _COLLECTIVE_ERRORS) for r, o in outcomes.items()}
     # The worst outcome, as told by a rank that did not merely time out waiting for the others.
-    first = min(range(WORLD), key=lambda r: (waited[r], -check.STATUS_ORDER.index(statuses[r]), r))
+    first = min(outcomes, key=lambda r: (waited[r], -check.STATUS_ORDER.index(outcomes[r]["status"]), r))
     res = dict(outcomes[first])
-    if any(waited):
+    if reply.kind != "ok":  # the others never answered: they wait in a collective this rank left
+        res["status"], res["reason"] = reply.kind, f"{res['reason']} (rank {first}; {reply.message})"
+    elif any(waited.values()):
         res["status"] = "hang"
         if not waited[first]:
-            res["reason"] += f" (rank {first}; ranks {[r for r in range(WORLD) if waited[r]]} timed out waiting)"
+            res["reason"] += f" (rank {first}; ranks {[r for r in waited if waited[r]]} timed out waiting)"
     elif len(set(statuses)) > 1:
         res["reason"] += f" (rank {first}; ranks gave {statuses})"
     # An exception at different points (or on some ranks only) leaves collectives unmatched.
-    if res["status"] == "hang" or len({tuple(o["stopped_at"]) for o in outcomes}) > 1:
+    if reply.kind == "ok" and (res["status"] == "hang" or len({tuple(o["stopped_at"]) for o in outcomes.values()}) > 1):
         ranks.restart()
     return res
 
@@ -135,7 +137,12 @@ def main(argv=None) -> int:
     p.add_argument("--stack", choices=("vescale", "torch", "both"), default="both")
     p.add_argument("--quick", action="store_true", help="the CI subset: common ops, 1 sample, 1d4 mesh")
     p.add_argument("--op-timeout", type=float, default=180, help="seconds before an op counts as hung")
+    p.add_argument("--report-only", action="store_true", help="write --out from --json without running")
     args = p.parse_args(argv)
+    if args.report_only:
+        with open(args.out, "w") as f:
+            f.write(report.markdown(**_load(args.json)))
+        return 0
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the ranks are stopped
     if args.quick:
@@ -159,7 +166,7 @@ def main(argv=None) -> int:
             json.dump(previous, f, indent=1, sort_keys=True)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(report.markdown(previous["results"], previous["runs"]))
+            f.write(report.markdown(**previous))
     ran = {k: results[k] for k in keys}
     for stack in stacks:
         log(stack, dict(Counter(r[stack]["status"] for r in ran.values())))
