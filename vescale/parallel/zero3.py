@@ -1,6 +1,11 @@
 """ZeRO-3: parameters live as this rank's DP slice and are whole only while a module
 that owns them runs.
 
+Parameters are gathered by unit, as in torch's FSDP recipe: every member of an
+``nn.ModuleList`` (a transformer block) is a unit, and each model's root is the unit
+of the parameters no block owns (embeddings, final norm, output projection). A unit
+costs one all-gather per dtype before its forward and one before its backward.
+
 Each parameter's local tensor (a DTensor's shard or a plain tensor) keeps its
 storage object, emptied between uses: just before a module's forward, and again
 before its backward, the slices are all-gathered back into that storage; after the
@@ -47,12 +52,13 @@ class ShardedParameters:
         for slot, start, end in slots:
             flat = local_of(slot.param).detach().reshape(-1)
             self.sharded[id(slot.param)] = _Sharded(slot.param, slot, start, end, flat[start:end].clone())
-        self._hooked: list = []
+        claimed: set[int] = set()
         for root in modules:
-            for module in root.modules():
-                owned = [p for p in module._parameters.values() if p is not None and id(p) in self.sharded]
+            for unit in _units(root):
+                owned = [p for p in unit.parameters() if id(p) in self.sharded and id(p) not in claimed]
+                claimed.update(id(p) for p in owned)
                 if owned:
-                    self._hook(module, owned)
+                    self._hook(unit, owned)
         self.release(list(self.sharded.values()))
 
     def slice_of(self, param: nn.Parameter) -> torch.Tensor:
@@ -91,11 +97,8 @@ class ShardedParameters:
             offset = 0
             for e in group:
                 local = local_of(e.param)
-                # a storage of exactly the parameter's size, copied in without a version bump
-                exact = gathered[:, offset:offset + e.slot.chunk].reshape(-1)[: local.numel()].clone()
-                storage = local.untyped_storage()
-                storage.resize_(exact.untyped_storage().nbytes())
-                storage.copy_(exact.untyped_storage())
+                local.untyped_storage().resize_((local.storage_offset() + local.numel()) * local.element_size())
+                _fill_rows(_alias(local), gathered[:, offset:offset + e.slot.chunk])
                 offset += e.slot.chunk
 
     def release(self, entries: list[_Sharded]) -> None:
@@ -128,6 +131,31 @@ class ShardedParameters:
         module.register_full_backward_pre_hook(before_backward)
         for p in params:
             p.register_post_accumulate_grad_hook(grad_ready)
+
+
+def _units(root: nn.Module) -> list[nn.Module]:
+    """Blocks first (members of every ModuleList), the root last: a parameter belongs
+    to the first unit that contains it."""
+    blocks = [m for mod in root.modules() if isinstance(mod, nn.ModuleList) for m in mod]
+    return blocks + [root]
+
+
+def _alias(local: torch.Tensor) -> torch.Tensor:
+    """A flat tensor over the parameter's storage with a version counter of its own:
+    writing through it does not look like an in-place change of the parameter to the
+    autograd graph that saved the parameter."""
+    return torch.empty(0, dtype=local.dtype, device=local.device).set_(
+        local.untyped_storage(), local.storage_offset(), (local.numel(),))
+
+
+def _fill_rows(flat: torch.Tensor, rows: torch.Tensor) -> None:
+    """Copies the rank-major ``rows`` (world x chunk, the last ones padded) into ``flat``."""
+    world, chunk = rows.shape
+    full = min(world, flat.numel() // chunk)
+    flat[: full * chunk].view(full, chunk).copy_(rows[:full])
+    if full < world:
+        tail = flat.numel() - full * chunk
+        flat[full * chunk:].copy_(rows[full, :tail])
 
 
 def _all_gather(out: torch.Tensor, mine: torch.Tensor, group) -> None:
