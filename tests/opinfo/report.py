@@ -41,7 +41,7 @@ def torch_expected_failures() -> dict[str, str]:
 
 def markdown(results: dict, runs: list) -> str:
     stacks = [s for s in STACK_NAMES if any(s in r for r in results.values())]
-    parts = [_header(runs), _totals(results, stacks), _against_torch(results),
+    parts = [_header(runs), _totals(results, stacks), _model_ops(), _against_torch(results),
              _failures_by_cause(results), _table(results, stacks)]
     return "\n".join(p for p in parts if p)
 
@@ -100,6 +100,25 @@ def _totals(results: dict, stacks: list) -> str:
         ok = c["pass"] + c["fallback"]
         frac = f"{ok}/{ran} = {100 * ok / ran:.1f}%" if ran else "-"
         lines.append(f"| {STACK_NAMES[s]} | {total} | " + " | ".join(str(c[k]) for k in STATUSES) + f" | {frac} |")
+    return "\n".join(lines) + "\n"
+
+
+def _model_ops() -> str:
+    """The ops training steps of the test models dispatch, and whether each has a rule."""
+    from tests.models import training_ops as t
+
+    lines = ["## Ops of model training steps", "",
+             "The distinct aten ops that a training step (forward, backward, AdamW) of the test models "
+             "dispatches below autograd, where vescale's handler sits (`python -m tests.models.training_ops`), "
+             "and how many have a sharding rule rather than the replicate fallback. The parallel training "
+             "tests (`tests/python/test_parallel.py`) also assert that no op of these steps falls back.", "",
+             "| model | AdamW | ops | with a rule | share | without a rule |", "|---|---|---|---|---|---|"]
+    for name in t.MODELS:
+        for foreach in (False, True):
+            ops = t.training_ops(name, foreach)
+            ruled, missing = t.coverage(ops)
+            lines.append(f"| {name} | {'foreach' if foreach else 'for-loop'} | {len(ops)} | {len(ruled)} | "
+                         f"{100 * len(ruled) / len(ops):.0f}% | {', '.join(f'`{m}`' for m in missing) or 'none'} |")
     return "\n".join(lines) + "\n"
 
 

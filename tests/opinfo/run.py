@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -59,8 +60,9 @@ def select_ops(names: list[str] | None) -> list[str]:
 
 
 def run_ops(keys, *, stacks=STACKS, meshes=MESHES, max_samples=4, combo_limit=30,
-            op_timeout_s=180.0, results: dict | None = None) -> dict:
-    """{op key: {stack: result dict}}; ``results`` (from an earlier run) is updated in place."""
+            op_timeout_s=180.0, results: dict | None = None, after_op=None) -> dict:
+    """{op key: {stack: result dict}}; ``results`` (from an earlier run) is updated in place,
+    and ``after_op()`` is called after each op (to save progress)."""
     results = {} if results is None else results
     ranks = Ranks(WORLD, f"{check.__name__}:handle")
     opts = dict(max_samples=max_samples, combo_limit=combo_limit)
@@ -80,6 +82,8 @@ def run_ops(keys, *, stacks=STACKS, meshes=MESHES, max_samples=4, combo_limit=30
                 results.setdefault(key, {})[stack] = res
                 log(f"[{n}/{len(keys)}] {key:<40} {stack:<8} {res['status']:<8} {res['seconds']:6.1f}s "
                     f"{res['samples']}s/{res['combos']}c {res['reason'][:150]}")
+            if after_op is not None:
+                after_op()
     finally:
         ranks.stop()
     return results
@@ -137,6 +141,8 @@ def main(argv=None) -> int:
     p.add_argument("--stack", choices=("vescale", "torch", "both"), default="both")
     p.add_argument("--quick", action="store_true", help="the CI subset: common ops, 1 sample, 1d4 mesh")
     p.add_argument("--op-timeout", type=float, default=180, help="seconds before an op counts as hung")
+    p.add_argument("--resume", action="store_true",
+                   help="skip ops that --json already has results for (an interrupted run goes on)")
     p.add_argument("--report-only", action="store_true", help="write --out from --json without running")
     args = p.parse_args(argv)
     if args.report_only:
@@ -151,19 +157,27 @@ def main(argv=None) -> int:
     stacks = STACKS if args.stack == "both" else (args.stack,)
     meshes = tuple(m for m in args.meshes.split(",") if m)
     previous = _load(args.json)
+    if args.resume:
+        keys = [k for k in keys if not all(s in previous["results"].get(k, {}) for s in stacks)]
     run = dict(command="python -m tests.opinfo.run " + " ".join(sys.argv[1:] if argv is None else argv),
                max_samples=args.max_samples, combo_limit=args.combo_limit, meshes=list(meshes),
                stacks=list(stacks), ops=len(keys), **report.machine())
     start = time.monotonic()
+    previous["runs"].append(run)
+
+    def save() -> None:
+        run["minutes"] = round((time.monotonic() - start) / 60, 1)
+        if args.json:
+            with open(args.json + ".tmp", "w") as f:
+                json.dump(previous, f, indent=1, sort_keys=True)
+            os.replace(args.json + ".tmp", args.json)
+
     results = run_ops(keys, stacks=stacks, meshes=meshes, max_samples=args.max_samples,
-                      combo_limit=args.combo_limit, op_timeout_s=args.op_timeout, results=previous["results"])
-    run["minutes"] = round((time.monotonic() - start) / 60, 1)
+                      combo_limit=args.combo_limit, op_timeout_s=args.op_timeout, results=previous["results"],
+                      after_op=save)
     if report.engine_version() != run["vescale"]:
         run["rebuilt"] = report.engine_version()
-    previous["runs"].append(run)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(previous, f, indent=1, sort_keys=True)
+    save()
     if args.out:
         with open(args.out, "w") as f:
             f.write(report.markdown(**previous))

@@ -4,6 +4,8 @@ their own meshes in one program, and parallelize_module's errors."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -179,3 +181,58 @@ def test_parallelize_module_errors(pool4):
     assert "must end in '.input' or '.output'" in errors["bad forward key"]
     assert "matches no submodule" in errors["forward matches nothing"]
     assert "different placements" in errors["tied conflict"]
+
+
+class _Odd(torch.nn.Module):
+    """Every parameter's size is prime to the DP size, so each one is split unevenly, and
+    the blocks live in a ModuleList (ZeRO-3 gathers them unit by unit)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(7, 7) for _ in range(2))
+        self.head = torch.nn.Linear(7, 3)
+        self.scale = torch.nn.Parameter(torch.ones(5))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x).pow(2).mean() * self.scale.sum()
+
+
+def _odd_steps(model, opt, rows, steps=4):
+    losses = []
+    for step in range(steps):
+        x = torch.randn(8, 7, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        loss = model(x[rows])
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def _case_uneven_zero(stage: int):
+    torch.manual_seed(0)
+    ref_model = _Odd()
+    ref = _odd_steps(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-2), slice(0, 8))
+    m = mesh("1d4")
+    torch.manual_seed(0)
+    model = DDP(_Odd(), m)
+    if stage:
+        opt = DistributedOptimizer(torch.optim.AdamW, models=[model], zero_stage=stage, lr=1e-2)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rank = dist.get_rank()
+    losses = torch.stack(_odd_steps(model, opt, slice(2 * rank, 2 * rank + 2)))
+    dist.all_reduce(losses)
+    failures = [mismatch(losses / 4, torch.stack(ref), rtol=1e-5, atol=1e-7)]
+    with opt.full_parameters() if stage else contextlib.nullcontext():
+        for (name, p), r in zip(model.module.named_parameters(), ref_model.parameters()):
+            err = mismatch(p.detach(), r.detach(), rtol=1e-5, atol=1e-6)
+            failures.append(err and f"{name}: {err}")
+    return [f for f in failures if f]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stages_with_uneven_parameters(pool4, stage):
+    assert pool4.run(_case_uneven_zero, stage) == [[]] * 4

@@ -147,20 +147,31 @@ class DDP(nn.Module):
             self._launch(bucket)
 
     def _launch(self, b: Bucket) -> None:
-        b.buffer = torch.zeros(self.world, b.chunk_total, dtype=b.dtype, device=b.device)
-        for s in b.slots:
-            if s.param.grad is None:
-                continue  # unused this step: contributes zeros
-            flat = local_of(s.param.grad).reshape(-1)
-            padded = torch.nn.functional.pad(flat, (0, s.chunk * self.world - s.numel))
-            b.buffer[:, s.offset:s.offset + s.chunk].copy_(padded.view(self.world, s.chunk))
-            if self.reduce_scatter:
-                s.param.grad = None  # only this rank's slice is kept
         if self.reduce_scatter:
-            out = torch.empty(b.chunk_total, dtype=b.dtype, device=b.device)
-            b.work = (_reduce_scatter(out, b.buffer.view(-1), self.group), out)
-        else:
+            self._launch_reduce_scatter(b)
+        else:  # all-reduce: gradients back to back, no padding
+            flat = [local_of(s.param.grad).reshape(-1) if s.param.grad is not None
+                    else torch.zeros(s.numel, dtype=b.dtype, device=b.device) for s in b.slots]
+            b.buffer = torch.cat(flat)
             b.work = (dist.all_reduce(b.buffer, group=self.group, async_op=True), b.buffer)
+
+    def _launch_reduce_scatter(self, b: Bucket) -> None:
+        """Rank-major and padded, so that each rank receives its own slice of every gradient."""
+        b.buffer = torch.empty(self.world, b.chunk_total, dtype=b.dtype, device=b.device)
+        for s in b.slots:
+            rows = b.buffer[:, s.offset:s.offset + s.chunk]
+            if s.param.grad is None:  # unused this step: contributes zeros
+                rows.zero_()
+                continue
+            flat = local_of(s.param.grad).reshape(-1)
+            full = s.numel // s.chunk
+            rows[:full].copy_(flat[: full * s.chunk].view(full, s.chunk))
+            if full < self.world:  # the rest of the gradient, then padding
+                rows[full:].zero_()
+                rows[full, : s.numel - full * s.chunk].copy_(flat[full * s.chunk:])
+            s.param.grad = None  # only this rank's slice is kept
+        out = torch.empty(b.chunk_total, dtype=b.dtype, device=b.device)
+        b.work = (_reduce_scatter(out, b.buffer.view(-1), self.group), out)
 
     def _finish(self) -> None:
         self._callback_queued = False
@@ -171,12 +182,14 @@ class DDP(nn.Module):
             work, result = b.work
             work.wait()
             result.div_(self.world)
+            offset = 0
             for s in b.slots:
                 if self.reduce_scatter:
                     self.grad_shards[id(s.param)] = result[s.offset:s.offset + s.chunk].clone()
                 elif s.param.grad is not None:
-                    averaged = result.view(self.world, -1)[:, s.offset:s.offset + s.chunk].reshape(-1)[: s.numel]
-                    local_of(s.param.grad).copy_(averaged.view_as(local_of(s.param.grad)))
+                    grad = local_of(s.param.grad)
+                    grad.copy_(result[offset:offset + s.numel].view_as(grad))
+                offset += s.numel
             b.work, b.buffer = None, None
 
 
