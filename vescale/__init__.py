@@ -12,6 +12,7 @@ from .device_mesh import DeviceMesh, get_device_mesh, init_device_mesh
 from .dtensor import DTensor, distribute_tensor
 from .placement_types import Partial, Placement, Replicate, Shard
 from .parallel import DDP, DistributedOptimizer, parallelize_module
+from .checkpoint import load, save
 
 _install()
 
@@ -21,4 +22,5 @@ __all__ = [
     "Placement", "Shard", "Replicate", "Partial",
     "fallback_counts", "reset_fallback_counts",
     "parallelize_module", "DDP", "DistributedOptimizer",
+    "save", "load",
 ]

@@ -1,0 +1,220 @@
+"""What a rank saves and loads: the user's dict flattened into tensor items (global
+tensors, of which this rank holds some boxes) and objects (everything else).
+
+Keys are stable across meshes, world sizes and ZeRO stages, which is what makes a
+checkpoint reshardable: ``model.<param fqn>``, ``optimizer.state.<param key>.<state>``
+(the same for a plain torch optimizer and a DistributedOptimizer), and
+``optimizer.master.<param key>`` for ZeRO's fp32 master weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from .. import _C
+from ..dtensor import DTensor
+from ..placement_types import to_c
+from ..parallel.ddp import DDP, local_of
+from ..parallel.optimizer import DistributedOptimizer
+from .boxes import Box, flat_range, whole
+
+
+@dataclass
+class Piece:
+    box: Box              # in global coordinates
+    tensor: torch.Tensor  # of box.sizes: a view of the live storage (load writes through it)
+
+
+@dataclass
+class Item:
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: list[Piece] = field(default_factory=list)
+    source: str = "plain"   # the placements and mesh it lives on here (recorded in the manifest)
+    optional: bool = False  # loading goes on without it (ZeRO masters: taken from the parameters)
+
+
+@dataclass
+class Layout:
+    items: dict[str, Item] = field(default_factory=dict)
+    objects: dict[str, object] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)  # tied parameters: second name -> first
+    # to restore objects on load: key -> callable(value)
+    restore: dict[str, object] = field(default_factory=dict)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    return module.module if isinstance(module, DDP) else module
+
+
+def local_box(t: torch.Tensor) -> Box:
+    """This rank's box of a DTensor (its shard), or the whole of a plain tensor."""
+    if not isinstance(t, DTensor):
+        return whole(t.shape)
+    mesh = t.device_mesh
+    sizes, offsets = _C.local_shape(list(t.shape), to_c(t.placements), list(mesh.shape),
+                                    list(mesh.get_coordinate()))
+    return Box(tuple(offsets), tuple(sizes))
+
+
+def describe(t: torch.Tensor) -> str:
+    if isinstance(t, DTensor):
+        return f"{list(t.placements)} on mesh {t.device_mesh.shape}"
+    return "plain"
+
+
+def flat_pieces(shard_box: Box, flat: torch.Tensor, start: int) -> list[Piece]:
+    """Pieces for ``flat``, the elements [start, start + numel) of a shard in row-major order."""
+    pieces, pos = [], 0
+    for b in flat_range(shard_box.sizes, start, start + flat.numel()):
+        n = b.numel()
+        pieces.append(Piece(b.shifted(shard_box.offsets), flat[pos:pos + n].view(b.sizes)))
+        pos += n
+    return pieces
+
+
+def build(state: dict, saved: dict | None = None) -> Layout:
+    """The layout of ``state``. For a load, ``saved`` is the checkpoint's {key: (shape,
+    dtype)}: optimizer state it has but the optimizer has not created yet (no step taken)
+    is created first, so that it can be filled."""
+    layout = Layout()
+    fqn_of: dict[int, str] = {}
+    zero3: dict[int, tuple] = {}  # param id -> (slice tensor, start): ZeRO-3 parameters live as slices
+    for key, value in state.items():
+        if isinstance(value, nn.Module):
+            for name, p in unwrap(value).named_parameters(remove_duplicate=True):
+                fqn_of.setdefault(id(p), f"{key}.{name}")
+        if isinstance(value, DistributedOptimizer) and value.sharded is not None:
+            for o in value.owned:
+                zero3[id(o.param)] = (value.sharded.slice_of(o.param), o.start)
+    for key, value in state.items():
+        if isinstance(value, nn.Module):
+            _module(layout, key, unwrap(value), zero3)
+        elif isinstance(value, DistributedOptimizer):
+            _zero_optimizer(layout, key, value, fqn_of, saved)
+        elif isinstance(value, torch.optim.Optimizer):
+            _optimizer(layout, key, value, fqn_of, saved)
+        elif isinstance(value, torch.Tensor):
+            _tensor(layout, key, value)
+        elif hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
+            layout.objects[key] = value.state_dict()
+            layout.restore[key] = value.load_state_dict
+        else:
+            layout.objects[key] = value
+            layout.restore[key] = lambda v, k=key: state.__setitem__(k, v)
+    return layout
+
+
+def _tensor(layout: Layout, key: str, t: torch.Tensor, *, optional: bool = False) -> None:
+    t = t.detach()
+    local = local_of(t)
+    layout.items[key] = Item(key, tuple(t.shape), t.dtype, [Piece(local_box(t), local)], describe(t), optional)
+
+
+def _module(layout: Layout, key: str, module: nn.Module, zero3: dict) -> None:
+    seen: dict[int, str] = {}
+    named = list(module.named_parameters(remove_duplicate=False))
+    named += [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if _persistent(module, n)]
+    for name, t in named:
+        full = f"{key}.{name}"
+        if id(t) in seen:
+            layout.aliases[full] = seen[id(t)]
+            continue
+        seen[id(t)] = full
+        if id(t) in zero3:
+            flat, start = zero3[id(t)]
+            layout.items[full] = Item(full, tuple(t.shape), t.dtype, flat_pieces(local_box(t), flat, start),
+                                      describe(t) + ", ZeRO-3 slice")
+        else:
+            _tensor(layout, full, t)
+
+
+def _persistent(module: nn.Module, name: str) -> bool:
+    owner, _, leaf = name.rpartition(".")
+    sub = module.get_submodule(owner) if owner else module
+    return leaf not in sub._non_persistent_buffers_set
+
+
+def _param_key(p, fqn_of: dict, opt_key: str) -> str:
+    if id(p) not in fqn_of:
+        raise ValueError(f"'{opt_key}' optimizes a parameter of no module in this dict: put the model in the "
+                         f"same vescale.save/load dict as its optimizer (e.g. {{'model': model, '{opt_key}': opt}})")
+    return fqn_of[id(p)]
+
+
+def _groups(groups: list[dict], key_of) -> list[dict]:
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [key_of(p) for p in g["params"]]}
+            for g in groups]
+
+
+def _restore_groups(opt: torch.optim.Optimizer, key: str):
+    def restore(saved: list[dict]) -> None:
+        if len(saved) != len(opt.param_groups):
+            raise ValueError(f"'{key}': the checkpoint has {len(saved)} parameter groups, the optimizer "
+                             f"{len(opt.param_groups)}")
+        for group, values in zip(opt.param_groups, saved):
+            group.update({k: v for k, v in values.items() if k != "params"})
+    return restore
+
+
+def _state_tensor(value, like: torch.Tensor, shape) -> torch.Tensor:
+    """A fresh optimizer-state tensor for a load: the parameter's layout, or a scalar."""
+    if tuple(shape) == ():
+        return torch.zeros((), dtype=value)
+    return torch.zeros_like(like, dtype=value)
+
+
+def _create_missing(opt_state: dict, target, param_key: str, opt_key: str, saved: dict | None, like) -> None:
+    if saved is None or opt_state.get(target):
+        return
+    prefix = f"{opt_key}.state.{param_key}."
+    names = [k[len(prefix):] for k in saved if k.startswith(prefix) and "." not in k[len(prefix):]]
+    if names:
+        opt_state[target] = {n: _state_tensor(saved[prefix + n][1], like, saved[prefix + n][0]) for n in names}
+
+
+def _optimizer(layout: Layout, key: str, opt: torch.optim.Optimizer, fqn_of: dict, saved: dict | None) -> None:
+    for group in opt.param_groups:
+        for p in group["params"]:
+            pk = _param_key(p, fqn_of, key)
+            _create_missing(opt.state, p, pk, key, saved, p.detach())
+            for name, v in opt.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    _tensor(layout, f"{key}.state.{pk}.{name}", v)
+                else:
+                    layout.objects[f"{key}.state.{pk}.{name}"] = v
+                    layout.restore[f"{key}.state.{pk}.{name}"] = lambda x, s=opt.state[p], n=name: s.__setitem__(n, x)
+    layout.objects[f"{key}.param_groups"] = _groups(opt.param_groups, lambda p: _param_key(p, fqn_of, key))
+    layout.restore[f"{key}.param_groups"] = _restore_groups(opt, key)
+
+
+def _zero_optimizer(layout: Layout, key: str, opt: DistributedOptimizer, fqn_of: dict, saved: dict | None) -> None:
+    key_of_master = {}
+    for o in opt.owned:
+        pk = _param_key(o.param, fqn_of, key)
+        key_of_master[id(o.master)] = pk
+        shard_box = local_box(o.param)
+        shape, src = tuple(o.param.shape), describe(o.param) + f", ZeRO-{opt.zero_stage} slice"
+        layout.items[f"{key}.master.{pk}"] = Item(f"{key}.master.{pk}", shape, o.master.dtype,
+                                                  flat_pieces(shard_box, o.master.detach(), o.start), src,
+                                                  optional=True)
+        _create_missing(opt.inner.state, o.master, pk, key, saved, o.master.detach())
+        for name, v in opt.inner.state.get(o.master, {}).items():
+            k = f"{key}.state.{pk}.{name}"
+            if isinstance(v, torch.Tensor) and v.dim() == 0:
+                layout.items[k] = Item(k, (), v.dtype, [Piece(Box((), ()), v)], "plain")
+            elif isinstance(v, torch.Tensor):
+                layout.items[k] = Item(k, shape, v.dtype, flat_pieces(shard_box, v, o.start), src)
+            else:
+                layout.objects[k] = v
+                layout.restore[k] = lambda x, s=opt.inner.state[o.master], n=name: s.__setitem__(n, x)
+    layout.objects[f"{key}.param_groups"] = _groups(opt.inner.param_groups, lambda m: key_of_master[id(m)])
+    layout.restore[f"{key}.param_groups"] = _restore_groups(opt.inner, key)
+    if opt.scaler is not None:
+        layout.objects[f"{key}.loss_scale"] = opt.scaler.state_dict()
+        layout.restore[f"{key}.loss_scale"] = opt.scaler.load_state_dict
+

@@ -1,0 +1,96 @@
+"""The bytes of a checkpoint: one data file per writing rank, chunks back to back, each
+chunk one saved box in row-major order, with a CRC32 per 4 MiB block so that a reader
+of part of a chunk verifies only the blocks it touches."""
+
+from __future__ import annotations
+
+import os
+import warnings
+import zlib
+
+import numpy as np
+import torch
+
+from .boxes import Box
+
+BLOCK = 4 << 20  # bytes per checksum
+
+
+class CorruptCheckpoint(RuntimeError):
+    """A data file is truncated or its bytes do not match the manifest's checksums."""
+
+
+def as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes, any dtype (bfloat16 too), as a uint8 array without a copy when contiguous."""
+    t = t.detach().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+
+
+def checksums(data) -> list[int]:
+    view = memoryview(data)
+    return [zlib.crc32(view[i:i + BLOCK]) for i in range(0, len(view), BLOCK)]
+
+
+def write_file(path: str, chunks: list[tuple[str, Box, torch.Tensor]]) -> list[dict]:
+    """Writes the chunks to ``path`` (fsync'd) and returns their manifest records."""
+    records, offset = [], 0
+    with open(path, "wb") as f:
+        for key, box, tensor in chunks:
+            data = as_bytes(tensor)
+            f.write(memoryview(data))
+            records.append(dict(key=key, box=box.to_json(), file=os.path.basename(path), offset=offset,
+                                nbytes=len(data), crc32=checksums(data)))
+            offset += len(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return records
+
+
+class Reader:
+    """Reads parts of saved chunks through a read-only memory map: only the pages a
+    rank's boxes touch are read from disk."""
+
+    def __init__(self, root: str, file_sizes: dict[str, int]):
+        self.root = root
+        self._maps: dict[str, np.memmap] = {}
+        self._verified: set[tuple[str, int]] = set()
+        for name, size in file_sizes.items():
+            path = os.path.join(root, name)
+            actual = os.path.getsize(path) if os.path.exists(path) else None
+            if actual != size:
+                raise CorruptCheckpoint(f"{path}: expected {size} bytes, found "
+                                        f"{'no file' if actual is None else actual}: the checkpoint is truncated "
+                                        "or incomplete; load an earlier one")
+
+    def _map(self, name: str) -> np.memmap:
+        if name not in self._maps:
+            self._maps[name] = np.memmap(os.path.join(self.root, name), dtype=np.uint8, mode="r")
+        return self._maps[name]
+
+    def read(self, key: str, chunk: dict, dtype: torch.dtype, want: Box) -> torch.Tensor:
+        """The part ``want`` of a saved chunk of ``key``, checksum-verified, as a tensor (a copy)."""
+        saved = Box.from_json(chunk["box"])
+        raw = self._map(chunk["file"])[chunk["offset"]:chunk["offset"] + chunk["nbytes"]]
+        with warnings.catch_warnings():  # read-only map: never written, the part is copied out
+            warnings.simplefilter("ignore")
+            whole = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
+        values = whole.view(dtype).view(saved.sizes)
+        part = want.view_of(values, saved)
+        self._verify(key, chunk, raw, part, values)
+        return part.clone()
+
+    def _verify(self, key: str, chunk: dict, raw, part: torch.Tensor, values: torch.Tensor) -> None:
+        if part.numel() == 0:
+            return
+        item = values.element_size()
+        first = (part.storage_offset() - values.storage_offset()) * item
+        last = first + item * (1 + sum((n - 1) * s for n, s in zip(part.shape, part.stride())))
+        for b in range(first // BLOCK, (last - 1) // BLOCK + 1):
+            tag = (chunk["file"], chunk["offset"] + b * BLOCK)
+            if tag in self._verified:
+                continue
+            if zlib.crc32(memoryview(raw[b * BLOCK:(b + 1) * BLOCK])) != chunk["crc32"][b]:
+                raise CorruptCheckpoint(f"{os.path.join(self.root, chunk['file'])}: checksum mismatch in "
+                                        f"'{key}' (bytes {chunk['offset'] + b * BLOCK} onward): the "
+                                        "file is corrupted; load an earlier checkpoint")
+            self._verified.add(tag)
