@@ -10,7 +10,7 @@ JOBS ?= 2
 # The CPU wheel of this exact version lies on the build machines; a range would let
 # pip fetch a newer torch with several GB of CUDA packages.
 TORCH_PIN := torch==2.13.0
-PY_PINS := numpy==2.4.6 pytest==9.2.0 pytest-timeout==2.4.0 expecttest==0.3.0 hypothesis==6.170.15 tqdm==4.70.1 matplotlib==3.11.2
+PY_PINS := numpy==2.4.6 pytest==9.2.0 pytest-timeout==2.4.0 expecttest==0.3.0 hypothesis==6.170.15 tqdm==4.70.1 matplotlib==3.11.2 safetensors==0.8.0
 APT_PKGS := cmake ninja-build g++ ccache libgtest-dev libabsl-dev
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 

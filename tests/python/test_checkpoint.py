@@ -6,6 +6,7 @@ corrupted and truncated files, and a manifest that does not fit the target."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -259,3 +260,54 @@ def test_mismatched_target_is_a_clear_error(pool2, tmp_path):
     assert "shape [144, 48] here, [108, 36] in the checkpoint" in message, message
     assert "missing in the checkpoint: model.transformer.h.2." in message, message
     assert "not in the state to load: optimizer." in message, message
+
+
+# ---- Hugging Face safetensors and torch.save state dicts --------------------------------------
+
+def _case_export(layout: str, directory: str) -> None:
+    run = _Run(layout, seed=0)
+    run.train(_batches()[:2])
+    vescale.checkpoint.export_hf(directory, run.model, max_shard_size="40KB", optimizer=run.opt)
+    full = run.full_parameters()
+    if dist.get_rank() == 0:
+        torch.save(full, directory + ".params.pt")
+    dist.barrier()
+
+
+def _case_import(layout: str, directory: str, kind: str) -> list[str]:
+    run = _Run(layout, seed=1)
+    if kind == "hf":
+        vescale.checkpoint.import_hf(directory, run.model, optimizer=run.opt)
+    else:
+        vescale.checkpoint.load_torch_state_dict(directory + ".params.pt", run.model, optimizer=run.opt)
+    saved = torch.load(directory + ".params.pt")
+    failures = [n for n, p in run.full_parameters().items() if not torch.equal(p, saved[n])]
+    run.train(_batches()[2:3])  # ZeRO master weights follow the imported parameters
+    after = run.full_parameters()
+    failures += [f"{n} after a step" for n, p in after.items() if not torch.isfinite(p).all()]
+    return failures
+
+
+@pytest.mark.parametrize("src,dst", [("dp2_tp2", "tp2"), ("zero3_dp4", "zero3_dp2_tp2"), ("tp4", "zero2_dp4")])
+def test_hugging_face_export_and_import(pool2, pool4, tmp_path, src, dst):
+    from safetensors.torch import load_file
+
+    pools = {2: pool2, 4: pool4}
+    directory = str(tmp_path / "hf")
+    pools[WORLD[LAYOUTS[src][0]]].run(_case_export, src, directory)
+    index = json.load(open(os.path.join(directory, "model.safetensors.index.json")))
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and all(os.path.getsize(os.path.join(directory, f)) <= 40_000 + 4096 for f in files)
+    exported = {k: v for f in files for k, v in load_file(os.path.join(directory, f)).items()}
+    saved = torch.load(directory + ".params.pt")
+    assert sorted(exported) == sorted(n for n in saved if n != "lm_head.weight")  # tied: saved once
+    assert all(torch.equal(exported[n], saved[n]) for n in exported)
+    assert pools[WORLD[LAYOUTS[dst][0]]].run(_case_import, dst, directory, "hf") == [[]] * WORLD[LAYOUTS[dst][0]]
+
+
+def test_single_device_state_dict_loads_into_a_sharded_model(pool4, tmp_path):
+    torch.manual_seed(3)
+    plain = GPT(GPTConfig(**CONFIG))
+    path = str(tmp_path / "sd")
+    torch.save(plain.state_dict(), path + ".params.pt")
+    assert pool4.run(_case_import, "dp2_tp2_sp", path, "torch") == [[]] * 4

@@ -1,0 +1,181 @@
+"""Weights in the formats the rest of the ecosystem reads and writes.
+
+    vescale.checkpoint.export_hf("out/hf", model, max_shard_size="2GB")
+    vescale.checkpoint.import_hf("out/hf", model)               # into any mesh / placements
+    vescale.checkpoint.load_torch_state_dict("model.pt", model)  # a single-device torch.save
+
+Export writes a Hugging Face-style directory: safetensors files of at most
+``max_shard_size`` and ``model.safetensors.index.json``. Files are spread over the
+ranks; each tensor is gathered onto the rank that writes it, and only there, so no
+rank ever holds more than one file's tensors. Import reads, on each rank, only the
+slices of its own boxes (safetensors' lazy slices; torch.load with mmap).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .boxes import Box
+from .layout import build
+
+INDEX = "model.safetensors.index.json"
+
+__all__ = ["export_hf", "import_hf", "load_torch_state_dict"]
+
+
+def _bytes(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?i?B)\s*", size.upper().replace("IB", "iB"))
+    if not m:
+        raise ValueError(f"max_shard_size {size!r}: give bytes as an int or a string like '500MB' or '2GB'")
+    units = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    return int(float(m.group(1)) * units[m.group(2)])
+
+
+def _files(sizes: list[int], limit: int) -> list[int]:
+    """The file of each tensor, in order: a new file when the next tensor would overflow."""
+    index, used, out = 0, 0, []
+    for n in sizes:
+        if used and used + n > limit:
+            index, used = index + 1, 0
+        out.append(index)
+        used += n
+    return out
+
+
+def export_hf(directory: str, model: nn.Module, *, max_shard_size: int | str = "5GB", optimizer=None) -> None:
+    """Writes the model as safetensors shards with an index. Every rank must call it.
+    Pass the DistributedOptimizer of a ZeRO-3 model (its parameters live as slices)."""
+    limit = _bytes(max_shard_size)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = build({"model": model, **({"optimizer": optimizer} if optimizer is not None else {})})
+    items = [(k[len("model."):], i) for k, i in layout.items.items() if k.startswith("model.")]
+    sizes = [math.prod(i.shape) * i.dtype.itemsize for _, i in items]
+    file_of = _files(sizes, limit)
+    count = file_of[-1] + 1 if items else 0
+    names = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+                                                      for i in range(count)]
+    boxes: list = [None] * world  # every rank's boxes of every tensor: who sends what
+    dist.all_gather_object(boxes, [[p.box.to_json() for p in i.pieces] for _, i in items])
+    if rank == 0:
+        os.makedirs(directory, exist_ok=True)
+    from safetensors.torch import save_file
+
+    pending: dict[str, torch.Tensor] = {}
+    for n, (name, item) in enumerate(items):
+        writer = file_of[n] % world
+        full = _gather_to(item, [[Box.from_json(b) for b in rb[n]] for rb in boxes], writer)
+        if rank == writer:
+            pending[name] = full
+            if n + 1 == len(items) or file_of[n + 1] != file_of[n]:  # the file is complete
+                save_file(pending, os.path.join(directory, names[file_of[n]]), metadata={"format": "pt"})
+                pending = {}
+    if rank == 0 and count > 1:
+        index = {"metadata": {"total_size": sum(sizes)},
+                 "weight_map": {name: names[f] for (name, _), f in zip(items, file_of)}}
+        with open(os.path.join(directory, INDEX), "w") as f:
+            json.dump(index, f, indent=2)
+    dist.barrier()
+
+
+def _gather_to(item, boxes: list[list[Box]], dst: int) -> torch.Tensor | None:
+    """The whole tensor of ``item`` on rank ``dst`` (None elsewhere), from the boxes each
+    rank holds (``boxes[rank]``): each rank's pieces, flat and padded to the longest, in
+    one gather; none when ``dst`` holds the whole tensor itself."""
+    rank, origin = dist.get_rank(), Box((0,) * len(item.shape), tuple(item.shape))
+    if boxes[dst] == [origin]:
+        return item.pieces[0].tensor.contiguous() if rank == dst else None
+    width = max(sum(b.numel() for b in rb) for rb in boxes)
+    mine = torch.zeros(width, dtype=item.dtype)
+    if item.pieces:
+        flat = torch.cat([p.tensor.reshape(-1) for p in item.pieces])
+        mine[: flat.numel()] = flat
+    parts = [torch.empty(width, dtype=item.dtype) for _ in boxes] if rank == dst else None
+    dist.gather(mine, parts, dst=dst)
+    if rank != dst:
+        return None
+    full = torch.empty(item.shape, dtype=item.dtype)
+    for r, rb in enumerate(boxes):
+        pos = 0
+        for box in rb:
+            box.view_of(full, origin).copy_(parts[r][pos:pos + box.numel()].view(box.sizes))
+            pos += box.numel()
+    return full
+
+
+def import_hf(directory: str, model: nn.Module, *, optimizer=None, strict: bool = True) -> None:
+    """Fills the model's shards from a Hugging Face-style safetensors directory."""
+    from safetensors import safe_open
+
+    index = os.path.join(directory, INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    elif os.path.exists(os.path.join(directory, "model.safetensors")):
+        with safe_open(os.path.join(directory, "model.safetensors"), framework="pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    else:
+        raise FileNotFoundError(f"{directory}: neither {INDEX} nor model.safetensors")
+    handles = {}
+
+    def open_file(name):
+        if name not in handles:
+            handles[name] = safe_open(os.path.join(directory, name), framework="pt")
+        return handles[name]
+
+    def shape_of(name):
+        return tuple(open_file(weight_map[name]).get_slice(name).get_shape())
+
+    def read(name, box: Box):
+        part = open_file(weight_map[name]).get_slice(name)[tuple(slice(o, o + s) for o, s in zip(box.offsets,
+                                                                                                  box.sizes))]
+        return part.reshape(box.sizes)
+
+    _fill_model(model, optimizer, set(weight_map), shape_of, read, strict, directory)
+
+
+def load_torch_state_dict(source, model: nn.Module, *, optimizer=None, strict: bool = True) -> None:
+    """Fills the model's shards from a single-device ``state_dict`` (a path to a
+    ``torch.save`` file, memory-mapped so each rank reads only its slices, or a dict)."""
+    state = torch.load(source, mmap=True, weights_only=True, map_location="cpu") if isinstance(source, str) else source
+    _fill_model(model, optimizer, set(state), lambda n: tuple(state[n].shape),
+                lambda n, box: box.view_of(state[n], Box((0,) * state[n].dim(), tuple(state[n].shape))),
+                strict, source if isinstance(source, str) else "the state_dict")
+
+
+def _fill_model(model, optimizer, available: set, shape_of, read, strict: bool, where: str) -> None:
+    state = {"model": model}
+    if optimizer is not None:
+        state["optimizer"] = optimizer
+    layout = build(state)
+    wanted = {k[len("model."):]: item for k, item in layout.items.items() if k.startswith("model.")}
+    aliases = {a[len("model."):] for a in layout.aliases}
+    problems = []
+    missing = sorted(set(wanted) - available)
+    unexpected = sorted(available - set(wanted) - aliases)
+    if strict and missing:
+        problems.append(f"missing in {where}: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    if strict and unexpected:
+        problems.append(f"not in the model: {', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}")
+    for name, item in wanted.items():
+        if name in available and shape_of(name) != item.shape:
+            problems.append(f"'{name}': shape {list(item.shape)} in the model, {list(shape_of(name))} in {where}")
+    if problems:
+        raise ValueError(f"cannot load {where} into the model: " + "; ".join(problems))
+    with torch.no_grad():
+        for name, item in wanted.items():
+            if name in available:
+                for piece in item.pieces:
+                    piece.tensor.copy_(read(name, piece.box).to(piece.tensor.dtype))
+        if optimizer is not None:
+            from .api import _masters_from_parameters
+            _masters_from_parameters(state, layout, {})
