@@ -194,10 +194,12 @@ def load(path: str, state: dict, *, strict: bool = True, rng: bool = True) -> No
     objects = torch.load(os.path.join(root, OBJECTS), weights_only=False)
     _check(layout, saved, objects, strict, root)
     reader = Reader(root, manifest["files"])
+    copies = _plan_reads(layout, saved)
+    for key, chunk, dtype, overlap, _ in copies:  # every checksum first: a corrupt file changes nothing
+        reader.verify(key, chunk, dtype, overlap)
     with torch.no_grad():
-        for key, item in layout.items.items():
-            if key in saved and key not in layout.aliases:
-                _fill(item, saved[key], reader)
+        for key, chunk, dtype, overlap, dest in copies:
+            dest.copy_(reader.view(chunk, dtype, overlap))
         _masters_from_parameters(state, layout, saved)
     for key, restore in layout.restore.items():
         if key in objects:
@@ -249,20 +251,26 @@ def _some(keys: list[str], n: int = 8) -> str:
     return ", ".join(keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
 
 
-def _fill(item: Item, saved: dict, reader: Reader) -> None:
-    dtype = _dtype(saved["dtype"])
-    chunks = [(Box.from_json(c["box"]), c) for c in saved["chunks"]]
-    for piece in item.pieces:
-        covered = 0
-        for box, chunk in chunks:
-            overlap = piece.box.intersect(box)
-            if overlap is None:
-                continue
-            overlap.view_of(piece.tensor, piece.box).copy_(reader.read(item.key, chunk, dtype, overlap))
-            covered += overlap.numel()
-        if covered < piece.box.numel():
-            raise ValueError(f"'{item.key}': the checkpoint covers {covered} of the {piece.box.numel()} elements "
-                             f"of box {piece.box} (a save from an incomplete set of ranks?)")
+def _plan_reads(layout: Layout, saved: dict) -> list[tuple]:
+    """(key, saved chunk, dtype, overlap box, destination view) for every overlap of a
+    box this rank holds with a saved box."""
+    reads = []
+    for key, item in layout.items.items():
+        if key not in saved or key in layout.aliases:
+            continue
+        dtype = _dtype(saved[key]["dtype"])
+        chunks = [(Box.from_json(c["box"]), c) for c in saved[key]["chunks"]]
+        for piece in item.pieces:
+            covered = 0
+            for box, chunk in chunks:
+                overlap = piece.box.intersect(box)
+                if overlap is not None:
+                    reads.append((key, chunk, dtype, overlap, overlap.view_of(piece.tensor, piece.box)))
+                    covered += overlap.numel()
+            if covered < piece.box.numel():
+                raise ValueError(f"'{key}': the checkpoint covers {covered} of the {piece.box.numel()} elements "
+                                 f"of box {piece.box} (a save from an incomplete set of ranks?)")
+    return reads
 
 
 def _masters_from_parameters(state: dict, layout: Layout, saved: dict) -> None:

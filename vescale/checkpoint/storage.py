@@ -67,30 +67,33 @@ class Reader:
             self._maps[name] = np.memmap(os.path.join(self.root, name), dtype=np.uint8, mode="r")
         return self._maps[name]
 
-    def read(self, key: str, chunk: dict, dtype: torch.dtype, want: Box) -> torch.Tensor:
-        """The part ``want`` of a saved chunk of ``key``, checksum-verified, as a tensor (a copy)."""
+    def view(self, chunk: dict, dtype: torch.dtype, want: Box) -> torch.Tensor:
+        """The part ``want`` of a saved chunk: a view of the read-only map (copy it out)."""
         saved = Box.from_json(chunk["box"])
         raw = self._map(chunk["file"])[chunk["offset"]:chunk["offset"] + chunk["nbytes"]]
-        with warnings.catch_warnings():  # read-only map: never written, the part is copied out
+        with warnings.catch_warnings():  # read-only map: only ever copied from
             warnings.simplefilter("ignore")
             whole = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
-        values = whole.view(dtype).view(saved.sizes)
-        part = want.view_of(values, saved)
-        self._verify(key, chunk, raw, part, values)
-        return part.clone()
+        return want.view_of(whole.view(dtype).view(saved.sizes), saved)
 
-    def _verify(self, key: str, chunk: dict, raw, part: torch.Tensor, values: torch.Tensor) -> None:
+    def verify(self, key: str, chunk: dict, dtype: torch.dtype, want: Box) -> None:
+        """Checks the CRC32 of every block of the chunk that the part ``want`` touches."""
+        part = self.view(chunk, dtype, want)
         if part.numel() == 0:
             return
-        item = values.element_size()
-        first = (part.storage_offset() - values.storage_offset()) * item
-        last = first + item * (1 + sum((n - 1) * s for n, s in zip(part.shape, part.stride())))
+        item = part.element_size()
+        start = part.storage_offset() * item  # the view starts at the chunk's first byte
+        first = start
+        last = start + item * (1 + sum((n - 1) * s for n, s in zip(part.shape, part.stride())))
+        raw = self._map(chunk["file"])
         for b in range(first // BLOCK, (last - 1) // BLOCK + 1):
             tag = (chunk["file"], chunk["offset"] + b * BLOCK)
             if tag in self._verified:
                 continue
-            if zlib.crc32(memoryview(raw[b * BLOCK:(b + 1) * BLOCK])) != chunk["crc32"][b]:
+            lo = chunk["offset"] + b * BLOCK
+            hi = min(lo + BLOCK, chunk["offset"] + chunk["nbytes"])
+            if zlib.crc32(memoryview(raw[lo:hi])) != chunk["crc32"][b]:
                 raise CorruptCheckpoint(f"{os.path.join(self.root, chunk['file'])}: checksum mismatch in "
-                                        f"'{key}' (bytes {chunk['offset'] + b * BLOCK} onward): the "
-                                        "file is corrupted; load an earlier checkpoint")
+                                        f"'{key}' (bytes {lo} to {hi}): the file is corrupted; nothing was "
+                                        "loaded; load an earlier checkpoint")
             self._verified.add(tag)
