@@ -123,6 +123,7 @@ def _case_save(layout: str, path: str) -> list[float]:
     losses = run.train(_batches()[:STEPS_BEFORE])
     vescale.save(path, run.state())
     full = run.full_parameters()
+    full["__draw_after_save__"] = torch.rand(3)  # the RNG state is saved too
     if dist.get_rank() == 0:
         torch.save(full, path + ".params.pt")
     dist.barrier()
@@ -135,6 +136,8 @@ def _case_resume(layout: str, path: str) -> tuple[list[str], list[float]]:
     saved = torch.load(path + ".params.pt")
     failures = [f"{n}: not bitwise equal to the saved tensor" for n, p in run.full_parameters().items()
                 if not torch.equal(p, saved[n])]
+    if not torch.equal(torch.rand(3), saved["__draw_after_save__"]):
+        failures.append("the RNG state was not restored")
     if run.sched.last_epoch != STEPS_BEFORE:
         failures.append(f"scheduler at step {run.sched.last_epoch}, saved at {STEPS_BEFORE}")
     return failures, run.train(_batches()[STEPS_BEFORE:])
