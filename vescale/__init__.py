@@ -13,6 +13,7 @@ from .dtensor import DTensor, distribute_tensor
 from .placement_types import Partial, Placement, Replicate, Shard
 from .parallel import DDP, DistributedOptimizer, parallelize_module
 from .checkpoint import load, save
+from .deferred_init import deferred_init, materialize_module
 
 _install()
 
@@ -22,5 +23,5 @@ __all__ = [
     "Placement", "Shard", "Replicate", "Partial",
     "fallback_counts", "reset_fallback_counts",
     "parallelize_module", "DDP", "DistributedOptimizer",
-    "save", "load",
+    "save", "load", "deferred_init", "materialize_module",
 ]

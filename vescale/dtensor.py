@@ -130,8 +130,28 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
         raise TypeError(f"distribute_tensor expects a torch.Tensor, got {type(tensor).__name__}")
     if isinstance(tensor, DTensor):
         raise TypeError("distribute_tensor expects a plain tensor, got a DTensor; use .redistribute() instead")
+    if tensor.is_meta:
+        from .deferred_init import is_deferred
+
+        if not is_deferred(tensor):
+            raise ValueError("distribute_tensor got a meta tensor, which has no values to give: build the model "
+                             "with vescale.deferred_init(ModelClass, ...) to shard it without allocating it whole")
+        return _materialize_shard(tensor, *_resolve(device_mesh, placements, tensor.dim()))
     mesh, cp = _resolve(device_mesh, placements, tensor.dim())
     return _C.distribute_tensor(tensor, _register(mesh), cp, src_data_rank)
+
+
+def _materialize_shard(tensor: torch.Tensor, mesh: DeviceMesh, cp) -> torch.Tensor:
+    """A tensor from vescale.deferred_init: this rank computes only its own shard."""
+    from .checkpoint.boxes import Box
+    from .deferred_init import materialize
+
+    if any(kind[0] == "P" for kind in cp):
+        raise ValueError("a deferred tensor can be materialised as Shard or Replicate, not Partial")
+    sizes, offsets = _C.local_shape(list(tensor.shape), cp, list(mesh.shape), list(mesh.get_coordinate()))
+    local = materialize(tensor, Box(tuple(offsets), tuple(sizes)))
+    out = _C.from_local(local, _register(mesh), cp, list(tensor.shape), _strides_like(tensor.shape, tensor.stride()))
+    return out.requires_grad_(tensor.requires_grad)
 
 
 # ---- helpers -------------------------------------------------------------------------

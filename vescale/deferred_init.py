@@ -1,0 +1,370 @@
+"""deferred_init: build a model with its ordinary constructor without allocating it, and
+later give each rank only its own shard, with the values one device would have had.
+
+    model = vescale.deferred_init(GPT, config)          # parameters on the meta device
+    parallelize_module(model, mesh["TP"], gpt_plan())    # each rank fills only its shards
+    vescale.materialize_module(model)                    # whatever no plan covered, whole
+
+The constructor runs on the meta device under a dispatch mode that records every aten
+op (``normal_``, ``uniform_``, ``zero_``, ``fill_``, kaiming/xavier/trunc_normal, copies
+from computed tensors, ``torch.manual_seed`` in between: the CPU generator state is
+recorded before each random op). Materialising a tensor for a box (a rank's shard)
+replays its ops:
+
+* random fills (``normal_``, ``uniform_``, ``randn``, ``rand``) stream the whole
+  tensor's random sequence in chunks of 1 Mi elements from the recorded generator
+  state, keeping only the box: bitwise the values of a single-device run, in memory of
+  the box plus one chunk;
+* pointwise ops with scalar arguments (``mul_``, ``add_``, ``clamp_``, ``erfinv_``,
+  ``fill_``, ``zero_``) run on the box alone;
+* anything else (a copy from a computed tensor, ``orthogonal_``, views) is replayed
+  whole, then sliced: correct, at the cost of that one tensor in full.
+
+While recording, the real generator is advanced exactly as the real constructor would
+have (the random sequence is streamed and dropped), so whatever runs after
+``deferred_init`` draws the same numbers as after an ordinary construction.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .checkpoint.boxes import Box, flat_range, whole
+
+__all__ = ["deferred_init", "materialize_module", "is_deferred", "DeferredInitError"]
+
+aten = torch.ops.aten
+CHUNK = 1 << 20  # elements per streamed chunk (a multiple of 16: CPU normal_ works in groups of 16)
+
+# random fills whose CPU kernels draw element by element in order (normal_: 16 at a time,
+# the last 16 redrawn), so a chunked stream of the whole sequence equals one call
+_STREAMABLE = {aten.normal_.default: lambda t, a: t.normal_(*a),
+               aten.uniform_.default: lambda t, a: t.uniform_(*a)}
+_RANDOM_FACTORIES = {aten.randn.default: (aten.normal_.default, (0.0, 1.0)),
+                     aten.rand.default: (aten.uniform_.default, (0.0, 1.0))}
+_POINTWISE_SCALAR = {aten.mul_.Scalar, aten.add_.Scalar, aten.sub_.Scalar, aten.div_.Scalar, aten.clamp_.default,
+                     aten.erfinv_.default, aten.fill_.Scalar, aten.zero_.default, aten.mul_.Tensor,
+                     aten.add_.Tensor, aten.div_.Tensor, aten.sub_.Tensor, aten.clamp_min_.default,
+                     aten.clamp_max_.default, aten.neg_.default, aten.abs_.default, aten.sqrt_.default}
+_FACTORIES = {aten.empty.memory_format, aten.zeros.default, aten.ones.default, aten.full.default,
+              aten.empty_strided.default}
+_READS_VALUES = {aten._local_scalar_dense.default, aten.equal.default, aten.nonzero.default,
+                 aten.is_nonzero.default, aten.masked_select.default, aten.unique_consecutive.default,
+                 aten._unique2.default}
+
+
+class DeferredInitError(RuntimeError):
+    """The constructor needs parameter values (data-dependent control flow)."""
+
+
+@dataclass
+class _Node:
+    seq: int
+    func: object
+    args: tuple
+    kwargs: dict
+    rng: torch.Tensor | None  # the CPU generator state before a random op
+    out: object = None
+    python: bool = False      # a whole torch.nn.init function (see _PYTHON_INITS)
+
+
+# torch.nn.init functions that return at once on meta tensors (trunc_normal_ also samples
+# by rejection, a loop on values): recorded whole, replayed whole on the real tensor
+_PYTHON_INITS = ("_no_grad_trunc_normal_", "orthogonal_", "dirac_", "sparse_")
+
+
+@dataclass
+class _History:
+    """Everything that wrote one storage, in order."""
+    nodes: list = field(default_factory=list)
+
+
+_histories: dict[int, _History] = {}  # storage key -> history
+_alive: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # storage key -> a meta tensor
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def is_deferred(t: torch.Tensor) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_meta and _key(t) in _histories
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seq = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _READS_VALUES:
+            raise DeferredInitError(
+                f"the constructor reads tensor values ({func}) while vescale.deferred_init builds it on the "
+                "meta device, where no values exist (data-dependent control flow). Build this model "
+                "normally on one rank instead and scatter it: vescale.distribute_tensor(tensor, mesh, "
+                "placements, src_data_rank=0) for each parameter, or parallelize_module on a model built "
+                "with real values.")
+        if kwargs.get("generator") is not None or any(isinstance(a, torch.Generator) for a in args):
+            raise DeferredInitError(f"{func} with an explicit torch.Generator: vescale.deferred_init records "
+                                    "the default CPU generator only; seed it with torch.manual_seed instead")
+        rng = None
+        if func in _STREAMABLE or func in _RANDOM_FACTORIES or torch.Tag.nondeterministic_seeded in func.tags:
+            rng = torch.get_rng_state()
+        out = func(*args, **kwargs)
+        node = _Node(self.seq, func, args, kwargs, rng, out)
+        self.seq += 1
+        if rng is not None:
+            _advance(node)
+        for t in _written(func, args, kwargs, out):
+            _histories.setdefault(_key(t), _History()).nodes.append(node)
+            _alive[_key(t)] = t
+        return out
+
+
+def _written(func, args, kwargs, out) -> list[torch.Tensor]:
+    """The meta tensors an op creates or changes: outputs with storage of their own (not
+    views), and mutated arguments."""
+    schema = func._schema
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    written = [t for t, r in zip(outs, schema.returns) if isinstance(t, torch.Tensor) and t.is_meta
+               and r.alias_info is None]
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(a.name)
+            written += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.is_meta]
+    return written
+
+
+def deferred_init(module_cls, *args, **kwargs) -> nn.Module:
+    """Runs ``module_cls(*args, **kwargs)`` on the meta device, recording how each
+    parameter and buffer gets its values; nothing is allocated."""
+    recorder = _Recorder()
+    originals = {name: getattr(torch.nn.init, name) for name in _PYTHON_INITS}
+    for name, fn in originals.items():
+        setattr(torch.nn.init, name, _recorded_init(fn, recorder))
+    try:
+        with torch.device("meta"), recorder:
+            return module_cls(*args, **kwargs)
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.nn.init, name, fn)
+
+
+def _recorded_init(fn, recorder: _Recorder):
+    def init(tensor, *args, **kwargs):
+        if not (isinstance(tensor, torch.Tensor) and tensor.is_meta):
+            return fn(tensor, *args, **kwargs)
+        if kwargs.get("generator") is not None:
+            raise DeferredInitError(f"torch.nn.init.{fn.__name__} with an explicit torch.Generator: "
+                                    "vescale.deferred_init records the default CPU generator only")
+        node = _Node(recorder.seq, fn, (tensor, *args), kwargs, torch.get_rng_state(), tensor, python=True)
+        recorder.seq += 1
+        with _disable_current_modes():
+            _advance(node)
+        _histories.setdefault(_key(tensor), _History()).nodes.append(node)
+        _alive[_key(tensor)] = tensor
+        return tensor
+    return init
+
+
+# ---- random streams ---------------------------------------------------------------------------
+
+def _random_fill(node: _Node):
+    """(fill function, its scalar arguments, the tensor filled) for a streamable node."""
+    if node.python:
+        return None
+    if node.func in _RANDOM_FACTORIES:
+        fill, extra = _RANDOM_FACTORIES[node.func]
+        return _STREAMABLE[fill], extra, node.out
+    if node.func in _STREAMABLE:
+        return _STREAMABLE[node.func], node.args[1:], node.args[0]
+    return None
+
+
+def _chunks(n: int) -> list[tuple[int, int]]:
+    bounds = [(a, min(a + CHUNK, n)) for a in range(0, n, CHUNK)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < 16:  # a short last chunk would draw differently
+        (a, _), (_, b) = bounds[-2], bounds.pop()
+        bounds[-1] = (a, b)
+    return bounds
+
+
+def _stream(node: _Node, shape, dtype, box: Box | None, into: torch.Tensor | None) -> None:
+    """Draws the node's random sequence for a whole tensor of ``shape`` from its recorded
+    generator state, chunk by chunk, copying the part in ``box`` into ``into``."""
+    fill, extra, _ = _random_fill(node)
+    saved = torch.get_rng_state()
+    torch.set_rng_state(node.rng)
+    try:
+        bounds = _chunks(math.prod(shape))
+        buf = _scratch(max((b - a for a, b in bounds), default=0), dtype)
+        for a, b in bounds:
+            piece = buf[: b - a]
+            fill(piece, extra)
+            if box is None:
+                continue
+            pos = 0
+            for fb in flat_range(tuple(shape), a, b):
+                overlap = fb.intersect(box)
+                if overlap is not None:
+                    src = piece[pos:pos + fb.numel()].view(fb.sizes)
+                    overlap.view_of(into, box).copy_(overlap.view_of(src, fb))
+                pos += fb.numel()
+        after = torch.get_rng_state()
+    finally:
+        torch.set_rng_state(saved)
+    if box is None:
+        torch.set_rng_state(after)  # recording: the generator moves on as the real op would move it
+
+
+_scratch_buffers: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """One chunk buffer per dtype, kept: allocating and freeing one per tensor between the
+    shards being kept fragments the heap, and resident memory grows by as much again."""
+    buf = _scratch_buffers.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch_buffers[dtype] = torch.empty(max(numel, CHUNK + 16), dtype=dtype, device="cpu")
+    return buf[:numel]
+
+
+def _advance(node: _Node) -> None:
+    """While recording: move the real generator past this random op."""
+    fill = _random_fill(node)
+    if fill is not None and _covers(fill[2]):
+        _stream(node, tuple(fill[2].shape), fill[2].dtype, None, None)
+        return
+    # any other random op: run it for real, whole (a transient tensor), just to advance
+    torch.set_rng_state(node.rng)
+    _replay_node(node, {})
+
+
+def _covers(t: torch.Tensor) -> bool:
+    """A tensor that is its whole storage, in row-major order."""
+    return (t.storage_offset() == 0 and t.is_contiguous()
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+# ---- materialisation --------------------------------------------------------------------------
+
+def materialize(meta: torch.Tensor, box: Box | None = None) -> torch.Tensor:
+    """The values of a deferred tensor inside ``box`` (default: all of it), as a new CPU tensor."""
+    box = box or whole(meta.shape)
+    history = _histories[_key(meta)]
+    if _covers(meta) and _local_ok(history, meta):
+        out = torch.empty(box.sizes, dtype=meta.dtype, device="cpu")
+        for node in history.nodes:
+            if _random_fill(node) is not None:
+                _stream(node, tuple(meta.shape), meta.dtype, box, out)
+            elif node.func in _FACTORIES:
+                _replay_factory(node, out)
+            else:
+                _replay_pointwise(node, out)
+        return out
+    full = _replay_storage(_key(meta), seq=None)
+    view = torch.as_strided(full, meta.shape, meta.stride(), meta.storage_offset())
+    return box.view_of(view, whole(meta.shape)).clone()
+
+
+def _local_ok(history: _History, meta: torch.Tensor) -> bool:
+    """Whether every op of the history can run on a box alone."""
+    for node in history.nodes:
+        target = node.out if node.func in _FACTORIES or node.func in _RANDOM_FACTORIES else node.args[0]
+        if not isinstance(target, torch.Tensor) or not _covers(target):
+            return False
+        if node.func in _FACTORIES or _random_fill(node) is not None:
+            continue
+        if node.python or node.func not in _POINTWISE_SCALAR:
+            return False
+        if any(isinstance(a, torch.Tensor) and a.numel() > 1 for a in node.args[1:]):
+            return False  # a tensor operand (not a 0-d scalar): replay whole
+    return True
+
+
+def _real(value, storages: dict):
+    """A recorded argument on the CPU: meta tensors become views of replayed storages."""
+    if isinstance(value, torch.device) and value.type == "meta":
+        return torch.device("cpu")
+    if isinstance(value, torch.Tensor) and value.is_meta:
+        key = _key(value)
+        if key not in storages:
+            storages[key] = _replay_storage(key, seq=None)
+        return torch.as_strided(storages[key], value.shape, value.stride(), value.storage_offset())
+    return value
+
+
+def _replay_factory(node: _Node, out: torch.Tensor) -> None:
+    if node.func is aten.zeros.default:
+        out.zero_()
+    elif node.func is aten.ones.default:
+        out.fill_(1)
+    elif node.func is aten.full.default:
+        out.fill_(node.args[1])
+
+
+def _replay_pointwise(node: _Node, out: torch.Tensor) -> None:
+    args = tree_map(lambda a: (materialize(a) if a.is_meta else a).item() if isinstance(a, torch.Tensor) else a,
+                    node.args[1:])
+    node.func(out, *args, **node.kwargs)
+
+
+def _replay_node(node: _Node, storages: dict):
+    args = tree_map(lambda v: _real(v, storages), node.args)
+    kwargs = tree_map(lambda v: _real(v, storages), node.kwargs)
+    if node.rng is not None:
+        torch.set_rng_state(node.rng)
+    return node.func(*args, **kwargs)
+
+
+def _replay_storage(key: int, seq) -> torch.Tensor:
+    """The whole storage, replayed op by op on the CPU (flat, of the storage's dtype)."""
+    history = _histories[key]
+    meta = _alive.get(key)
+    if meta is None:
+        raise RuntimeError("vescale.deferred_init: a recorded tensor is gone; materialise before dropping it")
+    flat = torch.empty(meta.untyped_storage().nbytes() // meta.element_size(), dtype=meta.dtype, device="cpu")
+    storages = {key: flat}
+    saved = torch.get_rng_state()
+    try:
+        for node in history.nodes:
+            result = _replay_node(node, storages)
+            if node.func in _FACTORIES or node.func in _RANDOM_FACTORIES or not _mutates(node):
+                out = node.out
+                src = result if isinstance(result, torch.Tensor) else None
+                if src is not None and _key(out) == key:
+                    torch.as_strided(flat, out.shape, out.stride(), out.storage_offset()).copy_(src)
+    finally:
+        torch.set_rng_state(saved)
+    return flat
+
+
+def _mutates(node: _Node) -> bool:
+    if node.python:
+        return True
+    return any(a.alias_info is not None and a.alias_info.is_write for a in node.func._schema.arguments)
+
+
+def materialize_module(module: nn.Module) -> nn.Module:
+    """Every parameter and buffer still on the meta device becomes a whole CPU tensor
+    (those that parallelize_module or distribute_tensor sharded already are left alone)."""
+    done: dict[int, torch.Tensor] = {}
+    for owner in module.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(owner, kind).items():
+                if t is None or not is_deferred(t):
+                    continue
+                if id(t) not in done:
+                    values = materialize(t)
+                    done[id(t)] = nn.Parameter(values, requires_grad=t.requires_grad) \
+                        if isinstance(t, nn.Parameter) else values
+                getattr(owner, kind)[name] = done[id(t)]
+    return module
