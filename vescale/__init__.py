@@ -13,7 +13,7 @@ from .dtensor import DTensor, distribute_tensor
 from .placement_types import Partial, Placement, Replicate, Shard
 from .parallel import DDP, DistributedOptimizer, parallelize_module
 from .checkpoint import load, save
-from .deferred_init import deferred_init, materialize_module
+from .deferred import deferred_init, materialize_module
 
 _install()
 

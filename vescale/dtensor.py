@@ -131,7 +131,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
     if isinstance(tensor, DTensor):
         raise TypeError("distribute_tensor expects a plain tensor, got a DTensor; use .redistribute() instead")
     if tensor.is_meta:
-        from .deferred_init import is_deferred
+        from .deferred import is_deferred
 
         if not is_deferred(tensor):
             raise ValueError("distribute_tensor got a meta tensor, which has no values to give: build the model "
@@ -144,7 +144,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
 def _materialize_shard(tensor: torch.Tensor, mesh: DeviceMesh, cp) -> torch.Tensor:
     """A tensor from vescale.deferred_init: this rank computes only its own shard."""
     from .checkpoint.boxes import Box
-    from .deferred_init import materialize
+    from .deferred import materialize
 
     if any(kind[0] == "P" for kind in cp):
         raise ValueError("a deferred tensor can be materialised as Shard or Replicate, not Partial")

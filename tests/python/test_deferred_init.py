@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import vescale
 from vescale import Replicate, Shard
-from vescale.deferred_init import DeferredInitError, deferred_init, materialize_module
+from vescale.deferred import DeferredInitError, deferred_init, materialize_module
 from vescale.parallel import parallelize_module
 from vescale.parallel.plans import gpt_plan, llama_plan
 
@@ -185,3 +185,38 @@ def test_peak_memory_is_the_local_shard_plus_a_constant(pool4):
         assert r["local_kb"] * 4 == full_kb
         assert full_kb >= 3 * (r["local_kb"] + constant_kb)
         assert r["peak_kb"] < r["local_kb"] + constant_kb, r
+
+
+# ---- from a checkpoint ------------------------------------------------------------------------
+
+def _case_from_checkpoint(path: str) -> list[str]:
+    import vescale.deferred as di
+
+    m = mesh("2d")
+    torch.manual_seed(5)
+    trained = GPT(GPTConfig(vocab_size=66, n_embd=36, n_head=6))
+    if torch.distributed.get_rank() == 0:
+        torch.save(trained.state_dict(), path + ".ref.pt")
+    parallelize_module(trained, m["TP"], gpt_plan())
+    vescale.save(path, {"model": trained})
+    model = deferred_init(GPT, GPTConfig(vocab_size=66, n_embd=36, n_head=6))
+    streamed = []
+    real_stream = di._stream
+    di._stream = lambda *a, **k: streamed.append(1) or real_stream(*a, **k)  # counts random inits
+    try:
+        vescale.load(path, {"model": model})
+        parallelize_module(model, m, {"parameter": {r".*c_attn\.weight": [Shard(0), Shard(1)]}})
+        materialize_module(model)
+    finally:
+        di._stream = real_stream
+    ref = torch.load(path + ".ref.pt")
+    failures = ["random init ran"] if streamed else []
+    for name, p in model.state_dict().items():
+        full = p.full_tensor() if isinstance(p, vescale.DTensor) else p
+        if not torch.equal(full, ref[name]):
+            failures.append(name)
+    return failures
+
+
+def test_checkpoint_fills_a_deferred_model_without_running_its_init(pool4, tmp_path):
+    assert pool4.run(_case_from_checkpoint, str(tmp_path / "ckpt")) == [[]] * 4

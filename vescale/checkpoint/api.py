@@ -194,6 +194,7 @@ def load(path: str, state: dict, *, strict: bool = True, rng: bool = True) -> No
     objects = torch.load(os.path.join(root, OBJECTS), weights_only=False)
     _check(layout, saved, objects, strict, root)
     reader = Reader(root, manifest["files"])
+    _bind_deferred(layout, saved, reader)
     copies = _plan_reads(layout, saved)
     for key, chunk, dtype, overlap, _ in copies:  # every checksum first: a corrupt file changes nothing
         reader.verify(key, chunk, dtype, overlap)
@@ -256,21 +257,46 @@ def _plan_reads(layout: Layout, saved: dict) -> list[tuple]:
     box this rank holds with a saved box."""
     reads = []
     for key, item in layout.items.items():
-        if key not in saved or key in layout.aliases:
-            continue
-        dtype = _dtype(saved[key]["dtype"])
-        chunks = [(Box.from_json(c["box"]), c) for c in saved[key]["chunks"]]
-        for piece in item.pieces:
-            covered = 0
-            for box, chunk in chunks:
-                overlap = piece.box.intersect(box)
-                if overlap is not None:
-                    reads.append((key, chunk, dtype, overlap, overlap.view_of(piece.tensor, piece.box)))
-                    covered += overlap.numel()
-            if covered < piece.box.numel():
-                raise ValueError(f"'{key}': the checkpoint covers {covered} of the {piece.box.numel()} elements "
-                                 f"of box {piece.box} (a save from an incomplete set of ranks?)")
+        if key in saved and key not in layout.aliases:
+            for piece in item.pieces:
+                if not piece.tensor.is_meta:  # deferred tensors are bound, not read (_bind_deferred)
+                    reads += _reads_for(key, saved[key], piece.box, piece.tensor)
     return reads
+
+
+def _reads_for(key: str, entry: dict, box: Box, dest: torch.Tensor) -> list[tuple]:
+    dtype, reads, covered = _dtype(entry["dtype"]), [], 0
+    for chunk in entry["chunks"]:
+        overlap = box.intersect(Box.from_json(chunk["box"]))
+        if overlap is not None:
+            reads.append((key, chunk, dtype, overlap, overlap.view_of(dest, box)))
+            covered += overlap.numel()
+    if covered < box.numel():
+        raise ValueError(f"'{key}': the checkpoint covers {covered} of the {box.numel()} elements of box {box} "
+                         "(a save from an incomplete set of ranks?)")
+    return reads
+
+
+def _bind_deferred(layout: Layout, saved: dict, reader: Reader) -> None:
+    """Tensors of a vescale.deferred_init model not materialised yet take their values
+    from the checkpoint when they are (each rank reading its own shard then): their
+    random initialisation never runs."""
+    from ..deferred import bind_source, is_deferred
+
+    for key, item in layout.items.items():
+        if key not in saved or not item.pieces or not is_deferred(item.pieces[0].tensor):
+            continue
+
+        def read(box: Box, key=key, entry=saved[key]) -> torch.Tensor:
+            out = torch.empty(box.sizes, dtype=_dtype(entry["dtype"]))
+            reads = _reads_for(key, entry, box, out)
+            for k, chunk, dtype, overlap, _ in reads:
+                reader.verify(k, chunk, dtype, overlap)
+            for _, chunk, dtype, overlap, dest in reads:
+                dest.copy_(reader.view(chunk, dtype, overlap))
+            return out
+
+        bind_source(item.pieces[0].tensor, read)
 
 
 def _masters_from_parameters(state: dict, layout: Layout, saved: dict) -> None:

@@ -94,8 +94,17 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+_sources: dict[int, object] = {}  # storage key -> read(box): values from a checkpoint instead
+
+
 def is_deferred(t: torch.Tensor) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_meta and _key(t) in _histories
+    return isinstance(t, torch.Tensor) and t.is_meta and (_key(t) in _histories or _key(t) in _sources)
+
+
+def bind_source(meta: torch.Tensor, read) -> None:
+    """From now on the deferred tensor's values are ``read(box)`` (vescale.load into a
+    deferred model): its recorded initialisation never runs."""
+    _sources[_key(meta)] = read
 
 
 class _Recorder(TorchDispatchMode):
@@ -259,6 +268,8 @@ def _covers(t: torch.Tensor) -> bool:
 def materialize(meta: torch.Tensor, box: Box | None = None) -> torch.Tensor:
     """The values of a deferred tensor inside ``box`` (default: all of it), as a new CPU tensor."""
     box = box or whole(meta.shape)
+    if _key(meta) in _sources:
+        return _sources[_key(meta)](box)
     history = _histories[_key(meta)]
     if _covers(meta) and _local_ok(history, meta):
         out = torch.empty(box.sizes, dtype=meta.dtype, device="cpu")
