@@ -28,7 +28,6 @@ have (the random sequence is streamed and dropped), so whatever runs after
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +35,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .checkpoint.boxes import Box, flat_range, whole
+from .boxes import Box, flat_range, whole
 
 __all__ = ["deferred_init", "materialize_module", "is_deferred", "DeferredInitError"]
 
@@ -87,7 +86,7 @@ class _History:
 
 
 _histories: dict[int, _History] = {}  # storage key -> history
-_alive: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # storage key -> a meta tensor
+_alive: dict[int, torch.Tensor] = {}  # storage key -> a meta alias of it
 
 
 def _key(t: torch.Tensor) -> int:
@@ -128,14 +127,23 @@ class _Recorder(TorchDispatchMode):
         if func in _STREAMABLE or func in _RANDOM_FACTORIES or torch.Tag.nondeterministic_seeded in func.tags:
             rng = torch.get_rng_state()
         out = func(*args, **kwargs)
-        node = _Node(self.seq, func, args, kwargs, rng, out)
+        a, k, o = _aliases((args, kwargs, out))
+        node = _Node(self.seq, func, a, k, rng, o)
         self.seq += 1
         if rng is not None:
             _advance(node)
-        for t in _written(func, args, kwargs, out):
+        for t in _written(func, node.args, node.kwargs, node.out):
             _histories.setdefault(_key(t), _History()).nodes.append(node)
             _alive[_key(t)] = t
         return out
+
+
+def _aliases(tree):
+    """The recorded values with every meta tensor replaced by an alias of its own (same
+    storage): the recording then never holds the user's tensors, which stay free to be
+    swapped for materialised ones (torch.utils.swap_tensors)."""
+    args, kwargs, out = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) and v.is_meta else v, tree)
+    return args, kwargs, out
 
 
 def _written(func, args, kwargs, out) -> list[torch.Tensor]:
@@ -174,12 +182,14 @@ def _recorded_init(fn, recorder: _Recorder):
         if kwargs.get("generator") is not None:
             raise DeferredInitError(f"torch.nn.init.{fn.__name__} with an explicit torch.Generator: "
                                     "vescale.deferred_init records the default CPU generator only")
-        node = _Node(recorder.seq, fn, (tensor, *args), kwargs, torch.get_rng_state(), tensor, python=True)
+        rng = torch.get_rng_state()
+        a, k, out = _aliases(((tensor, *args), kwargs, tensor))
+        node = _Node(recorder.seq, fn, a, k, rng, out, python=True)
         recorder.seq += 1
         with _disable_current_modes():
             _advance(node)
         _histories.setdefault(_key(tensor), _History()).nodes.append(node)
-        _alive[_key(tensor)] = tensor
+        _alive[_key(tensor)] = out
         return tensor
     return init
 
@@ -365,17 +375,33 @@ def _mutates(node: _Node) -> bool:
 
 
 def materialize_module(module: nn.Module) -> nn.Module:
-    """Every parameter and buffer still on the meta device becomes a whole CPU tensor
-    (those that parallelize_module or distribute_tensor sharded already are left alone)."""
+    """Every parameter and buffer still deferred becomes a whole CPU tensor, in place:
+    a parameter keeps its identity (torch.utils.swap_tensors), so optimizers built on
+    the deferred model hold the materialised ones. Tensors that parallelize_module or
+    distribute_tensor sharded already are left alone."""
     done: dict[int, torch.Tensor] = {}
     for owner in module.modules():
-        for kind in ("_parameters", "_buffers"):
-            for name, t in getattr(owner, kind).items():
-                if t is None or not is_deferred(t):
-                    continue
+        for name, t in list(owner._buffers.items()):
+            if t is not None and is_deferred(t):
                 if id(t) not in done:
-                    values = materialize(t)
-                    done[id(t)] = nn.Parameter(values, requires_grad=t.requires_grad) \
-                        if isinstance(t, nn.Parameter) else values
-                getattr(owner, kind)[name] = done[id(t)]
+                    done[id(t)] = materialize(t)
+                owner._buffers[name] = done[id(t)]
+        for t in owner._parameters.values():
+            if t is not None and is_deferred(t) and id(t) not in done:
+                done[id(t)] = t
+                torch.utils.swap_tensors(t, nn.Parameter(materialize(t), requires_grad=t.requires_grad))
     return module
+
+
+def flat_slice(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Elements [start, end) of ``t`` flattened (a ZeRO slice); for a deferred tensor
+    only those elements are materialised."""
+    if not is_deferred(t):
+        from .parallel.ddp import local_of
+        return local_of(t).detach().reshape(-1)[start:end]
+    parts = [materialize(t, b).reshape(-1) for b in flat_range(tuple(t.shape), start, end)]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=t.dtype)
+
+
+def has_deferred(module: nn.Module) -> bool:
+    return any(is_deferred(t) for t in list(module.parameters()) + list(module.buffers()))

@@ -143,7 +143,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
 
 def _materialize_shard(tensor: torch.Tensor, mesh: DeviceMesh, cp) -> torch.Tensor:
     """A tensor from vescale.deferred_init: this rank computes only its own shard."""
-    from .checkpoint.boxes import Box
+    from .boxes import Box
     from .deferred import materialize
 
     if any(kind[0] == "P" for kind in cp):

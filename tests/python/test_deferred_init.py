@@ -220,3 +220,27 @@ def _case_from_checkpoint(path: str) -> list[str]:
 
 def test_checkpoint_fills_a_deferred_model_without_running_its_init(pool4, tmp_path):
     assert pool4.run(_case_from_checkpoint, str(tmp_path / "ckpt")) == [[]] * 4
+
+
+# ---- DDP and ZeRO -----------------------------------------------------------------------------
+
+def _case_zero(stage: int) -> list[str]:
+    """DDP leaves a deferred model alone (no broadcast: every rank materialises the same
+    values); ZeRO-1/2 materialise it whole, ZeRO-3 only each rank's slices."""
+    from vescale.parallel import DDP, DistributedOptimizer
+
+    torch.manual_seed(0)
+    ref = Zoo(big=4099)
+    torch.manual_seed(0)
+    model = DDP(deferred_init(Zoo, big=4099), mesh("1d4"))
+    if not stage:
+        materialize_module(model.module)  # what DDP's first forward does
+        return _same(model.module, ref)
+    opt = DistributedOptimizer(torch.optim.AdamW, models=[model], zero_stage=stage, lr=1e-3)
+    with opt.full_parameters():
+        return _same(model.module, ref)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_ddp_and_zero_materialise_deferred_models(pool4, stage):
+    assert pool4.run(_case_zero, stage) == [[]] * 4

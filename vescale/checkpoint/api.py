@@ -29,7 +29,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from .boxes import Box
+from ..boxes import Box
 from .layout import Item, Layout, build
 from .storage import Reader, write_file
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .boxes import Box
+from ..boxes import Box
 from .layout import build
 
 INDEX = "model.safetensors.index.json"

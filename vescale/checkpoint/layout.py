@@ -19,7 +19,7 @@ from ..dtensor import DTensor
 from ..placement_types import to_c
 from ..parallel.ddp import DDP, local_of
 from ..parallel.optimizer import DistributedOptimizer
-from .boxes import Box, flat_range, whole
+from ..boxes import Box, flat_range, whole
 
 
 @dataclass

@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 import torch
 
-from .boxes import Box
+from ..boxes import Box
 
 BLOCK = 4 << 20  # bytes per checksum
 

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from .. import _C
 from ..device_mesh import DeviceMesh
+from ..deferred import has_deferred, is_deferred, materialize_module
 from ..dtensor import DTensor
 
 __all__ = ["DDP"]
@@ -78,6 +79,9 @@ class DDP(nn.Module):
         self._sync = True
         self._callback_queued = False
         self.buckets = self._make_buckets(bucket_cap_mb)
+        # deferred tensors get the same values on every rank when materialised: no broadcast,
+        # and ZeRO-3 (DistributedOptimizer) materialises only each rank's slices
+        self._deferred = has_deferred(module)
         self._slot_of = {id(s.param): (b, s) for b in self.buckets for s in b.slots}
         self._broadcast_parameters()
         for b in self.buckets:
@@ -87,6 +91,9 @@ class DDP(nn.Module):
         self.grad_shards: dict[int, torch.Tensor] = {}
 
     def forward(self, *args, **kwargs):
+        if self._deferred:  # a vescale.deferred_init model: values are needed now
+            materialize_module(self.module)
+            self._deferred = False
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -126,10 +133,9 @@ class DDP(nn.Module):
         """Start from the same values on every DP rank (rank 0's)."""
         src = dist.get_global_rank(self.group, 0)
         with torch.no_grad():
-            for p in self.module.parameters():
-                dist.broadcast(local_of(p), src=src, group=self.group)
-            for b in self.module.buffers():
-                dist.broadcast(local_of(b), src=src, group=self.group)
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                if not is_deferred(t):
+                    dist.broadcast(local_of(t), src=src, group=self.group)
 
     # ---- backward ----
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..deferred import flat_slice, materialize_module
 from ..dtensor import DTensor
 from .ddp import DDP, Slot, local_of
 from .zero3 import ShardedParameters, _all_gather
@@ -63,20 +64,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.zero_stage = zero_stage
         for ddp in models:
             ddp.reduce_scatter = zero_stage >= 2
+            if ddp._deferred and zero_stage < 3:  # stages 1 and 2 hold whole parameters
+                materialize_module(ddp.module)
+                ddp._deferred = False
         self.owned: list[Owned] = []
+        slices: dict[int, torch.Tensor] = {}
         for ddp in models:
             for bucket in ddp.buckets:
                 for slot in bucket.slots:
                     start = min(self.rank * slot.chunk, slot.numel)
                     end = min(start + slot.chunk, slot.numel)
-                    flat = local_of(slot.param).detach().reshape(-1)
-                    master = nn.Parameter(flat[start:end].to(torch.float32).clone())
+                    values = flat_slice(slot.param, start, end)  # only the slice, for a deferred model
+                    master = nn.Parameter(values.to(torch.float32).clone())
                     self.owned.append(Owned(slot.param, slot, start, end, master))
+                    slices[id(slot.param)] = values
         self.inner = optimizer_cls([o.master for o in self.owned], **optimizer_kwargs)
         self.sharded = None
         if zero_stage == 3:
             self.sharded = ShardedParameters([ddp.module for ddp in models],
-                                             [(o.slot, o.start, o.end) for o in self.owned], self.group)
+                                             [(o.slot, o.start, o.end, slices[id(o.param)]) for o in self.owned],
+                                             self.group)
+            for ddp in models:  # deferred buffers, whole
+                materialize_module(ddp.module)
+                ddp._deferred = False
         # Present the wrapped optimizer's groups and state as ours (LR schedulers, logging).
         super().__init__([o.master for o in self.owned], self.inner.defaults)
         self.param_groups = self.inner.param_groups

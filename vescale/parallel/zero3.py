@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..deferred import is_deferred
 from .ddp import Slot, local_of
 
 __all__ = ["ShardedParameters"]
@@ -45,13 +46,16 @@ class _Sharded:
 
 
 class ShardedParameters:
-    def __init__(self, modules: list[nn.Module], slots: list[tuple[Slot, int, int]], group):
+    def __init__(self, modules: list[nn.Module], slots: list[tuple[Slot, int, int, torch.Tensor]], group):
         self.group = group
         self.world = dist.get_world_size(group)
         self.sharded: dict[int, _Sharded] = {}
-        for slot, start, end in slots:
-            flat = local_of(slot.param).detach().reshape(-1)
-            self.sharded[id(slot.param)] = _Sharded(slot.param, slot, start, end, flat[start:end].clone())
+        for slot, start, end, values in slots:
+            values = values.clone()
+            if is_deferred(slot.param):  # a storage to gather into, never touched until then
+                torch.utils.swap_tensors(slot.param, nn.Parameter(torch.empty(slot.param.shape, dtype=values.dtype),
+                                                                  requires_grad=slot.param.requires_grad))
+            self.sharded[id(slot.param)] = _Sharded(slot.param, slot, start, end, values)
         claimed: set[int] = set()
         for root in modules:
             for unit in _units(root):
