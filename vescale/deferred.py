@@ -283,7 +283,7 @@ def materialize(meta: torch.Tensor, box: Box | None = None) -> torch.Tensor:
     history = _histories[_key(meta)]
     if _covers(meta) and _local_ok(history, meta):
         out = torch.empty(box.sizes, dtype=meta.dtype, device="cpu")
-        for node in history.nodes:
+        for node in history.nodes[_last_overwrite(history.nodes):]:
             if _random_fill(node) is not None:
                 _stream(node, tuple(meta.shape), meta.dtype, box, out)
             elif node.func in _FACTORIES:
@@ -294,6 +294,18 @@ def materialize(meta: torch.Tensor, box: Box | None = None) -> torch.Tensor:
     full = _replay_storage(_key(meta), seq=None)
     view = torch.as_strided(full, meta.shape, meta.stride(), meta.storage_offset())
     return box.view_of(view, whole(meta.shape)).clone()
+
+
+def _last_overwrite(nodes: list) -> int:
+    """The last op that sets every element regardless of earlier values (a random fill,
+    fill_, zero_, a factory): what ran before it cannot matter. Constructors often init
+    twice (nn.Linear's own kaiming_uniform_, then a model's _init_weights): one stream."""
+    for i in range(len(nodes) - 1, -1, -1):
+        n = nodes[i]
+        if (_random_fill(n) is not None or n.func in _FACTORIES or n.func is aten.fill_.Scalar
+                or n.func is aten.zero_.default):
+            return i
+    return 0
 
 
 def _local_ok(history: _History, meta: torch.Tensor) -> bool:
