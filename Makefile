@@ -45,7 +45,7 @@ test-cpp: build
 	./build/vescale_cpp_tests --gtest_brief=1
 
 test-python: build
-	$(PY) -m pytest tests/python -q
+	$(PY) -m pytest tests/python tests/opinfo/test_opinfo_subset.py -q
 
 test: test-cpp test-python
 
@@ -54,6 +54,9 @@ demo: build
 
 bench: build
 	$(PY) bench/dispatch_overhead.py
+	$(PY) bench/train_step.py
+	$(PY) bench/checkpoint.py
+	$(PY) bench/deferred_init.py
 
 clean:
 	rm -rf build $(STAMPS) vescale/_C*.so
