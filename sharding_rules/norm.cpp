@@ -1,6 +1,10 @@
 // Normalisations: the normalised dims must be whole on every rank; any other dim may
 // be split, and every tensor of the call follows it. Parameter gradients of a split
-// batch come out Partial (each rank summed its own rows).
+// batch come out Partial (each rank summed its own rows). A backward runs split only
+// along a dim its forward input was split along: with a replicated input (Megatron
+// tensor parallelism without sequence parallelism) a Partial gradient is all-reduced
+// once, rather than reduce-scattered here, gathered again by the next layer and
+// all-reduced a second time for the weight gradients.
 //
 //   op                                      split dims            parameter grads
 //   native_layer_norm(+_backward)           d < ndim - len(norm)  Partial(sum)
@@ -38,7 +42,7 @@ ShardingChoice layer_norm_backward_rule(const OpCall& call) {
   const auto P = Placement::partial();
   for (int32_t d = 0; d < axis; ++d) {
     const auto S = Placement::shard(d);
-    s.push_back({{S, S, S, S, R, R}, {S, P, P}});
+    if (call.inputs[1].sharded_along(d)) s.push_back({{S, S, S, S, R, R}, {S, P, P}});
   }
   return choose_cheapest(call, s);
 }
@@ -110,7 +114,9 @@ ShardingChoice group_norm_rule(const OpCall& call) {
 ShardingChoice group_norm_backward_rule(const OpCall& call) {
   const auto S0 = Placement::shard(0);
   const auto P = Placement::partial();
-  auto c = choose_cheapest(call, {{{R, R, R, R, R}, {R, R, R}}, {{S0, S0, S0, S0, R}, {S0, P, P}}});
+  DimStrategies s = {{{R, R, R, R, R}, {R, R, R}}};
+  if (call.inputs[1].sharded_along(0)) s.push_back({{S0, S0, S0, S0, R}, {S0, P, P}});
+  auto c = choose_cheapest(call, s);
   c.local_args = local_batch(call, 1, c.inputs[1], 5);
   return c;
 }

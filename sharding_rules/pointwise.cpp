@@ -84,9 +84,17 @@ VESCALE_RULES(pointwise) {
   for (const char* op : {"aten::add.Tensor", "aten::add_.Tensor", "aten::add.out",
                          "aten::sub.Tensor", "aten::sub_.Tensor", "aten::sub.out",
                          "aten::neg", "aten::neg_", "aten::neg.out",
-                         "aten::clone", "aten::detach", "aten::alias", "aten::_to_copy",
-                         "aten::copy_", "aten::zero_", "aten::positive", "aten::conj_physical"})
+                         "aten::clone", "aten::detach", "aten::alias", "aten::zero_", "aten::positive",
+                         "aten::conj_physical"})
     rules.add(op, pointwise(additive));
+  // A cast is additive only into a floating or complex dtype: rounding to integers is not
+  // (the parts of a Partial would each be truncated), so those casts reduce first.
+  for (const char* op : {"aten::_to_copy", "aten::copy_"})
+    rules.add(op, [additive, nonlinear](const OpCall& call) {
+      const auto to = call.outputs.empty() ? call.inputs[0].dtype : call.outputs[0].dtype;
+      const bool exact = at::isFloatingType(to) || at::isComplexType(to);
+      return choose_cheapest(call, pointwise_strategies(call, exact ? additive : nonlinear));
+    });
   // Interpolation is linear jointly in its two end points; the weight stays replicated.
   for (const char* op : {"aten::lerp.Scalar", "aten::lerp_.Scalar", "aten::lerp.Tensor", "aten::lerp_.Tensor"})
     rules.add(op, pointwise(Linearity{true, {0, 1}}));

@@ -137,8 +137,9 @@ void mean_as_partial_sum(const c10::OperatorHandle& op, torch::jit::Stack* stack
   }
   if (dims.empty())
     for (int64_t d = 0; d < in.ndim(); ++d) dims.push_back(d);
-  int64_t count = 1;
-  for (auto d : dims) count *= in.shape[static_cast<size_t>(d)];
+  int64_t count = 1;  // a 0-d tensor reduced over "dim 0" is its own mean
+  if (in.ndim() > 0)
+    for (auto d : dims) count *= in.shape[static_cast<size_t>(d)];
   auto result = at::sum(self, dims, keepdim, dtype).div_(count);
   torch::jit::drop(*stack, n_args);
   torch::jit::push(*stack, std::move(result));

@@ -43,6 +43,12 @@ struct TensorArg {
   Placements placements;    // current placements; empty for results
 
   int64_t ndim() const { return static_cast<int64_t>(shape.size()); }
+  // Whether some mesh dim splits tensor dim `d` now.
+  bool sharded_along(int64_t d) const {
+    for (const auto& p : placements)
+      if (p.is_shard() && p.dim == d) return true;
+    return false;
+  }
 };
 
 struct OpCall {

@@ -203,22 +203,43 @@ ShardingChoice unsqueeze_rule(const OpCall& call) {
   return map_dims_rule(call, [&](int64_t d) { return d >= at ? d + 1 : d; });
 }
 
-// squeeze / squeeze.dim / squeeze.dims: drops unit dims (a split unit dim is gathered).
-ShardingChoice squeeze_rule(const OpCall& call) {
-  const auto& shape = call.inputs[0].shape;
-  const int64_t ndim = call.inputs[0].ndim();
-  std::vector<int64_t> candidates;
-  if (call.args.size() == 1) {
+// squeeze / squeeze.dim / squeeze.dims: drops the dims of global size 1 (a split unit
+// dim is gathered). Locally the dropped dims are named: a shard may have size 1 along a
+// dim that is longer globally, which a bare squeeze() would drop too.
+std::vector<int64_t> squeezed_dims(const Shape& shape, c10::ArrayRef<c10::IValue> args) {
+  const auto ndim = static_cast<int64_t>(shape.size());
+  std::vector<int64_t> candidates, dims;
+  if (args.size() == 1) {
     for (int64_t d = 0; d < ndim; ++d) candidates.push_back(d);
+  } else if (args[1].isInt()) {
+    candidates.push_back(at::maybe_wrap_dim(args[1].toInt(), ndim));
   } else {
-    candidates = call.dims_arg(1, ndim, false);
+    for (const auto& v : args[1].toListRef()) candidates.push_back(at::maybe_wrap_dim(v.toInt(), ndim));
   }
+  for (auto d : candidates)
+    if (ndim > 0 && shape[static_cast<size_t>(d)] == 1) dims.push_back(d);
+  return dims;
+}
+
+void squeeze_named_dims(const c10::OperatorHandle& op, torch::jit::Stack* stack, const LocalContext& ctx) {
+  const size_t n = op.schema().arguments().size();
+  auto args = torch::jit::last(*stack, n);
+  const auto dims = squeezed_dims(ctx.inputs[0]->shape, args);
+  auto out = at::squeeze(args[0].toTensor(), dims);
+  torch::jit::drop(*stack, n);
+  torch::jit::push(*stack, std::move(out));
+}
+
+ShardingChoice squeeze_rule(const OpCall& call) {
+  const int64_t ndim = call.inputs[0].ndim();
   std::vector<bool> dropped(static_cast<size_t>(ndim), false);
-  for (auto d : candidates) dropped[d] = shape[d] == 1;
-  return map_dims_rule(call, [&](int64_t d) -> int64_t {
+  for (auto d : squeezed_dims(call.inputs[0].shape, call.args)) dropped[static_cast<size_t>(d)] = true;
+  auto c = map_dims_rule(call, [&](int64_t d) -> int64_t {
     if (dropped[d]) return -1;
     return d - std::count(dropped.begin(), dropped.begin() + d, true);
   });
+  c.local_fn = squeeze_named_dims;
+  return c;
 }
 
 // expand(self, size): new leading dims and broadcast unit dims are whole.

@@ -140,6 +140,29 @@ TEST_F(RuleFamilies, NormsKeepTheirDimsWhole) {
   EXPECT_NE(softmax.decide().decompose, nullptr);  // split along the softmax dim: composed
 }
 
+TEST_F(RuleFamilies, NormBackwardRunsWhereItsForwardRan) {
+  // native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, mask)
+  auto backward = [&](Placement input) {
+    return Call("aten::native_layer_norm_backward", "",
+                {c10::IValue(), c10::IValue(), std::vector<int64_t>{6}, c10::IValue(), c10::IValue(), c10::IValue(),
+                 c10::IValue(), std::vector<bool>{true, true, false}},
+                {tensor({4, 5, 6}, {P}), tensor({4, 5, 6}, {input}), tensor({4, 5, 1}, {input}),
+                 tensor({4, 5, 1}, {input}), tensor({6}, {R}), TensorArg{}},
+                {result({4, 5, 6}), result({6}), TensorArg{}}, m4)
+        .decide();
+  };
+  // Megatron TP: a replicated forward all-reduces the Partial gradient once, no split grads
+  const auto replicated = backward(R);
+  EXPECT_EQ(replicated.inputs[0], Placements{R});
+  EXPECT_EQ(replicated.outputs[0], Placements{R});
+  EXPECT_EQ(replicated.outputs[1], Placements{R});
+  // sequence parallel: the forward ran split, so does the backward (reduce-scatter, Partial weight grad)
+  const auto split = backward(S(1));
+  EXPECT_EQ(split.inputs[0], Placements{S(1)});
+  EXPECT_EQ(split.outputs[0], Placements{S(1)});
+  EXPECT_EQ(split.outputs[1], Placements{P});
+}
+
 TEST_F(RuleFamilies, VocabularyParallelEmbeddingAndLoss) {
   Call emb("aten::embedding", "", {c10::IValue(), c10::IValue(), -1, false, false},
            {tensor({64, 8}, {S(0)}), tensor({2, 5}, {R}, at::kLong)}, {result({2, 5, 8})}, m4);
