@@ -76,7 +76,8 @@ RuleFn over_dim(std::vector<size_t> alike, const char* dim_arg = "dim") {
 ShardingChoice index_select_rule(const OpCall& call) {
   const auto whole = dims_of(call, "dim", call.inputs[0].ndim());
   auto s = split_alike(call, whole, {0});
-  s.push_back({{R, S(0)}, {S(whole[0])}});  // each rank picks its share of the indices
+  if (call.inputs[1].ndim() == 1 && call.outputs[0].ndim() > whole[0])
+    s.push_back({{R, S(0)}, {S(whole[0])}});  // each rank picks its share of the indices
   return choose_cheapest(call, s);
 }
 
