@@ -2,19 +2,22 @@
 """Checkpoint throughput on 4 CPU ranks: vescale.save / vescale.load against
 torch.distributed.checkpoint (DCP) on torch's own DTensor with the same sharding.
 
-    .venv/bin/python bench/checkpoint.py [--gb 1.0] [--repeat 3] [--dir /tmp]
+    .venv/bin/python bench/checkpoint.py [--layers 16] [--repeat 3] [--dir /tmp]
 
-The state is ``--gb`` of fp32 weights: square matrices on a DP2xTP2 mesh, split over
-TP rows and replicated over DP (so each stack writes every byte once). Timed, per
-stack, as medians of ``--repeat`` runs with a barrier before and after:
+The model is a GPT (vocabulary 50304, width 1024, 16 layers: 254M parameters, 1.02 GB fp32)
+under Megatron tensor parallelism on the TP dim of a DP2xTP2 mesh (vescale: gpt_plan; torch:
+the same plan with ColwiseParallel/RowwiseParallel), replicated over DP, so each stack writes
+every byte once. Timed, per stack, as medians of ``--repeat`` runs with a barrier before and
+after:
 
-    save        DP2xTP2 -> files (both stacks fsync their files)
-    load        files -> the same DP2xTP2 sharding
-    reshard     files -> a 1-d TP4 mesh split over columns (every rank reads strided parts)
+    save        the DP2xTP2 model -> files (both stacks fsync their files)
+    load        files -> a second model, same sharding (other initial values)
+    reshard     files -> a model on a 1-d TP4 mesh (4-way shards of every split weight)
 
-GB/s is the checkpoint's size (bytes of the global tensors) over the slowest rank's
-time. Files land in the page cache right after being written, so loads mostly read
-memory; both stacks alike. A benchmark, never a test.
+GB/s is the model's size (its parameters, the tied embedding once) over the slowest rank's
+time. Files land in the page cache right after being written, so loads mostly read memory;
+both stacks alike. The loaded models are checked equal to the saved one. A benchmark, never a
+test.
 """
 
 import os
@@ -22,6 +25,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import math
 import shutil
 import socket
 import statistics
@@ -33,20 +37,66 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from torch.distributed.tensor import Replicate as TR, Shard as TS, distribute_tensor as torch_distribute
+from torch.distributed.tensor import Replicate as TR, Shard as TS
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import vescale  # noqa: E402
-from vescale import Replicate, Shard  # noqa: E402
 
-WORLD, SIDE = 4, 4096  # 64 MiB per fp32 matrix
+WORLD = 4
 
 
-def tensors(gb: float) -> list[torch.Tensor]:
-    count = max(1, round(gb * 2**30 / (SIDE * SIDE * 4)))
-    g = torch.Generator().manual_seed(0)
-    return [torch.randn(SIDE, SIDE, generator=g) for _ in range(count)]
+def config(layers: int):
+    from tests.models.gpt import GPTConfig
+    return GPTConfig(block_size=1024, vocab_size=50304, n_layer=layers, n_head=16, n_embd=1024, dropout=0.0,
+                     bias=False)
+
+
+def vescale_model(cfg, seed: int, tp_mesh):
+    """Built shard by shard (vescale.deferred_init): four ranks holding three models each
+    would not fit in memory if every model were first built whole."""
+    from tests.models.gpt import GPT
+    from vescale.parallel import parallelize_module
+    from vescale.parallel.plans import gpt_plan
+
+    torch.manual_seed(seed)
+    return {"model": parallelize_module(vescale.deferred_init(GPT, cfg), tp_mesh, gpt_plan())}
+
+
+def torch_model(cfg, seed: int, tp_mesh):
+    """gpt_plan in torch's terms; the state DCP sees, without the tied output projection's
+    second name (vescale writes a tied tensor once too). Only the saved model (seed 0) gets
+    real values; load targets are built on the meta device and given storage (to_empty)."""
+    from tests.models.gpt import GPT
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(seed)
+    with torch.device("meta" if seed else "cpu"):
+        model = GPT(cfg)
+    plan = {"transformer.wte": RowwiseParallel(input_layouts=TR(), output_layouts=TR()),
+            "lm_head": ColwiseParallel(input_layouts=TR(), output_layouts=TS(-1))}
+    for i in range(cfg.n_layer):
+        h = f"transformer.h.{i}"
+        plan.update({f"{h}.attn.c_attn": ColwiseParallel(), f"{h}.attn.c_proj": RowwiseParallel(),
+                     f"{h}.mlp.c_fc": ColwiseParallel(), f"{h}.mlp.c_proj": RowwiseParallel()})
+    parallelize_module(model, tp_mesh, plan)
+    model.transformer.wte.weight = model.lm_head.weight
+    if seed:
+        model.to_empty(device="cpu")
+    return {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+
+
+def tensors(state) -> dict:
+    if "model" in state:
+        return {k: v for k, v in state["model"].state_dict().items() if k != "lm_head.weight"}
+    return state
+
+
+def same_values(a, b) -> bool:
+    """Whether two states hold equal global tensors (gathered one at a time)."""
+    ta, tb = tensors(a), tensors(b)
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    return ta.keys() == tb.keys() and all(torch.equal(full(ta[k]), full(tb[k])) for k in ta)
 
 
 def timed(fn) -> float:
@@ -65,52 +115,39 @@ def _rank_main(rank: int, port: int, args, out_path: str) -> None:
     v2 = vescale.DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("DP", "TP"))
     v1 = vescale.DeviceMesh("cpu", list(range(WORLD)))
     t2, t1 = v2.to_torch(), v1.to_torch()
-    fulls = tensors(args.gb)
-    size_gb = sum(t.numel() * 4 for t in fulls) / 1e9
-    src = [Replicate(), Shard(0)]
+    cfg = config(args.layers)
     stacks = {
-        "vescale": dict(
-            make=lambda mesh, pl: {f"w{i}": vescale.distribute_tensor(t, mesh, pl) for i, t in enumerate(fulls)},
-            meshes=(v2, v1), src=src, dst=[Shard(1)],
-            save=lambda state, path: vescale.save(path, state),
-            load=lambda state, path: vescale.load(path, state, rng=False)),
-        "torch DCP": dict(
-            make=lambda mesh, pl: {f"w{i}": torch_distribute(t, mesh, pl) for i, t in enumerate(fulls)},
-            meshes=(t2, t1), src=[TR(), TS(0)], dst=[TS(1)],
-            save=lambda state, path: dcp.save(state, checkpoint_id=path),
-            load=lambda state, path: dcp.load(state, checkpoint_id=path)),
+        "vescale": dict(make=vescale_model, meshes=(v2["TP"], v1),
+                        save=lambda state, path: vescale.save(path, state),
+                        load=lambda state, path: vescale.load(path, state, rng=False)),
+        "torch DCP": dict(make=torch_model, meshes=(t2["TP"], t1),
+                          save=lambda state, path: dcp.save(state, checkpoint_id=path),
+                          load=lambda state, path: dcp.load(state, checkpoint_id=path)),
     }
     base = os.path.join(args.dir, "vescale-ckpt-bench")
-    results = {}
-    for name, s in stacks.items():
-        state = s["make"](s["meshes"][0], s["src"])
-        target = s["make"](s["meshes"][0], s["src"])
-        resharded = s["make"](s["meshes"][1], s["dst"])
-        times = {"save": [], "load": [], "reshard": []}
-        for r in range(args.repeat):
-            path = f"{base}-{name.split()[-1].lower()}-{r}"
+    models = {name: [s["make"](cfg, seed, s["meshes"][0 if seed < 2 else 1]) for seed in range(3)]
+              for name, s in stacks.items()}
+    size_gb = sum(math.prod(t.shape) * t.element_size() for t in tensors(models["vescale"][0]).values()) / 1e9
+    times = {name: {"save": [], "load": [], "reshard": []} for name in stacks}
+    for r in range(args.repeat):  # the stacks take turns, and alternate who goes first
+        for name in (list(stacks) if r % 2 == 0 else list(stacks)[::-1]):
+            s, (state, target, resharded) = stacks[name], models[name]
+            path = f"{base}-{r}"
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
             dist.barrier()
-            times["save"].append(timed(lambda: s["save"](state, path)))
-            times["load"].append(timed(lambda: s["load"](target, path)))
-            times["reshard"].append(timed(lambda: s["load"](resharded, path)))
-        ok = all(torch.equal(_full(target[k]), fulls[int(k[1:])]) and torch.equal(_full(resharded[k]), fulls[int(k[1:])])
-                 for k in state)
-        results[name] = dict(times=times, correct=ok)
-        dist.barrier()
-        if rank == 0:
-            for r in range(args.repeat):
-                shutil.rmtree(f"{base}-{name.split()[-1].lower()}-{r}", ignore_errors=True)
-        del state, target, resharded
+            times[name]["save"].append(timed(lambda: s["save"](state, path)))
+            times[name]["load"].append(timed(lambda: s["load"](target, path)))
+            times[name]["reshard"].append(timed(lambda: s["load"](resharded, path)))
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+    results = {name: dict(times=times[name], correct=same_values(m[0], m[1]) and same_values(m[0], m[2]))
+               for name, m in models.items()}
     if rank == 0:
         torch.save(dict(results=results, size_gb=size_gb), out_path)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _full(t):
-    return t.full_tensor()
 
 
 def free_port() -> int:
@@ -121,7 +158,7 @@ def free_port() -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gb", type=float, default=1.0, help="checkpoint size in GB (default 1)")
+    ap.add_argument("--layers", type=int, default=16, help="GPT layers (default 16: 1.02 GB)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoints go")
     args = ap.parse_args()
@@ -130,8 +167,9 @@ def main() -> int:
         mp.spawn(_rank_main, args=(free_port(), args, out), nprocs=WORLD, join=True)
         result = torch.load(out)
     size = result["size_gb"]
-    print(f"checkpoint of {size:.2f} GB (fp32 {SIDE}x{SIDE} matrices), {WORLD} gloo ranks, DP2xTP2 [R, S(0)]; "
-          f"reshard into TP4 [S(1)]; torch {torch.__version__}; medians of {args.repeat}; dir {args.dir}\n")
+    print(f"GPT of {size:.2f} GB ({args.layers} layers, width 1024, vocabulary 50304), Megatron TP on a "
+          f"DP2xTP2 mesh, {WORLD} gloo ranks; reshard into TP4; torch {torch.__version__}; medians of "
+          f"{args.repeat}; dir {args.dir}\n")
     print("%-10s %14s %14s %14s  %s" % ("stack", "save GB/s", "load GB/s", "reshard GB/s", "loaded values equal"))
     for name, r in result["results"].items():
         cells = [f"{size / statistics.median(r['times'][k]):.2f} ({statistics.median(r['times'][k]):.2f}s)"
