@@ -28,6 +28,7 @@ have (the random sequence is streamed and dropped), so whatever runs after
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -110,6 +111,7 @@ class _Recorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.seq = 0
+        self.keys: set[int] = set()  # the storages this recording wrote
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -135,6 +137,7 @@ class _Recorder(TorchDispatchMode):
         for t in _written(func, node.args, node.kwargs, node.out):
             _histories.setdefault(_key(t), _History()).nodes.append(node)
             _alive[_key(t)] = t
+            self.keys.add(_key(t))
         return out
 
 
@@ -169,10 +172,20 @@ def deferred_init(module_cls, *args, **kwargs) -> nn.Module:
         setattr(torch.nn.init, name, _recorded_init(fn, recorder))
     try:
         with torch.device("meta"), recorder:
-            return module_cls(*args, **kwargs)
+            module = module_cls(*args, **kwargs)
     finally:
         for name, fn in originals.items():
             setattr(torch.nn.init, name, fn)
+    # the recording lives as long as the module: then its storages may be reused
+    weakref.finalize(module, _forget, frozenset(recorder.keys))
+    return module
+
+
+def _forget(keys) -> None:
+    for k in keys:
+        _histories.pop(k, None)
+        _alive.pop(k, None)
+        _sources.pop(k, None)
 
 
 def _recorded_init(fn, recorder: _Recorder):
@@ -190,6 +203,7 @@ def _recorded_init(fn, recorder: _Recorder):
             _advance(node)
         _histories.setdefault(_key(tensor), _History()).nodes.append(node)
         _alive[_key(tensor)] = out
+        recorder.keys.add(_key(tensor))
         return tensor
     return init
 
@@ -280,6 +294,9 @@ def materialize(meta: torch.Tensor, box: Box | None = None) -> torch.Tensor:
     box = box or whole(meta.shape)
     if _key(meta) in _sources:
         return _sources[_key(meta)](box)
+    if _key(meta) not in _histories:
+        raise RuntimeError("vescale.deferred_init: this meta tensor's recording is gone (its module was "
+                           "garbage collected); materialise a deferred model while it is alive")
     history = _histories[_key(meta)]
     if _covers(meta) and _local_ok(history, meta):
         out = torch.empty(box.sizes, dtype=meta.dtype, device="cpu")

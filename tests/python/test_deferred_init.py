@@ -244,3 +244,16 @@ def _case_zero(stage: int) -> list[str]:
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_ddp_and_zero_materialise_deferred_models(pool4, stage):
     assert pool4.run(_case_zero, stage) == [[]] * 4
+
+
+def test_recording_is_dropped_with_its_module():
+    import gc
+
+    import vescale.deferred as di
+
+    before = len(di._histories)
+    model = deferred_init(Zoo, big=64)
+    assert len(di._histories) > before
+    del model
+    gc.collect()
+    assert len(di._histories) == before
