@@ -27,7 +27,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse
 import math
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -37,11 +36,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from torch.distributed.tensor import Replicate as TR, Shard as TS
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import vescale  # noqa: E402
+from bench.common import free_port, torch_gpt_tp  # noqa: E402
 
 WORLD = 4
 
@@ -68,19 +67,11 @@ def torch_model(cfg, seed: int, tp_mesh):
     second name (vescale writes a tied tensor once too). Only the saved model (seed 0) gets
     real values; load targets are built on the meta device and given storage (to_empty)."""
     from tests.models.gpt import GPT
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(seed)
     with torch.device("meta" if seed else "cpu"):
         model = GPT(cfg)
-    plan = {"transformer.wte": RowwiseParallel(input_layouts=TR(), output_layouts=TR()),
-            "lm_head": ColwiseParallel(input_layouts=TR(), output_layouts=TS(-1))}
-    for i in range(cfg.n_layer):
-        h = f"transformer.h.{i}"
-        plan.update({f"{h}.attn.c_attn": ColwiseParallel(), f"{h}.attn.c_proj": RowwiseParallel(),
-                     f"{h}.mlp.c_fc": ColwiseParallel(), f"{h}.mlp.c_proj": RowwiseParallel()})
-    parallelize_module(model, tp_mesh, plan)
-    model.transformer.wte.weight = model.lm_head.weight
+    torch_gpt_tp(model, tp_mesh)
     if seed:
         model.to_empty(device="cpu")
     return {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
@@ -148,12 +139,6 @@ def _rank_main(rank: int, port: int, args, out_path: str) -> None:
         torch.save(dict(results=results, size_gb=size_gb), out_path)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:

@@ -23,7 +23,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
 import math
-import socket
 import sys
 import tempfile
 import time
@@ -33,6 +32,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import free_port  # noqa: E402
 
 WORLD = 4
 
@@ -71,21 +72,11 @@ def build(way: str, cfg, vmesh):
     if way == "full":
         model = GPT(cfg)
         return parallelize_module(model, vmesh, gpt_plan())
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
-    from torch.distributed.tensor import Replicate, Shard
+    from bench.common import torch_gpt_tp
 
     with torch.device("meta"):
         model = GPT(cfg)
-    # the tied embedding / output projection split over the vocabulary, as gpt_plan does
-    plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1))}
-    for i in range(cfg.n_layer):
-        h = f"transformer.h.{i}"
-        plan.update({f"{h}.attn.c_attn": ColwiseParallel(), f"{h}.attn.c_proj": RowwiseParallel(),
-                     f"{h}.mlp.c_fc": ColwiseParallel(), f"{h}.mlp.c_proj": RowwiseParallel()})
-    torch_parallelize(model, vmesh.to_torch(), plan)
-    model.transformer.wte.weight = model.lm_head.weight  # torch distributes the two names apart: tie again
+    torch_gpt_tp(model, vmesh.to_torch())
     model.to_empty(device="cpu")
     torch_init_weights(model, cfg)
     return model
@@ -120,12 +111,6 @@ def _rank(rank: int, port: int, way: str, layers: int, out: str) -> None:
         torch.save(gathered, out)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:

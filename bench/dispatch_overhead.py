@@ -22,7 +22,6 @@ import argparse
 import faulthandler
 import gc
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -40,7 +39,10 @@ from torch.distributed.tensor import distribute_tensor as torch_distribute
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import vescale
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.common from a checkout
+
+import vescale  # noqa: E402
+from bench.common import free_port  # noqa: E402
 
 SIZE = 64            # tensors are SIZE x SIZE float32
 N_PARAMS = 50        # parameters in the AdamW step
@@ -266,12 +268,6 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict, out_path: str) -> No
     if rank == 0:  # only rank 0 reports
         with open(out_path, "w") as f:
             json.dump({"rows": rows, "problems": problems}, f)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def print_report(rows: list, problems: list) -> None:

@@ -31,7 +31,6 @@ import ctypes
 import faulthandler
 import gc
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -43,8 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor as TorchDTensor, Replicate as TR, Shard as TS
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel
-from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.models from a checkout
@@ -54,6 +52,7 @@ from vescale.parallel import DDP, DistributedOptimizer, parallelize_module  # no
 from vescale.parallel.ddp import local_of  # noqa: E402
 from vescale.parallel.plans import gpt_plan  # noqa: E402
 from tests.models.gpt import GPT, GPTConfig  # noqa: E402
+from bench.common import free_port, torch_gpt_tp  # noqa: E402
 
 WORLD = 4
 # Compute that is not negligible next to dispatch and communication, yet a step well under
@@ -168,25 +167,6 @@ def build_vescale(plan: str, m1, m2) -> Setup:
     return Setup(model, opt, dp_rows(dp.get_local_rank(0), dp.size()), dp.get_group(0))
 
 
-def torch_tp(model: GPT, tp_mesh) -> None:
-    """gpt_plan in torch's terms: Megatron attention and MLP, vocabulary-parallel tied
-    embedding / output projection, loss on vocabulary-split logits (loss_parallel).
-    nanoGPT splits c_attn's output into q, k, v by global sizes, which needs the whole
-    dim: vescale gathers it there (split's rule), so torch's c_attn gathers its output
-    too, and attention runs on plain replicated tensors (torch's DTensor has no rule for
-    the CPU flash-attention kernel, so it could not stay a DTensor anyway)."""
-    plan = {"transformer.wte": RowwiseParallel(input_layouts=TR(), output_layouts=TR()),
-            "lm_head": ColwiseParallel(input_layouts=TR(), output_layouts=TS(-1), use_local_output=False)}
-    for i in range(CONFIG.n_layer):
-        h = f"transformer.h.{i}"
-        plan.update({f"{h}.attn.c_attn": ColwiseParallel(output_layouts=TR()),
-                     f"{h}.attn.c_proj": RowwiseParallel(input_layouts=TR()),
-                     f"{h}.mlp.c_fc": ColwiseParallel(), f"{h}.mlp.c_proj": RowwiseParallel()})
-    torch_parallelize(model, tp_mesh, plan)
-    # torch distributes the two names of the tied weight separately (both Shard(0)): tie them again
-    model.transformer.wte.weight = model.lm_head.weight
-
-
 def torch_fsdp(model: GPT, dp_mesh, reshard_after_forward: bool) -> None:
     for block in model.transformer.h:  # torch's recipe: one FSDP unit per block, plus the root
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
@@ -197,13 +177,13 @@ def build_torch(plan: str, m1, m2) -> Setup:
     model = new_model()
     t1, t2 = m1.to_torch(), m2.to_torch()  # the very same process groups as vescale's meshes
     if plan == "TP4":
-        torch_tp(model, t1)
+        torch_gpt_tp(model, t1)
         return Setup(model, torch.optim.AdamW(model.parameters(), lr=LR), dp_rows(0, 1), loss_ctx=loss_parallel)
     if plan == "DP4":
         model = DistributedDataParallel(model, process_group=t1.get_group(0))
     elif plan == "DP2xTP2":
         # torch's DDP takes no DTensor parameters; torch's 2-D recipe shards over DP instead
-        torch_tp(model, t2["TP"])
+        torch_gpt_tp(model, t2["TP"])
         torch_fsdp(model, t2["DP"], reshard_after_forward=True)
     else:
         torch_fsdp(model, t1, reshard_after_forward=plan == "ZeRO-3")
@@ -359,12 +339,6 @@ def _rank_main(rank: int, port: int, cfg: dict, plans: list, out_path: str) -> N
         dist.barrier()
         dist.destroy_process_group()
         faulthandler.cancel_dump_traceback_later()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def print_report(rows: list, problems: list) -> None:
