@@ -86,6 +86,17 @@ ShardingChoice tril_rule(const OpCall& call) {
   return choose_cheapest(call, split_alike(call, {n - 2, n - 1}, {0}));
 }
 
+// constant_pad_nd(self, pad, value): padded (or cropped) dims whole, the others split
+// alike (pad holds (before, after) pairs from the last dim backwards).
+ShardingChoice constant_pad_rule(const OpCall& call) {
+  const int64_t n = call.inputs[0].ndim();
+  const auto pad = call.int_list_arg(1);
+  std::vector<int64_t> whole;
+  for (size_t i = 0; i + 1 < pad.size(); i += 2)
+    if (pad[i] != 0 || pad[i + 1] != 0) whole.push_back(n - 1 - static_cast<int64_t>(i / 2));
+  return choose_cheapest(call, split_alike(call, whole, {0}));
+}
+
 ShardingChoice roll_rule(const OpCall& call) {
   const int64_t n = call.inputs[0].ndim();
   auto whole = dims_of(call, "dims", n);
@@ -157,6 +168,7 @@ VESCALE_RULES(indexing) {
   for (const char* base : {"aten::scatter", "aten::scatter_add", "aten::scatter_reduce"})
     rules.add_overloads(base, over_dim({0, 1, 2}));
   rules.add("aten::index_select", index_select_rule);
+  rules.add("aten::constant_pad_nd", constant_pad_rule);
   for (const char* base : {"aten::index_add", "aten::index_copy"}) rules.add_overloads(base, over_dim({0, 2}));
   rules.add_overloads("aten::index_fill", over_dim({0}));
   rules.add("aten::index.Tensor", index_rule);

@@ -111,7 +111,7 @@ VESCALE_RULES(pointwise) {
                            "aten::hardtanh_backward", "aten::hardswish_backward", "aten::hardsigmoid_backward",
                            "aten::leaky_relu_backward", "aten::softplus_backward", "aten::mish_backward",
                            "aten::log_sigmoid_backward", "aten::softshrink_backward", "aten::hardshrink_backward",
-                           "aten::logit_backward"})
+                           "aten::logit_backward", "aten::native_dropout_backward"})
     rules.add_overloads(base, pointwise(linear_in_first));
 
   // Nonlinear: every overload and in-place/out variant of these.
@@ -136,8 +136,22 @@ VESCALE_RULES(pointwise) {
            "aten::masked_fill", "aten::rsub", "aten::gcd", "aten::lcm", "aten::floor_divide",
            "aten::special_entr", "aten::special_erfcx", "aten::special_i0e", "aten::special_i1",
            "aten::special_i1e", "aten::special_ndtri", "aten::special_log_ndtr", "aten::special_xlog1py",
-           "aten::special_zeta"})
+           "aten::special_zeta", "aten::special_airy_ai", "aten::special_bessel_j0", "aten::special_bessel_j1",
+           "aten::special_bessel_y0", "aten::special_bessel_y1", "aten::special_modified_bessel_i0",
+           "aten::special_modified_bessel_i1", "aten::special_modified_bessel_k0", "aten::special_modified_bessel_k1",
+           "aten::special_scaled_modified_bessel_k0", "aten::special_scaled_modified_bessel_k1",
+           "aten::special_spherical_bessel_j0", "aten::special_chebyshev_polynomial_t",
+           "aten::special_chebyshev_polynomial_u", "aten::special_chebyshev_polynomial_v",
+           "aten::special_chebyshev_polynomial_w", "aten::special_shifted_chebyshev_polynomial_t",
+           "aten::special_shifted_chebyshev_polynomial_u", "aten::special_shifted_chebyshev_polynomial_v",
+           "aten::special_shifted_chebyshev_polynomial_w", "aten::special_hermite_polynomial_h",
+           "aten::special_hermite_polynomial_he", "aten::special_laguerre_polynomial_l",
+           "aten::special_legendre_polynomial_p", "aten::igamma", "aten::igammac", "aten::ldexp"})
     rules.add_overloads(base, pointwise(nonlinear));
+  // Division with rounding is not linear in the dividend.
+  for (const char* op : {"aten::div.Tensor_mode", "aten::div_.Tensor_mode", "aten::div.out_mode",
+                         "aten::div.Scalar_mode", "aten::div_.Scalar_mode"})
+    rules.add(op, pointwise(nonlinear));
   for (const char* op : {"aten::add.Scalar", "aten::add_.Scalar", "aten::sub.Scalar", "aten::sub_.Scalar"})
     rules.add(op, pointwise(nonlinear));
 }

@@ -242,6 +242,37 @@ ShardingChoice squeeze_rule(const OpCall& call) {
   return c;
 }
 
+// diagonal(self, offset, dim1, dim2): a view without dim1 and dim2, the diagonal appended
+// last; dim1 and dim2 are whole, every other dim keeps its split (and Partial stays).
+std::vector<int64_t> kept_dims(int64_t ndim, int64_t d1, int64_t d2) {
+  std::vector<int64_t> kept;
+  for (int64_t d = 0; d < ndim; ++d)
+    if (d != d1 && d != d2) kept.push_back(d);
+  return kept;
+}
+
+ShardingChoice diagonal_rule(const OpCall& call) {
+  const int64_t n = call.inputs[0].ndim();
+  const auto kept = kept_dims(n, at::maybe_wrap_dim(call.int_arg(2), n), at::maybe_wrap_dim(call.int_arg(3), n));
+  return map_dims_rule(call, [&](int64_t d) -> int64_t {
+    const auto it = std::find(kept.begin(), kept.end(), d);
+    return it == kept.end() ? -1 : it - kept.begin();
+  });
+}
+
+// diagonal_backward(grad, input_sizes, offset, dim1, dim2): the inverse; the local call
+// gets this rank's share of input_sizes.
+ShardingChoice diagonal_backward_rule(const OpCall& call) {
+  const int64_t n = call.outputs[0].ndim();
+  const auto kept = kept_dims(n, at::maybe_wrap_dim(call.int_arg(3), n), at::maybe_wrap_dim(call.int_arg(4), n));
+  auto [in, out] = map_dims(call, [&](int64_t g) -> int64_t {
+    return g < static_cast<int64_t>(kept.size()) ? kept[static_cast<size_t>(g)] : -1;
+  });
+  auto c = single(call, in, {out});
+  c.local_args.emplace_back(1, c10::IValue(local_sizes(call, out)));
+  return c;
+}
+
 // expand(self, size): new leading dims and broadcast unit dims are whole.
 ShardingChoice expand_rule(const OpCall& call) {
   const auto& in_shape = call.inputs[0].shape;
@@ -334,6 +365,8 @@ VESCALE_RULES(view) {
   rules.add("aten::_unsafe_view", view_rule);
   rules.add("aten::_reshape_alias", reshape_alias_rule);
   rules.add("aten::t", transpose_rule);
+  rules.add("aten::diagonal", diagonal_rule);
+  rules.add("aten::diagonal_backward", diagonal_backward_rule);
   rules.add("aten::transpose.int", transpose_rule);
   rules.add("aten::permute", permute_rule);
   rules.add("aten::unsqueeze", unsqueeze_rule);
