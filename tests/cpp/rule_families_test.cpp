@@ -163,6 +163,33 @@ TEST_F(RuleFamilies, NormBackwardRunsWhereItsForwardRan) {
   EXPECT_EQ(split.outputs[1], Placements{P});
 }
 
+TEST_F(RuleFamilies, SpatialOpsSplitBatchAndChannelsOnlyIntoNonEmptyParts) {
+  // avg_pool2d(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+  auto pool = [&](std::vector<int64_t> shape, Placement p, std::vector<int64_t> out) {
+    return Call("aten::avg_pool2d", "",
+                {c10::IValue(), std::vector<int64_t>{2, 2}, std::vector<int64_t>{2, 2}, std::vector<int64_t>{0, 0},
+                 false, true, c10::IValue()},
+                {tensor(std::move(shape), {p})}, {result(std::move(out))}, m4)
+        .decide();
+  };
+  EXPECT_EQ(pool({8, 3, 4, 4}, S(0), {8, 3, 2, 2}).outputs[0], Placements{S(0)});  // batch stays split
+  EXPECT_EQ(pool({2, 8, 4, 4}, S(1), {2, 8, 2, 2}).outputs[0], Placements{S(1)});  // so do channels
+  EXPECT_EQ(pool({5, 3, 4, 4}, S(0), {5, 3, 2, 2}).inputs[0], Placements{R});      // 5 rows: one rank empty
+  EXPECT_EQ(pool({8, 3, 4, 4}, S(2), {8, 3, 2, 2}).inputs[0].at(0).is_shard(2), false);  // spatial: whole
+  // convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+  //                      output_padding, groups, output_mask)
+  Call conv_bwd("aten::convolution_backward", "",
+                {c10::IValue(), c10::IValue(), c10::IValue(), std::vector<int64_t>{6}, std::vector<int64_t>{1, 1},
+                 std::vector<int64_t>{0, 0}, std::vector<int64_t>{1, 1}, false, std::vector<int64_t>{0, 0}, 1,
+                 std::vector<bool>{true, true, true}},
+                {tensor({8, 6, 2, 2}, {S(0)}), tensor({8, 3, 4, 4}, {S(0)}), tensor({6, 3, 3, 3}, {R})},
+                {result({8, 3, 4, 4}), result({6, 3, 3, 3}), result({6})}, m4);
+  const auto c = conv_bwd.decide();
+  EXPECT_EQ(c.outputs[0], Placements{S(0)});
+  EXPECT_EQ(c.outputs[1], Placements{P});  // each rank's samples give part of the weight gradient
+  EXPECT_EQ(c.outputs[2], Placements{P});
+}
+
 TEST_F(RuleFamilies, VocabularyParallelEmbeddingAndLoss) {
   Call emb("aten::embedding", "", {c10::IValue(), c10::IValue(), -1, false, false},
            {tensor({64, 8}, {S(0)}), tensor({2, 5}, {R}, at::kLong)}, {result({2, 5, 8})}, m4);
