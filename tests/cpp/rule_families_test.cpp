@@ -190,6 +190,27 @@ TEST_F(RuleFamilies, SpatialOpsSplitBatchAndChannelsOnlyIntoNonEmptyParts) {
   EXPECT_EQ(c.outputs[2], Placements{P});
 }
 
+TEST_F(RuleFamilies, ElementwiseLossesSplitAlikeAndReducePartially) {
+  // mse_loss(self, target, reduction): 0 none, 1 mean, 2 sum
+  auto mse = [&](int64_t reduction, std::vector<int64_t> out) {
+    return Call("aten::mse_loss", "", {c10::IValue(), c10::IValue(), reduction},
+                {tensor({8, 6}, {S(1)}), tensor({8, 6}, {S(1)})}, {result(std::move(out))}, m4)
+        .decide();
+  };
+  EXPECT_EQ(mse(0, {8, 6}).outputs[0], Placements{S(1)});
+  const auto mean = mse(1, {});
+  EXPECT_EQ(mean.outputs[0], Placements{P});
+  EXPECT_NE(mean.local_fn, nullptr);  // a local sum over the global count
+  EXPECT_EQ(mse(2, {}).local_fn, nullptr);
+  // mse_loss_backward(grad_output, self, target, reduction): the scalar gradient stays replicated
+  Call bwd("aten::mse_loss_backward", "", {c10::IValue(), c10::IValue(), c10::IValue(), int64_t{1}},
+           {tensor({}, {R}), tensor({8, 6}, {S(0)}), tensor({8, 6}, {S(0)})}, {result({8, 6})}, m4);
+  const auto b = bwd.decide();
+  EXPECT_EQ(b.inputs[0], Placements{R});
+  EXPECT_EQ(b.outputs[0], Placements{S(0)});
+  EXPECT_NE(b.local_fn, nullptr);
+}
+
 TEST_F(RuleFamilies, VocabularyParallelEmbeddingAndLoss) {
   Call emb("aten::embedding", "", {c10::IValue(), c10::IValue(), -1, false, false},
            {tensor({64, 8}, {S(0)}), tensor({2, 5}, {R}, at::kLong)}, {result({2, 5, 8})}, m4);
