@@ -67,6 +67,12 @@ class InputCosts {
 
 }  // namespace
 
+bool splits_evenly(const OpCall& call, int64_t size) {
+  int64_t ranks = 1;
+  for (auto n : call.mesh.shape) ranks *= n;
+  return size > 0 && size % ranks == 0;
+}
+
 ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& strategies) {
   TORCH_INTERNAL_ASSERT(!strategies.empty(), call.name(), ": rule offered no strategy");
   const size_t n_in = call.inputs.size();

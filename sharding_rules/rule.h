@@ -119,6 +119,11 @@ using RuleFn = std::function<ShardingChoice(const OpCall&)>;
 // Combines per-mesh-dim strategies over the whole mesh and returns the cheapest
 // combination (ties go to the earlier strategy). Inputs the op writes keep their
 // placements when any combination allows it.
+// Whether a dim of `size` split over every rank of the call's mesh leaves no rank an
+// empty part: some CPU kernels (pooling, MKL FFT) reject empty dims, and a rank that
+// raises while the others go on leaves them waiting.
+bool splits_evenly(const OpCall& call, int64_t size);
+
 ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& strategies);
 
 // Every input and result replicated.

@@ -23,12 +23,6 @@ namespace {
 
 const Placement R = Placement::replicate();
 
-bool splits_evenly(const OpCall& call, int64_t size) {
-  int64_t ranks = 1;
-  for (auto n : call.mesh.shape) ranks *= n;
-  return size > 0 && size % ranks == 0;
-}
-
 // Strategies splitting dim d of every defined tensor alike, for each d below
 // `ndim - spatial` of the first input where the first input and every result agree in size.
 DimStrategies leading_dims(const OpCall& call, int64_t spatial, int64_t max_split_dims) {
