@@ -211,6 +211,18 @@ TEST_F(RuleFamilies, ElementwiseLossesSplitAlikeAndReducePartially) {
   EXPECT_NE(b.local_fn, nullptr);
 }
 
+TEST_F(RuleFamilies, FftKeepsTransformedDimsWhole) {
+  // _fft_r2c(self, dim, normalization, onesided)
+  auto r2c = [&](std::vector<int64_t> dims, std::vector<int64_t> shape, std::vector<int64_t> out) {
+    return Call("aten::_fft_r2c", "", {c10::IValue(), std::move(dims), int64_t{0}, true},
+                {tensor(std::move(shape), {S(0)})}, {result(std::move(out), at::kComplexFloat)}, m4)
+        .decide();
+  };
+  EXPECT_EQ(r2c({1}, {8, 6}, {8, 4}).outputs[0], Placements{S(0)});  // a batch of row transforms
+  EXPECT_EQ(r2c({0}, {8, 6}, {5, 6}).inputs[0], Placements{R});      // the transformed dim is gathered
+  EXPECT_EQ(r2c({1}, {6, 6}, {6, 4}).inputs[0], Placements{R});      // 6 rows over 4 ranks: one would be empty
+}
+
 TEST_F(RuleFamilies, VocabularyParallelEmbeddingAndLoss) {
   Call emb("aten::embedding", "", {c10::IValue(), c10::IValue(), -1, false, false},
            {tensor({64, 8}, {S(0)}), tensor({2, 5}, {R}, at::kLong)}, {result({2, 5, 8})}, m4);
