@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor as TorchDTensor, Replicate as TR, Shard as TS
+from torch.distributed.tensor import DTensor as TorchDTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 

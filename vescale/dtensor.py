@@ -10,7 +10,6 @@ and the DTensor methods below are reachable on any such tensor (see ``_tensor_me
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
@@ -18,7 +17,7 @@ import torch.distributed as dist
 
 from . import _C
 from .device_mesh import DeviceMesh, get_device_mesh
-from .placement_types import Placement, Replicate, Shard, from_c, to_c
+from .placement_types import Placement, Replicate, from_c, to_c
 
 __all__ = ["DTensor", "distribute_tensor"]
 

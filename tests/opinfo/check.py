@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 
 import vescale  # noqa: E402
 from dist_utils import mesh as named_mesh, placement_options  # noqa: E402
-from vescale import Partial, Replicate, Shard  # noqa: E402
+from vescale import Replicate  # noqa: E402
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 STATUS_ORDER = ("pass", "fallback", "skipped", "fail", "hang", "crash")  # worst last

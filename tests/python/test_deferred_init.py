@@ -6,8 +6,6 @@ values gets a clear error."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn as nn

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import vescale
-from vescale import Replicate, Shard
+from vescale import Replicate
 
 from dist_utils import combos, describe, make_dtensor, mesh, mismatch, placement_options, rand
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import vescale
-from vescale import Partial, Replicate, Shard
+from vescale import Replicate, Shard
 
 from dist_utils import describe, make_dtensor, mesh, mismatch, placement_options, rand
 

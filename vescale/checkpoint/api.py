@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..boxes import Box
-from .layout import Item, Layout, build
+from .layout import Layout, build
 from .storage import Reader, write_file
 
 MANIFEST, OBJECTS = "manifest.json", "objects.pt"
@@ -302,7 +302,7 @@ def _bind_deferred(layout: Layout, saved: dict, reader: Reader) -> None:
 def _masters_from_parameters(state: dict, layout: Layout, saved: dict) -> None:
     """ZeRO master weights that the checkpoint lacks (it was saved without ZeRO) start
     from the parameters just loaded."""
-    from ..parallel.ddp import local_of
+    from ..deferred import flat_slice
     from ..parallel.optimizer import DistributedOptimizer
 
     for key, opt in state.items():
@@ -310,5 +310,5 @@ def _masters_from_parameters(state: dict, layout: Layout, saved: dict) -> None:
             continue
         for o in opt.owned:
             source = (opt.sharded.slice_of(o.param) if opt.sharded is not None
-                      else local_of(o.param).detach().reshape(-1)[o.start:o.end])
+                      else flat_slice(o.param, o.start, o.end))
             o.master.copy_(source.to(o.master.dtype))

@@ -161,11 +161,11 @@ def _restore_groups(opt: torch.optim.Optimizer, key: str):
     return restore
 
 
-def _state_tensor(value, like: torch.Tensor, shape) -> torch.Tensor:
+def _state_tensor(shape, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
     """A fresh optimizer-state tensor for a load: the parameter's layout, or a scalar."""
     if tuple(shape) == ():
-        return torch.zeros((), dtype=value)
-    return torch.zeros_like(like, dtype=value)
+        return torch.zeros((), dtype=dtype)
+    return torch.zeros_like(like, dtype=dtype)
 
 
 def _create_missing(opt_state: dict, target, param_key: str, opt_key: str, saved: dict | None, like) -> None:
@@ -174,7 +174,7 @@ def _create_missing(opt_state: dict, target, param_key: str, opt_key: str, saved
     prefix = f"{opt_key}.state.{param_key}."
     names = [k[len(prefix):] for k in saved if k.startswith(prefix) and "." not in k[len(prefix):]]
     if names:
-        opt_state[target] = {n: _state_tensor(saved[prefix + n][1], like, saved[prefix + n][0]) for n in names}
+        opt_state[target] = {n: _state_tensor(*saved[prefix + n], like) for n in names}
 
 
 def _optimizer(layout: Layout, key: str, opt: torch.optim.Optimizer, fqn_of: dict, saved: dict | None) -> None:

@@ -34,7 +34,7 @@ import torch.nn as nn
 from ..deferred import flat_slice, materialize_module
 from ..dtensor import DTensor
 from .ddp import DDP, Slot, local_of
-from .zero3 import ShardedParameters, _all_gather
+from .zero3 import ShardedParameters, _fill_rows, all_gather_slices
 
 __all__ = ["DistributedOptimizer"]
 
@@ -132,26 +132,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _gather_parameters(self) -> None:
         """All-gather the updated slices, one collective per dtype and device."""
-        groups: dict[tuple, list[Owned]] = {}
-        for o in self.owned:
-            local = local_of(o.param)
-            groups.setdefault((local.dtype, local.device), []).append(o)
-        for (dtype, device), owned in groups.items():
-            total = sum(o.slot.chunk for o in owned)
-            mine = torch.zeros(total, dtype=dtype, device=device)
-            offset = 0
-            for o in owned:
-                mine[offset:offset + (o.end - o.start)].copy_(o.master.detach())
-                offset += o.slot.chunk
-            gathered = torch.empty(self.world * total, dtype=dtype, device=device)
-            _all_gather(gathered, mine, self.group)
-            gathered = gathered.view(self.world, total)
-            offset = 0
-            for o in owned:
-                full = gathered[:, offset:offset + o.slot.chunk].reshape(-1)[: o.slot.numel]
-                local = local_of(o.param)
-                local.copy_(full.view_as(local))
-                offset += o.slot.chunk
+        for o, rows in all_gather_slices(self.owned, [o.master.detach() for o in self.owned], self.group):
+            _fill_rows(local_of(o.param).view(-1), rows)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for o in self.owned:

@@ -83,27 +83,11 @@ class ShardedParameters:
 
     def gather(self, entries: list[_Sharded]) -> None:
         """One all-gather per dtype for all of `entries` that are not whole yet."""
-        by_kind: dict[tuple, list[_Sharded]] = {}
-        for e in entries:
+        empty = [e for e in entries if local_of(e.param).untyped_storage().nbytes() == 0]  # else whole already
+        for e, rows in all_gather_slices(empty, [e.slice for e in empty], self.group):
             local = local_of(e.param)
-            if local.untyped_storage().nbytes() == 0:  # else whole already (tied, gathered elsewhere)
-                by_kind.setdefault((local.dtype, local.device), []).append(e)
-        for (dtype, device), group in by_kind.items():
-            total = sum(e.slot.chunk for e in group)
-            mine = torch.zeros(total, dtype=dtype, device=device)
-            offset = 0
-            for e in group:
-                mine[offset:offset + (e.end - e.start)].copy_(e.slice)
-                offset += e.slot.chunk
-            gathered = torch.empty(self.world * total, dtype=dtype, device=device)
-            _all_gather(gathered, mine, self.group)
-            gathered = gathered.view(self.world, total)
-            offset = 0
-            for e in group:
-                local = local_of(e.param)
-                local.untyped_storage().resize_((local.storage_offset() + local.numel()) * local.element_size())
-                _fill_rows(_alias(local), gathered[:, offset:offset + e.slot.chunk])
-                offset += e.slot.chunk
+            local.untyped_storage().resize_((local.storage_offset() + local.numel()) * local.element_size())
+            _fill_rows(_alias(local), rows)
 
     def release(self, entries: list[_Sharded]) -> None:
         for e in entries:
@@ -150,6 +134,31 @@ def _alias(local: torch.Tensor) -> torch.Tensor:
     autograd graph that saved the parameter."""
     return torch.empty(0, dtype=local.dtype, device=local.device).set_(
         local.untyped_storage(), local.storage_offset(), (local.numel(),))
+
+
+def all_gather_slices(owners: list, slices: list[torch.Tensor], group):
+    """Yields (owner, rows) for each parameter owner (anything with .param and .slot):
+    its DP slices from every rank, `rows` being world x chunk, rank-major, the last rows
+    padded. ``slices`` are this rank's slices; one all-gather per dtype and device."""
+    world = dist.get_world_size(group)
+    by_kind: dict[tuple, list] = {}
+    for owner, mine in zip(owners, slices):
+        local = local_of(owner.param)
+        by_kind.setdefault((local.dtype, local.device), []).append((owner, mine))
+    for (dtype, device), members in by_kind.items():
+        total = sum(owner.slot.chunk for owner, _ in members)
+        packed = torch.zeros(total, dtype=dtype, device=device)
+        offset = 0
+        for owner, mine in members:
+            packed[offset:offset + mine.numel()].copy_(mine)
+            offset += owner.slot.chunk
+        gathered = torch.empty(world * total, dtype=dtype, device=device)
+        _all_gather(gathered, packed, group)
+        gathered = gathered.view(world, total)
+        offset = 0
+        for owner, _ in members:
+            yield owner, gathered[:, offset:offset + owner.slot.chunk]
+            offset += owner.slot.chunk
 
 
 def _fill_rows(flat: torch.Tensor, rows: torch.Tensor) -> None:
