@@ -59,6 +59,34 @@ void DTensorImpl::relayout(at::Tensor local, SpecPtr spec) {
   spec_ = std::move(spec);
 }
 
+void DTensorImpl::adopt(const DTensorImpl& other) {
+  local_ = other.local_;
+  spec_ = other.spec_;
+  copied_view = other.copied_view;
+  set_sizes_and_strides(spec_->shape, spec_->stride, spec_->storage_offset);
+}
+
+namespace {
+// Inference tensors have no version counter; nothing is kept for them.
+uint32_t version_of(const c10::TensorImpl& impl) { return impl.version_counter().current_version(); }
+}  // namespace
+
+const DTensorImpl::Reduced* DTensorImpl::reduced() const {
+  // keep_reduced keeps nothing for inference tensors, which have no version counter.
+  if (reduced_from_ == nullptr || reduced_from_ != spec_) return nullptr;
+  if (version_of(*this) != reduced_version_ || version_of(*local_.unsafeGetTensorImpl()) != reduced_local_version_)
+    return nullptr;
+  return &reduced_;
+}
+
+void DTensorImpl::keep_reduced(at::Tensor local, SpecPtr spec) {
+  if (is_inference() || local_.is_inference()) return;
+  reduced_ = Reduced{std::move(local), std::move(spec)};
+  reduced_from_ = spec_;
+  reduced_version_ = version_of(*this);
+  reduced_local_version_ = version_of(*local_.unsafeGetTensorImpl());
+}
+
 DTensorImpl* checked_dtensor_impl(const at::TensorBase& t, const char* what) {
   TORCH_CHECK_TYPE(is_dtensor(t), what, " expects a vescale DTensor, got a plain tensor; use "
                    "vescale.distribute_tensor or DTensor.from_local to make one");

@@ -31,6 +31,20 @@ class DTensorImpl final : public c10::TensorImpl {
   // tensor aliases the local storage.
   void relayout(at::Tensor local, SpecPtr spec);
 
+  // Takes over another DTensor's shard and spec, global sizes and strides included:
+  // how in-place view ops (transpose_, squeeze_, ...) and set_ restride a DTensor.
+  void adopt(const DTensorImpl& other);
+
+  // The first reduction of a Partial value, kept so that every later consumer starts
+  // from the same bits (see dispatch/reduce_once.h). Null when none is kept or the
+  // tensor changed since.
+  struct Reduced {
+    at::Tensor local;
+    SpecPtr spec;
+  };
+  const Reduced* reduced() const;
+  void keep_reduced(at::Tensor local, SpecPtr spec);
+
   // Set once a gradient-placement hook is attached (see align_grad_placements).
   bool grads_aligned = false;
   // Set on a view result that had to be computed from a copy of its base: writing
@@ -54,6 +68,12 @@ class DTensorImpl final : public c10::TensorImpl {
 
   at::Tensor local_;
   SpecPtr spec_;
+  // Valid while spec_ is `reduced_from_` and neither this wrapper (views share its
+  // version counter) nor the shard (shallow copies share it) changed.
+  Reduced reduced_;
+  SpecPtr reduced_from_;
+  uint32_t reduced_version_ = 0;
+  uint32_t reduced_local_version_ = 0;
 };
 
 inline bool is_dtensor(const at::TensorBase& t) {

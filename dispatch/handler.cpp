@@ -5,6 +5,7 @@
 #include "dispatch/call_scan.h"
 #include "dispatch/dtensor_impl.h"
 #include "dispatch/propagation.h"
+#include "dispatch/reduce_once.h"
 
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -95,7 +96,8 @@ void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
     if (plan.empty()) continue;
     const auto& src = *d.sources[i];
     const bool owned = impl != nullptr && exclusively_owned(impl->local());
-    locals[i] = collectives::execute_redistribution(plan, *src.mesh, src.shape, src.stride, locals[i]);
+    locals[i] = impl != nullptr ? laid_out_as(*impl, plan, d.targets[i])
+                                : collectives::execute_redistribution(plan, *src.mesh, src.shape, src.stride, locals[i]);
     if (impl != nullptr && static_cast<int>(scan.slots[i].arg) == info.view_of) {
       // A view must alias its base. An intermediate result is re-laid out in place
       // (same values, new placements) unless another tensor shares its storage; a
@@ -124,6 +126,16 @@ void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
     const at::Tensor& t = scan.tensors[i];
     (is_dtensor(t) ? dtensor_impl(t)->local() : t).copy_(back);
   }
+
+  // A written DTensor's shard changed below autograd, where nothing counts versions;
+  // count it, so that what was derived from the old values (a kept reduction, a
+  // shallow copy's) is known to be stale.
+  if (info.writes_any)
+    for (size_t i = 0; i < n; ++i)
+      if (info.arg_written[scan.slots[i].arg] && is_dtensor(scan.tensors[i])) {
+        const auto& local = dtensor_impl(scan.tensors[i])->local();
+        if (!local.is_inference()) local.unsafeGetTensorImpl()->bump_version();
+      }
 
   // Wrap the local results.
   size_t j = 0;  // flattened result index

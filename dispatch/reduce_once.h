@@ -1,0 +1,24 @@
+#pragma once
+// A Partial value is reduced once.
+//
+// Reducing the same Partial shards along two routes (an all-reduce for one consumer,
+// a reduce-scatter along another dim for the next) sums in different orders, and the
+// results differ in their last bits. Single-device code assumes one value: amin's
+// backward compares the input with the minimum it produced (`self == result`) and
+// divides by the number of matches, which was zero on some elements (NaN gradients).
+// So the first reduction of a Partial DTensor is kept with it, and every later
+// consumer is served from that reduced form by exact data movement (slicing,
+// gathering, all-to-all), never by another sum. Any write to the tensor drops it.
+
+#include "collectives/redistribute_plan.h"
+#include "dispatch/dtensor_impl.h"
+
+namespace vescale {
+
+// `impl`'s shard laid out as `target`, by `plan` (planned from impl's own spec), or
+// from the kept reduction of its Partial value when there is one. With `keep`, a
+// first full reduction is kept; the result may then be the kept tensor itself, so a
+// caller that hands it out as a new tensor passes false.
+at::Tensor laid_out_as(DTensorImpl& impl, const RedistPlan& plan, const SpecPtr& target, bool keep = true);
+
+}  // namespace vescale

@@ -1,0 +1,159 @@
+"""Differential fuzzing of op chains: vescale on 4 gloo ranks against plain torch.
+
+    python -m tests.fuzz.campaign --chains 20000 --seed 0 --out docs/fuzz_campaign.json
+
+Programs are drawn on this process from ``random.Random(seed + i)`` and sent to the ranks
+in batches; every rank runs the same programs. A batch whose ranks hang or crash is re-run
+one program at a time to find the culprit. Each finding is shrunk (shorter prefix, steps
+nothing depends on dropped, inputs replicated) while it still fails the same way, and
+printed as a literal that a regression test can hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+for path in (ROOT, os.path.join(ROOT, "tests", "python")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+from tests.fuzz.chains import Program, generate  # noqa: E402
+from tests.opinfo.pool import Ranks  # noqa: E402
+
+HANDLER = "tests.fuzz.rank:handle"
+
+
+def start_ranks(world: int = 4, gloo_timeout_s: float = 30) -> Ranks:
+    ranks = Ranks(world, HANDLER, gloo_timeout_s=gloo_timeout_s, grace_s=gloo_timeout_s / 2)
+    ranks.start()
+    return ranks
+
+
+def run_batch(ranks: Ranks, programs: list[Program], timeout_s: float = 120) -> list[tuple[str, str]]:
+    """One verdict per program: ok, wrong, error, hang, crash or divergent."""
+    reply = ranks.call([p.to_literal() for p in programs], timeout_s)
+    if reply.kind != "ok":
+        if len(programs) == 1:
+            return [(reply.kind, reply.message)]
+        return [v for p in programs for v in run_batch(ranks, [p], timeout_s)]
+    per_rank = [reply.values[r] for r in range(ranks.world)]
+    verdicts = []
+    for k in range(len(programs)):
+        seen = {tuple(answer[k]) for answer in per_rank}
+        if len(seen) == 1:
+            verdicts.append(per_rank[0][k])
+        else:  # ranks that disagree would deadlock a real program
+            verdicts.append(("divergent", " | ".join(f"rank {r}: {per_rank[r][k]}" for r in range(ranks.world))))
+    return verdicts
+
+
+# ---- shrinking ------------------------------------------------------------------------------
+
+def _without_step(program: Program, drop: int) -> Program | None:
+    """The program without step ``drop``; None when a later step uses its value."""
+    n_in = len(program.inputs)
+    dropped_value = n_in + drop
+    steps = []
+    for k, (name, args, params) in enumerate(program.steps):
+        if k == drop:
+            continue
+        if dropped_value in args:
+            return None
+        steps.append([name, tuple(a - (a > dropped_value) for a in args), params])
+    return Program(program.mesh, program.inputs, steps)
+
+
+def _without_input(program: Program, drop: int) -> Program | None:
+    if len(program.inputs) == 1 or any(drop in args for _, args, _ in program.steps):
+        return None
+    steps = [[name, tuple(a - (a > drop) for a in args), params] for name, args, params in program.steps]
+    return Program(program.mesh, [i for k, i in enumerate(program.inputs) if k != drop], steps)
+
+
+def _candidates(program: Program):
+    for k in range(1, len(program.steps)):  # shorter prefixes first
+        yield Program(program.mesh, program.inputs, program.steps[:k])
+    for k in range(len(program.steps) - 1, -1, -1):
+        if (p := _without_step(program, k)) is not None:
+            yield p
+    for k in range(len(program.inputs)):
+        if (p := _without_input(program, k)) is not None:
+            yield p
+        spec = program.inputs[k]
+        for j, code in enumerate(spec[2]):
+            if code != "R":
+                placements = list(spec[2])
+                placements[j] = "R"
+                inputs = [list(i) for i in program.inputs]
+                inputs[k] = [spec[0], spec[1], placements, spec[3]]
+                yield Program(program.mesh, inputs, program.steps)
+
+
+def shrink(ranks: Ranks, program: Program, kind: str, budget: int = 60) -> Program:
+    """A smaller program that still fails with the same kind of verdict."""
+    tries = 0
+    improved = True
+    while improved and tries < budget:
+        improved = False
+        for candidate in _candidates(program):
+            tries += 1
+            if run_batch(ranks, [candidate])[0][0] == kind:
+                program, improved = candidate, True
+                break
+            if tries >= budget:
+                break
+    return program
+
+
+# ---- the campaign -------------------------------------------------------------------------------
+
+def campaign(chains: int, seed: int, batch: int = 25, shrink_findings: bool = True, log=print) -> dict:
+    ranks = start_ranks()
+    counts: collections.Counter = collections.Counter()
+    findings = []
+    started = time.monotonic()
+    try:
+        for first in range(0, chains, batch):
+            seeds = list(range(seed + first, seed + min(first + batch, chains)))
+            programs = [generate(random.Random(s)) for s in seeds]
+            for s, program, (kind, detail) in zip(seeds, programs, run_batch(ranks, programs)):
+                counts[kind] += 1
+                if kind == "ok":
+                    continue
+                small = shrink(ranks, program, kind) if shrink_findings else program
+                findings.append({"seed": s, "kind": kind, "detail": detail, "program": small.to_literal(),
+                                 "text": small.describe()})
+                log(f"[seed {s}] {kind}: {detail}\n{small.describe()}\n")
+            if (first // batch) % 20 == 0:
+                log(f"{first + len(seeds)}/{chains} chains, {dict(counts)}, {time.monotonic() - started:.0f}s")
+    finally:
+        ranks.stop()
+    return {"chains": chains, "seed": seed, "counts": dict(counts), "seconds": round(time.monotonic() - started),
+            "findings": findings}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--chains", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=25)
+    parser.add_argument("--no-shrink", action="store_true")
+    parser.add_argument("--out", default=None, help="write counts and findings as JSON")
+    args = parser.parse_args()
+    result = campaign(args.chains, args.seed, args.batch, not args.no_shrink,
+                      log=lambda *a: print(*a, file=sys.stderr, flush=True))
+    print(json.dumps({k: v for k, v in result.items() if k != "findings"}))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,381 @@
+"""The ops a chain is drawn from: common training ops, in-place and view ops included.
+
+Each entry reads like a table row: a name, how to draw its arguments from the values a
+chain holds so far, and what it computes. ``draw(rng, values)`` returns the indices of
+the values it consumes and its non-tensor parameters, or None when nothing fits; the
+generator then runs the op on plain tensors and keeps it only if torch accepts it, so a
+draw may be loose. ``run(*tensors, **params)`` uses only the public torch API, so the
+same call runs on plain tensors and on DTensors.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    draw: Callable
+    run: Callable
+    weight: float = 1.0
+
+
+def _floats(values) -> list[int]:
+    return [i for i, v in enumerate(values) if v.is_floating_point()]
+
+
+def _pick(rng: random.Random, candidates: list[int]) -> int | None:
+    return rng.choice(candidates) if candidates else None
+
+
+def _dim(rng: random.Random, t: torch.Tensor) -> int | None:
+    return rng.randrange(-t.dim(), t.dim()) if t.dim() else None
+
+
+# ---- drawing helpers: one tensor, optionally a dim --------------------------------------------
+
+def unary(rng, values):
+    i = _pick(rng, _floats(values))
+    return None if i is None else ((i,), {})
+
+
+def with_dim(rng, values):
+    i = _pick(rng, [j for j in _floats(values) if values[j].dim() > 0])
+    return None if i is None else ((i,), {"dim": _dim(rng, values[i])})
+
+
+def with_dim_keepdim(rng, values):
+    drawn = with_dim(rng, values)
+    if drawn is None:
+        return None
+    args, params = drawn
+    return args, {**params, "keepdim": rng.random() < 0.4}
+
+
+def binary(rng, values):
+    """Two float values of broadcastable shapes (the generator drops pairs torch refuses),
+    or one value and a scalar."""
+    floats = _floats(values)
+    if not floats:
+        return None
+    a = rng.choice(floats)
+    same = [j for j in floats if values[j].shape == values[a].shape or values[j].dim() < values[a].dim()]
+    return (a, rng.choice(same)), {}
+
+
+def two_dims(rng, values):
+    i = _pick(rng, [j for j in _floats(values) if values[j].dim() >= 2])
+    if i is None:
+        return None
+    d0, d1 = rng.sample(range(values[i].dim()), 2)
+    return (i,), {"d0": d0, "d1": d1}
+
+
+def unit_dim(rng, values):
+    cands = [(j, d) for j in _floats(values) for d in range(values[j].dim()) if values[j].shape[d] == 1]
+    if not cands:
+        return None
+    j, d = rng.choice(cands)
+    return (j,), {"dim": d}
+
+
+def new_dim(rng, values):
+    i = _pick(rng, _floats(values))
+    return None if i is None else ((i,), {"dim": rng.randrange(-values[i].dim() - 1, values[i].dim() + 1)})
+
+
+def narrowing(rng, values):
+    cands = [(j, d) for j in _floats(values) for d in range(values[j].dim()) if values[j].shape[d] >= 1]
+    if not cands:
+        return None
+    j, d = rng.choice(cands)
+    size = values[j].shape[d]
+    start = rng.randrange(size)
+    return (j,), {"dim": d, "start": start, "length": rng.randrange(0, size - start + 1)}
+
+
+def selecting(rng, values):
+    cands = [(j, d) for j in _floats(values) for d in range(values[j].dim()) if values[j].shape[d] >= 1]
+    if not cands:
+        return None
+    j, d = rng.choice(cands)
+    return (j,), {"dim": d, "index": rng.randrange(-values[j].shape[d], values[j].shape[d])}
+
+
+def reshaping(rng, values):
+    """Merge two neighbouring dims, or split one into factors."""
+    i = _pick(rng, [j for j in _floats(values) if values[j].dim() > 0])
+    if i is None:
+        return None
+    shape = list(values[i].shape)
+    d = rng.randrange(len(shape))
+    if d + 1 < len(shape) and rng.random() < 0.5:
+        shape[d:d + 2] = [shape[d] * shape[d + 1]]
+    else:
+        n = shape[d]
+        f = rng.choice([f for f in range(1, n + 1) if n % f == 0] or [0])
+        shape[d:d + 1] = [f, n // f if f else 0]
+    if rng.random() < 0.2 and shape:
+        shape[rng.randrange(len(shape))] = -1 if all(s > 0 for s in shape) else shape[0]
+    return (i,), {"shape": tuple(shape)}
+
+
+def permuting(rng, values):
+    i = _pick(rng, [j for j in _floats(values) if values[j].dim() >= 2])
+    if i is None:
+        return None
+    perm = list(range(values[i].dim()))
+    rng.shuffle(perm)
+    return (i,), {"perm": tuple(perm)}
+
+
+def expanding(rng, values):
+    i = _pick(rng, _floats(values))
+    if i is None:
+        return None
+    return (i,), {"lead": rng.randint(1, 3)}
+
+
+def fresh_same(rng, values):
+    """A value and a new input of the same shape (for ops needing equal shapes)."""
+    i = _pick(rng, _floats(values))
+    return None if i is None else ((i,), {"fresh": "same", "seed": rng.randrange(1 << 20)})
+
+
+def matmul_draw(rng, values):
+    i = _pick(rng, [j for j in _floats(values) if 1 <= values[j].dim() <= 4])
+    if i is None:
+        return None
+    return (i,), {"fresh": "weight", "n": rng.randint(1, 6), "seed": rng.randrange(1 << 20)}
+
+
+def index_draw(rng, values):
+    cands = [(j, d) for j in _floats(values) for d in range(values[j].dim()) if values[j].shape[d] >= 1]
+    if not cands:
+        return None
+    j, d = rng.choice(cands)
+    return (j,), {"dim": d, "n": rng.randint(0, 5), "seed": rng.randrange(1 << 20), "fresh": "index"}
+
+
+def scalar_draw(rng, values):
+    i = _pick(rng, _floats(values))
+    return None if i is None else ((i,), {"s": rng.choice([-2.0, -0.5, 0.5, 1.5, 3.0])})
+
+
+def cat_draw(rng, values):
+    floats = _floats(values)
+    if not floats:
+        return None
+    a = rng.choice(floats)
+    if values[a].dim() == 0:
+        return None
+    d = rng.randrange(values[a].dim())
+    same = [j for j in floats if values[j].dim() == values[a].dim() and all(
+        values[j].shape[k] == values[a].shape[k] for k in range(values[a].dim()) if k != d)]
+    return (a, rng.choice(same)), {"dim": d}
+
+
+def setitem_draw(rng, values):
+    drawn = narrowing(rng, values)
+    if drawn is None:
+        return None
+    args, params = drawn
+    return args, {**params, "s": rng.choice([0.0, 1.0, -2.5])}
+
+
+def dropout_draw(rng, values):
+    i = _pick(rng, _floats(values))
+    return None if i is None else ((i,), {"p": rng.choice([0.25, 0.5]), "seed": rng.randrange(1 << 20)})
+
+
+def cross_entropy_draw(rng, values):
+    i = _pick(rng, [j for j in _floats(values) if values[j].dim() == 2 and values[j].shape[1] >= 1])
+    if i is None:
+        return None
+    return (i,), {"seed": rng.randrange(1 << 20), "fresh": "target"}
+
+
+def inplace(draw):
+    """The same draw, retried until the written value is not a leaf that requires grad
+    (torch refuses in-place writes into those, so the chain would rarely keep one)."""
+    def draw_mutable(rng, values):
+        for _ in range(8):
+            drawn = draw(rng, values)
+            if drawn is not None and not (values[drawn[0][0]].is_leaf and values[drawn[0][0]].requires_grad):
+                return drawn
+        return None
+    return draw_mutable
+
+
+# ---- running: fresh tensors come through a factory the interpreter supplies -------------------
+
+def _matmul(x, *, n, seed, fresh, new):
+    w = new("weight", (x.shape[-1], n), seed)
+    return x @ w
+
+
+def _linear(x, *, n, seed, fresh, new):
+    w = new("weight", (n, x.shape[-1]), seed)
+    b = new("weight", (n,), seed + 1)
+    return F.linear(x, w, b)
+
+
+def _layer_norm(x, *, n, seed, fresh, new):
+    shape = x.shape[-1:]
+    return F.layer_norm(x, shape, new("weight", shape, seed), new("weight", shape, seed + 1))
+
+
+def _rms_norm(x, *, n, seed, fresh, new):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * new("weight", x.shape[-1:], seed)
+
+
+def _index_select(x, *, dim, n, seed, fresh, new):
+    return x.index_select(dim, new("index", (n,), seed, high=x.shape[dim]))
+
+
+def _gather(x, *, dim, n, seed, fresh, new):
+    shape = list(x.shape)
+    shape[dim] = n
+    return x.gather(dim, new("index", tuple(shape), seed, high=x.shape[dim]))
+
+
+def _embedding(x, *, dim, n, seed, fresh, new):
+    if x.dim() != 2:
+        raise ValueError("embedding takes a 2-d table")
+    return F.embedding(new("index", (2, n), seed, high=x.shape[0]), x)
+
+
+def _mul_fresh(x, *, seed, fresh, new):
+    return x * new("weight", tuple(x.shape), seed)
+
+
+def _copy_fresh(x, *, seed, fresh, new):
+    return x.copy_(new("weight", tuple(x.shape), seed))
+
+
+def _where_fresh(x, *, seed, fresh, new):
+    return torch.where(x > 0, x, new("weight", tuple(x.shape), seed))
+
+
+def _cross_entropy(x, *, seed, fresh, new):
+    return F.cross_entropy(x, new("index", (x.shape[0],), seed, high=x.shape[1]))
+
+
+def _dropout(x, *, p, seed):
+    torch.manual_seed(seed)  # every rank and the reference draw from the same state
+    return F.dropout(x, p, training=True)
+
+
+def _setitem(x, *, dim, start, length, s):
+    index = (slice(None),) * dim + (slice(start, start + length),)
+    x[index] = s
+    return x
+
+
+def _topk_values(x, *, dim):
+    return x.topk(min(2, x.shape[dim]), dim).values
+
+
+OPS: list[Op] = [
+    # pointwise
+    Op("neg", unary, lambda x: -x),
+    Op("exp", unary, lambda x: torch.exp(x.clamp(max=5))),
+    Op("tanh", unary, torch.tanh),
+    Op("sigmoid", unary, torch.sigmoid),
+    Op("relu", unary, F.relu),
+    Op("gelu", unary, F.gelu),
+    Op("silu", unary, F.silu),
+    Op("abs", unary, torch.abs),
+    Op("square", unary, lambda x: x * x),
+    Op("rsqrt", unary, lambda x: torch.rsqrt(x.abs() + 1)),
+    Op("clamp", unary, lambda x: x.clamp(-0.5, 0.7)),
+    Op("add_scalar", scalar_draw, lambda x, s: x + s),
+    Op("mul_scalar", scalar_draw, lambda x, s: x * s),
+    Op("pow", unary, lambda x: x.pow(2)),
+    Op("add", binary, torch.add, 2),
+    Op("sub", binary, torch.sub),
+    Op("mul", binary, torch.mul, 2),
+    Op("div", binary, lambda a, b: a / (b.abs() + 0.5)),
+    Op("maximum", binary, torch.maximum),
+    Op("where", binary, lambda a, b: torch.where(a > b, a, b)),
+    Op("mul_fresh", fresh_same, _mul_fresh),
+    Op("where_fresh", fresh_same, _where_fresh),
+    Op("masked_fill", unary, lambda x: x.masked_fill(x > 0.3, 0.0)),
+    Op("float_to_int_to_float", unary, lambda x: (x * 4).long().to(x.dtype)),
+    # in-place
+    Op("add_", inplace(binary), lambda a, b: a.add_(b), 2),
+    Op("mul_", inplace(binary), lambda a, b: a.mul_(b)),
+    Op("mul_scalar_", inplace(scalar_draw), lambda x, s: x.mul_(s)),
+    Op("relu_", inplace(unary), lambda x: F.relu(x, inplace=True)),
+    Op("clamp_", inplace(unary), lambda x: x.clamp_(-0.5, 0.7)),
+    Op("neg_", inplace(unary), lambda x: x.neg_()),
+    Op("zero_", inplace(unary), lambda x: x.zero_(), 0.3),
+    Op("copy_", inplace(fresh_same), _copy_fresh),
+    Op("masked_fill_", inplace(unary), lambda x: x.masked_fill_(x > 0.3, 0.0)),
+    Op("setitem", inplace(setitem_draw), _setitem),
+    Op("addcmul_", inplace(binary), lambda a, b: a.addcmul_(b, b, value=0.5)),
+    # views
+    Op("view_flat", unary, lambda x: x.reshape(-1)),
+    Op("reshape", reshaping, lambda x, shape: x.reshape(shape), 2),
+    Op("view", reshaping, lambda x, shape: x.view(shape)),
+    Op("transpose", two_dims, lambda x, d0, d1: x.transpose(d0, d1), 2),
+    Op("permute", permuting, lambda x, perm: x.permute(perm)),
+    Op("t", two_dims, lambda x, d0, d1: x.t()),
+    Op("unsqueeze", new_dim, lambda x, dim: x.unsqueeze(dim)),
+    Op("squeeze_dim", unit_dim, lambda x, dim: x.squeeze(dim)),
+    Op("squeeze", unary, torch.squeeze),
+    Op("narrow", narrowing, lambda x, dim, start, length: x.narrow(dim, start, length), 2),
+    Op("select", selecting, lambda x, dim, index: x.select(dim, index)),
+    Op("step_slice", with_dim, lambda x, dim: x[(slice(None),) * (dim % x.dim()) + (slice(None, None, 2),)]),
+    Op("expand", expanding, lambda x, lead: x.unsqueeze(0).expand(lead, *x.shape)),
+    Op("unbind", with_dim, lambda x, dim: x.unbind(dim)[0]),
+    Op("split", with_dim, lambda x, dim: x.split(2, dim)[-1]),
+    Op("chunk", with_dim, lambda x, dim: x.chunk(3, dim)[0]),
+    Op("contiguous", unary, lambda x: x.contiguous()),
+    Op("clone", unary, torch.clone, 2),
+    Op("flatten", unary, lambda x: x.flatten(1) if x.dim() > 1 else x.flatten()),
+    Op("movedim", two_dims, lambda x, d0, d1: x.movedim(d0, d1)),
+    # in-place views
+    Op("transpose_", inplace(two_dims), lambda x, d0, d1: x.transpose_(d0, d1)),
+    Op("t_", inplace(two_dims), lambda x, d0, d1: x.t_()),
+    Op("swapdims_", inplace(two_dims), lambda x, d0, d1: x.swapdims_(d0, d1)),
+    Op("squeeze_", inplace(unit_dim), lambda x, dim: x.squeeze_(dim)),
+    Op("unsqueeze_", inplace(new_dim), lambda x, dim: x.unsqueeze_(dim)),
+    # reductions
+    Op("sum_all", unary, torch.sum),
+    Op("sum", with_dim_keepdim, lambda x, dim, keepdim: x.sum(dim, keepdim=keepdim), 2),
+    Op("mean", with_dim_keepdim, lambda x, dim, keepdim: x.mean(dim, keepdim=keepdim)),
+    Op("amax", with_dim_keepdim, lambda x, dim, keepdim: x.amax(dim, keepdim=keepdim)),
+    Op("amin", with_dim_keepdim, lambda x, dim, keepdim: x.amin(dim, keepdim=keepdim)),
+    Op("max_dim", with_dim_keepdim, lambda x, dim, keepdim: x.max(dim, keepdim=keepdim).values),
+    Op("min_dim", with_dim_keepdim, lambda x, dim, keepdim: x.min(dim, keepdim=keepdim).values),
+    Op("argmax", with_dim, lambda x, dim: x.argmax(dim).to(x.dtype)),
+    Op("norm", with_dim, lambda x, dim: x.norm(dim=dim)),
+    Op("var", with_dim, lambda x, dim: x.var(dim)),
+    Op("logsumexp", with_dim, lambda x, dim: x.logsumexp(dim)),
+    Op("softmax", with_dim, lambda x, dim: x.softmax(dim), 2),
+    Op("log_softmax", with_dim, lambda x, dim: x.log_softmax(dim)),
+    Op("cumsum", with_dim, lambda x, dim: x.cumsum(dim)),
+    Op("topk", with_dim, _topk_values),
+    Op("sort", with_dim, lambda x, dim: x.sort(dim).values),
+    # matmul family, norms, indexing, losses, randomness
+    Op("matmul", matmul_draw, _matmul, 3),
+    Op("linear", matmul_draw, _linear, 2),
+    Op("layer_norm", matmul_draw, _layer_norm),
+    Op("rms_norm", matmul_draw, _rms_norm),
+    Op("cat", cat_draw, lambda a, b, dim: torch.cat([a, b], dim)),
+    Op("stack", binary, lambda a, b: torch.stack([a, a * b])),
+    Op("index_select", index_draw, _index_select),
+    Op("gather", index_draw, _gather),
+    Op("embedding", index_draw, _embedding),
+    Op("cross_entropy", cross_entropy_draw, _cross_entropy),
+    Op("dropout", dropout_draw, _dropout),
+]
+
+OPS_BY_NAME = {op.name: op for op in OPS}

@@ -1,0 +1,136 @@
+"""The rank side of the chain fuzzer: runs a program on plain tensors and on DTensors
+and compares every value, then the input gradients.
+
+Used as the handler of ``tests.opinfo.pool.Ranks`` ("tests.fuzz.rank:handle"): a message
+is a list of program literals, the answer one verdict per program. Every rank computes
+the same verdicts unless the engine made them diverge; the parent checks that.
+"""
+
+from __future__ import annotations
+
+import random
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import vescale
+from vescale import Partial, Replicate, Shard
+
+import os as _os
+import sys as _sys
+
+_sys.path.insert(0, _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), "python"))
+
+from .chains import MESHES, PlainFactory, Program, fresh_placements, full_value, index_value, loss_of, run_program
+
+_meshes: dict = {}
+
+
+def setup() -> None:
+    warnings.simplefilter("ignore")  # fallbacks warn once per op; the verdicts say what matters
+    for name, shape in MESHES.items():
+        n = 1
+        for s in shape:
+            n *= s
+        if n <= dist.get_world_size():
+            _meshes[name] = vescale.DeviceMesh("cpu", torch.arange(n).reshape(shape))
+
+
+def _placement(code: str):
+    if code == "R":
+        return Replicate()
+    if code.startswith("S"):
+        return Shard(int(code[1:]))
+    return Partial(code.split(".")[1])
+
+
+def make_dtensor(full: torch.Tensor, mesh, codes: list[str], seed: int) -> torch.Tensor:
+    """A DTensor whose global value is ``full``; Partial shards hold genuinely different
+    values (noise that the reduction cancels), so a missing reduction shows."""
+    from dist_utils import make_dtensor as _make  # the tests' own builder (Partial noise included)
+    return _make(full, mesh, [_placement(c) for c in codes], seed=seed)
+
+
+class DTensorFactory(PlainFactory):
+    def __init__(self, mesh_name: str):
+        self.mesh_name = mesh_name
+        self.mesh = _meshes[mesh_name]
+
+    def input(self, shape, seed, placements, requires_grad):
+        return make_dtensor(full_value(shape, seed), self.mesh, placements, seed).requires_grad_(requires_grad)
+
+    def new(self, kind, shape, seed, high=None):
+        if kind == "index":
+            value = index_value(shape, seed, high)
+            codes = fresh_placements(seed, len(shape), self.mesh_name, partial=False)
+            # Indices come as plain tensors (implicitly replicated) or as sharded DTensors.
+            return value if random.Random(seed).random() < 0.3 else vescale.distribute_tensor(
+                value, self.mesh, [_placement(c) for c in codes])
+        codes = fresh_placements(seed, len(shape), self.mesh_name, partial=True)
+        return make_dtensor(full_value(shape, seed), self.mesh, codes, seed)
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, vescale.DTensor) else t
+
+
+def _compare(what: str, actual, expected) -> str | None:
+    actual = _full(actual)
+    if not isinstance(actual, torch.Tensor):
+        return f"{what}: got {type(actual).__name__}, expected a tensor"
+    if actual.shape != expected.shape:
+        return f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if actual.dtype != expected.dtype:
+        return f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    try:
+        torch.testing.assert_close(actual.detach(), expected.detach(), rtol=1e-7, atol=1e-9, equal_nan=False)
+    except AssertionError as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        return f"{what}: " + "; ".join(lines[1:4])
+    return None
+
+
+def check(program: Program) -> tuple[str, str]:
+    """("ok" | "wrong" | "error", detail)."""
+    ref_inputs, ref_values = run_program(program, PlainFactory())
+    ref_loss = loss_of(ref_values, PlainFactory().new, len(ref_inputs))
+    ref_backward_ok = ref_loss is not None
+    if ref_backward_ok:
+        try:
+            ref_loss.backward()
+        except RuntimeError:
+            ref_backward_ok = False
+
+    factory = DTensorFactory(program.mesh)
+    stage = "forward"
+    try:
+        inputs, values = run_program(program, factory)
+        stage = "comparing values"
+        for k, (v, r) in enumerate(zip(values, ref_values)):
+            if (bad := _compare(f"v{k}", v, r)) is not None:
+                return "wrong", bad
+        if not ref_backward_ok:
+            return "ok", ""
+        stage = "backward"
+        loss = loss_of(values, factory.new, len(inputs))
+        loss.backward()
+        stage = "comparing gradients"
+        for k, (x, r) in enumerate(zip(inputs, ref_inputs)):
+            if r.grad is None:
+                continue
+            if x.grad is None:
+                return "wrong", f"grad of v{k}: missing"
+            if (bad := _compare(f"grad of v{k}", x.grad, r.grad)) is not None:
+                return "wrong", bad
+    except Exception as e:  # noqa: BLE001  (plain torch ran this program: any exception is a finding)
+        frames = traceback.extract_tb(e.__traceback__)
+        where = next((f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in reversed(frames)
+                      if "/fuzz/" in f.filename), "")
+        return "error", f"{stage} at {where}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+    return "ok", ""
+
+
+def handle(literals: list) -> list:
+    return [check(Program.from_literal(lit)) for lit in literals]
