@@ -151,11 +151,18 @@ at::Tensor broadcast(const at::Tensor& x, int64_t src, const std::string& group)
   return call_and_wait(fn, {x.contiguous(), src, group});
 }
 
-bool all_ranks(const Mesh& mesh, bool value) {
-  auto flag = at::full({1}, value ? 1 : 0, at::TensorOptions().dtype(at::kInt).device(mesh.device_type));
+bool all_ranks(const Mesh& mesh, bool value) { return all_ranks(mesh, std::vector<bool>{value})[0]; }
+
+std::vector<bool> all_ranks(const Mesh& mesh, const std::vector<bool>& values) {
+  auto flags = at::empty({static_cast<int64_t>(values.size())}, at::TensorOptions().dtype(at::kInt));
+  for (size_t k = 0; k < values.size(); ++k) flags[static_cast<int64_t>(k)] = values[k] ? 1 : 0;
+  flags = flags.to(mesh.device_type);
   for (size_t m = 0; m < mesh.shape.size(); ++m)
-    if (mesh.shape[m] > 1) flag = all_reduce(flag, ReduceOp::Min, mesh.group_names[m]);
-  return flag.item<int>() == 1;
+    if (mesh.shape[m] > 1) flags = all_reduce(flags, ReduceOp::Min, mesh.group_names[m]);
+  flags = flags.cpu();
+  std::vector<bool> out(values.size());
+  for (size_t k = 0; k < values.size(); ++k) out[k] = flags[static_cast<int64_t>(k)].item<int>() == 1;
+  return out;
 }
 
 at::Tensor with_layout_of(const at::Tensor& local, c10::ArrayRef<int64_t> global_stride) {

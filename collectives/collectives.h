@@ -23,6 +23,8 @@ at::Tensor broadcast(const at::Tensor& x, int64_t src, const std::string& group)
 // True on every rank of the mesh when `value` is true on every rank: for decisions
 // that depend on per-rank state but must be taken alike everywhere.
 bool all_ranks(const Mesh& mesh, bool value);
+// Element-wise all_ranks of several flags, in one collective per mesh dim.
+std::vector<bool> all_ranks(const Mesh& mesh, const std::vector<bool>& values);
 
 // Runs `plan` on this rank's shard `local` of a tensor with `global_shape` on
 // `mesh`. The result is a fresh tensor: it never aliases `local`, unless the plan is

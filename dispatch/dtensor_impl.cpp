@@ -30,6 +30,8 @@ template <typename Version>
 c10::intrusive_ptr<c10::TensorImpl> DTensorImpl::detached_copy(Version&& version,
                                                                bool allow_change) const {
   auto impl = c10::make_intrusive<DTensorImpl>(local_, spec_);
+  impl->keeps_placements = keeps_placements;
+  impl->copy_of = copy_of;
   copy_tensor_metadata(this, impl.get(), std::forward<Version>(version), allow_change);
   return impl;
 }
@@ -62,7 +64,7 @@ void DTensorImpl::relayout(at::Tensor local, SpecPtr spec) {
 void DTensorImpl::adopt(const DTensorImpl& other) {
   local_ = other.local_;
   spec_ = other.spec_;
-  copied_view = other.copied_view;
+  copy_of = other.copy_of;
   set_sizes_and_strides(spec_->shape, spec_->stride, spec_->storage_offset);
 }
 

@@ -47,9 +47,20 @@ class DTensorImpl final : public c10::TensorImpl {
 
   // Set once a gradient-placement hook is attached (see align_grad_placements).
   bool grads_aligned = false;
-  // Set on a view result that had to be computed from a copy of its base: writing
-  // into it in place would not reach the base, so that is refused.
-  bool copied_view = false;
+  // On a view that had to be taken from a copy of its base (the base needed another
+  // layout and could not change in place): the base and the copy, so that a write
+  // into the view (whose shard is part of the copy's) is pushed back into the base.
+  // Views of such a view share the record.
+  struct CopyOf {
+    at::Tensor base;        // the DTensor the view was asked of
+    at::Tensor copy_local;  // the copy's shard: the base laid out as copy_spec
+    SpecPtr copy_spec;
+  };
+  std::shared_ptr<const CopyOf> copy_of;
+  // Cleared on op results: they may be re-laid out in place when a view needs it.
+  // Tensors the user laid out (distribute_tensor, from_local, redistribute) keep theirs.
+  bool keeps_placements = true;
+
 
   c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
       const c10::VariableVersion& version_counter,

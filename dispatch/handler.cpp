@@ -6,6 +6,7 @@
 #include "dispatch/dtensor_impl.h"
 #include "dispatch/propagation.h"
 #include "dispatch/reduce_once.h"
+#include "dispatch/view_copies.h"
 
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -28,17 +29,6 @@ SpecPtr checked_spec(const OpInfo& info, const SpecPtr& spec, const at::Tensor& 
               ". Please report it with the op's arguments.");
   if (C10_LIKELY(local.scalar_type() == spec->dtype)) return spec;
   return make_spec(spec->mesh, spec->placements, spec->shape, spec->stride, local.scalar_type(), spec->storage_offset);
-}
-
-// Writing into a view that was computed from a copy of its base would silently miss
-// the base.
-void check_writable(const OpInfo& info, const TensorSlot& slot, const DTensorImpl& impl) {
-  TORCH_CHECK(!(impl.copied_view && info.arg_written[slot.arg]), info.name,
-              ": this DTensor is a view (", impl.spec()->str(), ") of a base that had to be laid out "
-              "differently to take the view, and the base could not change in place (it is a leaf, or "
-              "another tensor shares its storage), so the view is of a copy and an in-place write would not "
-              "reach the base. Redistribute the base first (base = base.redistribute(...)), write into the "
-              "base itself, or clone() the view.");
 }
 
 // No other tensor shares this shard's storage (saved-for-backward shallow copies share
@@ -79,6 +69,7 @@ void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
   const size_t n = scan.tensors.size();
   c10::SmallVector<at::Tensor, 6> locals(n);
   bool view_of_copy = false;
+  int view_input = -1;  // for view ops: the flattened input the results alias
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& t = scan.tensors[i];
     if (!t.defined()) continue;
@@ -89,9 +80,9 @@ void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
       // A DTensor leaf that will receive a gradient gets it in its own placements;
       // the hook goes on the first time the leaf takes part in an op.
       if (C10_UNLIKELY(!impl->grads_aligned) && t.requires_grad() && t.is_leaf()) align_grad_placements(t);
-      check_writable(info, scan.slots[i], *impl);
       locals[i] = impl->local();
     }
+    if (impl != nullptr && static_cast<int>(scan.slots[i].arg) == info.view_of) view_input = static_cast<int>(i);
     const auto& plan = d.to_target[i];
     if (plan.empty()) continue;
     const auto& src = *d.sources[i];
@@ -104,8 +95,13 @@ void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
       // leaf (a parameter, an input) keeps the placements its owner gave it. Otherwise
       // the view is of a copy. Sharing is a per-rank fact (Python frees cycles whenever
       // its collector runs) but the choice steers later decisions, so ranks agree first.
-      if (!t.is_leaf() && collectives::all_ranks(*src.mesh, owned)) impl->relayout(locals[i], d.targets[i]);
-      else view_of_copy = true;
+      const bool keeps = t.is_leaf() && (t.requires_grad() || impl->keeps_placements);
+      if (!keeps && collectives::all_ranks(*src.mesh, owned)) {
+        moved_shard(impl->local(), locals[i]);
+        impl->relayout(locals[i], d.targets[i]);
+      } else {
+        view_of_copy = true;
+      }
     }
   }
   replace_tensors(*stack, base, info, scan.slots, locals);
@@ -128,13 +124,14 @@ void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
   }
 
   // A written DTensor's shard changed below autograd, where nothing counts versions;
-  // count it, so that what was derived from the old values (a kept reduction, a
-  // shallow copy's) is known to be stale.
+  // count it, so that what was derived from the old values (a kept reduction) is known
+  // to be stale, and keep views taken from copies in step (dispatch/view_copies.h).
   if (info.writes_any)
     for (size_t i = 0; i < n; ++i)
       if (info.arg_written[scan.slots[i].arg] && is_dtensor(scan.tensors[i])) {
         const auto& local = dtensor_impl(scan.tensors[i])->local();
         if (!local.is_inference()) local.unsafeGetTensorImpl()->bump_version();
+        after_write(scan.tensors[i]);
       }
 
   // Wrap the local results.
@@ -142,12 +139,19 @@ void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
   auto wrap = [&](const at::Tensor& local) -> at::Tensor {
     const size_t slot = j++;
     if (!local.defined()) return local;
+    at::Tensor out;
     if (d.fallback_counter) {
       const Placements r(static_cast<size_t>(d.mesh->ndim()), Placement::replicate());
-      return make_dtensor(local, make_spec(d.mesh, r, local.sizes(), local.strides(), local.scalar_type()));
+      out = make_dtensor(local, make_spec(d.mesh, r, local.sizes(), local.strides(), local.scalar_type()));
+    } else {
+      out = make_dtensor(local, checked_spec(info, d.outputs[slot], local));
     }
-    auto out = make_dtensor(local, checked_spec(info, d.outputs[slot], local));
-    if (C10_UNLIKELY(view_of_copy)) dtensor_impl(out)->copied_view = true;
+    dtensor_impl(out)->keeps_placements = false;
+    if (C10_UNLIKELY(view_of_copy)) {
+      record_view_of_copy(out, scan.tensors[view_input], locals[view_input], d.targets[view_input]);
+    } else if (view_input >= 0) {  // a view of a view of a copy is one too
+      dtensor_impl(out)->copy_of = dtensor_impl(scan.tensors[view_input])->copy_of;
+    }
     return out;
   };
   for (size_t r = 0; r < info.num_returns; ++r) {

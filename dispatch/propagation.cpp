@@ -54,8 +54,10 @@ at::Tensor meta_like(const at::Tensor& t, const TensorArg& a) {
   auto options = at::TensorOptions().dtype(a.dtype).device(c10::kMeta);
   if (a.storage_offset == 0) return at::empty_strided(a.shape, a.stride, options);
   // A view: give it room before it in its storage, so views of it compute offsets right.
+  // (An empty view addresses no element: its offset is all the room it needs.)
   int64_t span = a.storage_offset + 1;
   for (size_t d = 0; d < a.shape.size(); ++d) span += (a.shape[d] - 1) * a.stride[d];
+  if (std::find(a.shape.begin(), a.shape.end(), 0) != a.shape.end()) span = a.storage_offset;
   return at::empty({span}, options).as_strided(a.shape, a.stride, a.storage_offset);
 }
 

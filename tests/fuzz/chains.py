@@ -137,7 +137,8 @@ def generate(rng: random.Random, mesh: str | None = None, max_steps: int = 6) ->
     values = []
     for k in range(rng.choice([1, 1, 2])):
         shape = draw_shape(rng)
-        spec = [shape, rng.randrange(1 << 20), draw_placements(rng, len(shape), len(MESHES[mesh])), True]
+        spec = [shape, rng.randrange(1 << 20), draw_placements(rng, len(shape), len(MESHES[mesh])),
+                rng.random() < 0.8]
         program.inputs.append(spec)
         values.append(factory.input(*spec))
     target = rng.randint(2, max_steps)

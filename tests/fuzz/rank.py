@@ -73,7 +73,8 @@ class DTensorFactory(PlainFactory):
 
 
 def _full(t):
-    return t.full_tensor() if isinstance(t, vescale.DTensor) else t
+    # detach first: reading a view whose base was written in place is no autograd use
+    return t.detach().full_tensor() if isinstance(t, vescale.DTensor) else t
 
 
 def _compare(what: str, actual, expected) -> str | None:
