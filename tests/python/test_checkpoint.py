@@ -404,7 +404,7 @@ def _escape_symlink(path: str) -> None:
 ESCAPES = {  # how a file outside the directory is reached: what the error must say
     "relative": (_escape_relative, "refers to the file '../outside.bin', which is not a plain file name"),
     "absolute": (_escape_absolute, "outside.bin', which is not a plain file name"),
-    "symlink": (_escape_symlink, "outside.bin, outside the checkpoint directory"),
+    "symlink": (_escape_symlink, "outside.bin, outside "),
 }
 
 
@@ -612,6 +612,31 @@ def test_hugging_face_export_and_import(pool2, pool4, tmp_path, src, dst):
     assert sorted(exported) == sorted(n for n in saved if n != "lm_head.weight")  # tied: saved once
     assert all(torch.equal(exported[n], saved[n]) for n in exported)
     assert pools[WORLD[LAYOUTS[dst][0]]].run(_case_import, dst, directory, "hf") == [[]] * WORLD[LAYOUTS[dst][0]]
+
+
+def _case_import_escaping(directory: str) -> str:
+    """A Hugging Face index naming a file outside its directory (the bytes intact)."""
+    run = _Run("tp2", seed=0)
+    vescale.checkpoint.export_hf(directory, run.model, max_shard_size="40KB")
+    if dist.get_rank() == 0:
+        file = os.path.join(directory, "model.safetensors.index.json")
+        index = json.load(open(file))
+        first = sorted(set(index["weight_map"].values()))[0]
+        escaping = f"../{os.path.basename(directory)}-{first}"
+        os.rename(os.path.join(directory, first), os.path.join(directory, escaping))
+        index["weight_map"] = {k: escaping if v == first else v for k, v in index["weight_map"].items()}
+        json.dump(index, open(file, "w"))
+    dist.barrier()
+    try:
+        vescale.checkpoint.import_hf(directory, _Run("tp2", seed=1).model)
+    except CorruptCheckpoint as e:
+        return str(e)
+    return "no error"
+
+
+def test_hugging_face_index_cannot_reach_outside_its_directory(pool2, tmp_path):
+    answers = pool2.run(_case_import_escaping, str(tmp_path / "hf"))
+    assert all("which is not a plain file name" in a for a in answers), answers
 
 
 def test_single_device_state_dict_loads_into_a_sharded_model(pool4, tmp_path):

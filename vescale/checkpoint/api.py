@@ -89,12 +89,7 @@ def save(path: str, state: dict, *, async_save: bool = False) -> None:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     layout = build(state)
     layout.objects[_RNG_KEY] = torch.get_rng_state()
-    values, error = None, None
-    try:
-        values = encode(layout.objects)
-    except TypeError as e:
-        error = e
-    _agree(group, error, "nothing was saved")
+    values = _encode_agreed(group, layout.objects)
     holdings = [(item.key, piece.box.to_json(), piece.tensor.numel() * piece.tensor.element_size())
                 for item in layout.items.values() for piece in item.pieces]
     everyone: list = [None] * world
@@ -104,7 +99,7 @@ def save(path: str, state: dict, *, async_save: bool = False) -> None:
               if (item.key, piece.box) in mine]
     tmp = [f"{path}.tmp-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
     dist.broadcast_object_list(tmp, src=dist.get_global_rank(group, 0), group=group)
-    meta = {k: dict(shape=list(i.shape), dtype=str(i.dtype).removeprefix("torch."), saved_from=i.source,
+    meta = {k: dict(shape=list(i.shape), dtype=_dtype_name(i.dtype), saved_from=i.source,
                     optional=i.optional) for k, i in layout.items.items()}
     values = values if rank == 0 else None  # rank 0 writes the objects
     if async_save:
@@ -129,6 +124,18 @@ def _checkpoint_group():
     if _group is None:
         _group = dist.new_group(backend="gloo")
     return _group
+
+
+def _encode_agreed(group, objects: dict) -> tuple[dict, list[torch.Tensor]]:
+    """values.encode of the objects on every rank (they may differ by rank), agreed: a
+    value that one rank cannot store stops every rank's save before anything is written."""
+    values, error = None, None
+    try:
+        values = encode(objects)
+    except TypeError as e:
+        error = e
+    _agree(group, error, "nothing was saved")
+    return values
 
 
 def _agree(group, error: Exception | None, outcome: str) -> None:
@@ -201,7 +208,7 @@ def _write_objects(tmp: str, encoded: dict, tensors: list[torch.Tensor]) -> dict
     records = write_file(os.path.join(tmp, OBJECT_TENSORS),
                          [(f"objects tensor {i}", whole(t.shape), t) for i, t in enumerate(tensors)])
     for record, t in zip(records, tensors):
-        record["dtype"] = str(t.dtype).removeprefix("torch.")
+        record["dtype"] = _dtype_name(t.dtype)
     text = json.dumps({"values": encoded, "tensors": records}).encode()
     _write_bytes(os.path.join(tmp, OBJECTS), text)
     return {OBJECT_TENSORS: _entry(records), OBJECTS: {"nbytes": len(text), "crc32": zlib.crc32(text)}}
@@ -350,6 +357,10 @@ def _read_objects(reader: Reader) -> dict:
     except (ValueError, TypeError, KeyError, IndexError) as e:
         raise CorruptCheckpoint(f"{reader.path(OBJECTS)}: malformed ({type(e).__name__}: {e}) although its "
                                 "checksum matches: it was not written by vescale.save; do not load it") from None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _dtype(name: str) -> torch.dtype:

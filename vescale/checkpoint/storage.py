@@ -59,6 +59,20 @@ def write_file(path: str, chunks: list[tuple[str, Box, torch.Tensor]]) -> list[d
     return records
 
 
+def inside(root: str, name, source: str) -> str:
+    """root/name for a file name read from the file ``source`` (a manifest, an index),
+    refused unless it stays inside root: a crafted file must not make a load read files
+    elsewhere (``../../etc/passwd``, an absolute path, a symbolic link out of root)."""
+    if not isinstance(name, str) or not _PLAIN_NAME.fullmatch(name):
+        raise CorruptCheckpoint(f"{source}: refers to the file {name!r}, which is not a plain file name (absolute "
+                                "paths, '..' and separators are refused): it is damaged or crafted; do not load it")
+    path, real_root = os.path.join(root, name), os.path.realpath(root)
+    if os.path.commonpath([os.path.realpath(path), real_root]) != real_root:
+        raise CorruptCheckpoint(f"{path}: a link to {os.path.realpath(path)}, outside {root}; the files of a "
+                                "checkpoint must be inside its directory: do not load it")
+    return path
+
+
 class Reader:
     """Reads parts of saved chunks through a read-only memory map: only the pages a
     rank's boxes touch are read from disk. ``files`` is the manifest's {name: {"nbytes":
@@ -78,19 +92,11 @@ class Reader:
                                         "or incomplete; load an earlier one")
 
     def path(self, name) -> str:
-        """root/name, for a name the manifest lists and that stays inside root: a crafted
-        manifest must not make a load read files elsewhere (``../../etc/passwd``, an
-        absolute path, a symbolic link out of the directory)."""
-        if not isinstance(name, str) or name not in self.files or not _PLAIN_NAME.fullmatch(name):
-            raise CorruptCheckpoint(f"{self.manifest}: refers to the file {name!r}, which is not a plain file name "
-                                    "listed in its 'files' (absolute paths, '..' and separators are refused): this "
-                                    "manifest was not written by vescale.save; do not load it")
-        path = os.path.join(self.root, name)
-        root = os.path.realpath(self.root)
-        if os.path.commonpath([os.path.realpath(path), root]) != root:
-            raise CorruptCheckpoint(f"{path}: a link to {os.path.realpath(path)}, outside the checkpoint directory; "
-                                    "a checkpoint's files must be inside it: do not load this checkpoint")
-        return path
+        """root/name, for a name that the manifest's 'files' lists (see ``inside``)."""
+        if not isinstance(name, str) or name not in self.files:
+            raise CorruptCheckpoint(f"{self.manifest}: refers to the file {name!r}, which its 'files' does not list: "
+                                    "the manifest is damaged or crafted; do not load it")
+        return inside(self.root, name, self.manifest)
 
     def read_whole(self, name: str) -> bytes:
         """The bytes of a small file, checked against the CRC32 of the whole file."""

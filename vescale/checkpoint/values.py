@@ -4,7 +4,8 @@ code the file names, so a checkpoint from elsewhere could take over the machine.
 
 Values become JSON. Tuples, dicts with keys other than strings, and tensors become
 tagged objects ``{"__vescale__": kind, ...}``, a tensor referring by index to a list
-of tensors stored next to the JSON, so that everything comes back with its type.
+of tensors stored next to the JSON, so that everything comes back with its type
+(tensors on the CPU).
 Anything else is refused when saving, naming where it is.
 """
 
