@@ -1,8 +1,12 @@
 """vescale.save / vescale.load: a checkpoint saved on one mesh, world size and ZeRO stage
 loads into another with every parameter bitwise equal to the saved global tensor, and
 training resumed from it gives the losses of an uninterrupted single-device run on
-the same global batches (fp32, rtol 1e-5). Also: async save, crash mid-save,
-corrupted and truncated files, and a manifest that does not fit the target."""
+the same global batches (fp32, rtol 1e-5). Also: async save, crash mid-save, the
+temporary directories of crashed saves, a manifest that does not fit the target, and
+checkpoints that cannot be trusted: damaged or truncated files (every rank raises the
+same error and none changes anything), pickles planted in them (never run), and file
+names that lead outside the checkpoint; non-tensor state round-trips exactly without
+pickle."""
 
 from __future__ import annotations
 

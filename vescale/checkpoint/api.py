@@ -138,6 +138,10 @@ def _encode_agreed(group, objects: dict) -> tuple[dict, list[torch.Tensor]]:
     return values
 
 
+# the errors that every rank raises as they are; any other becomes a RuntimeError naming it
+_SHARED_ERRORS = {c.__name__: c for c in (CorruptCheckpoint, ValueError, TypeError, FileNotFoundError)}
+
+
 def _agree(group, error: Exception | None, outcome: str) -> None:
     """One collective in which the ranks tell each other what went wrong: then all go on,
     or all raise the same error, naming the first rank that found one (a rank going on
@@ -152,9 +156,6 @@ def _agree(group, error: Exception | None, outcome: str) -> None:
     cls = _SHARED_ERRORS.get(kind)
     raise (cls or RuntimeError)(f"{message if cls else f'{kind}: {message}'} "
                                 f"[found by rank {failed[0]}{also}; {outcome}]") from error
-
-
-_SHARED_ERRORS = {c.__name__: c for c in (CorruptCheckpoint, ValueError, TypeError, FileNotFoundError)}
 
 
 def _assign_writers(everyone: list) -> list[set]:
@@ -330,7 +331,7 @@ def _read_manifest(root: str) -> dict:
                                 "earlier checkpoint") from None
     if not isinstance(manifest, dict):
         raise CorruptCheckpoint(f"{path}: not a vescale manifest (a JSON {type(manifest).__name__})")
-    if manifest.get("format") == _PICKLED_FORMAT:
+    if manifest.get("format") == _PICKLED_FORMAT:  # before the checksum, which that format lacks
         raise ValueError(f"{root} is a {_PICKLED_FORMAT} checkpoint, an older format whose objects.pt is a pickle, "
                          "which can run arbitrary code when loaded: this vescale refuses it. If you trust where it "
                          "came from, load it with the vescale version that wrote it and save it again")
@@ -392,8 +393,10 @@ def _check(layout: Layout, saved: dict, objects: dict, strict: bool, root: str) 
                 problems.append(f"'{key}': shape {list(item.shape)} here, {list(shape)} in the checkpoint")
             elif dtype != item.dtype and not item.optional:
                 problems.append(f"'{key}': dtype {item.dtype} here, {dtype} in the checkpoint")
-    problems += [p for key, validate in layout.validate.items() if key in objects
-                 for p in [validate(objects[key])] if p]
+    for key, validate in layout.validate.items():
+        problem = validate(objects[key]) if key in objects else None
+        if problem:
+            problems.append(problem)
     if problems:
         raise ValueError(f"cannot load {root}: " + "; ".join(problems)
                          + (" (strict=False ignores keys present on one side only)" if strict else ""))
