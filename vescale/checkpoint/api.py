@@ -5,16 +5,20 @@
 
 Saving: every rank lists the boxes it holds; boxes held by several ranks (replicated
 data) are written once, by the holder that has written least so far, so the writing
-spreads over the ranks. Each rank writes one data file into a temporary directory,
-rank 0 writes ``manifest.json`` (per tensor: global shape, dtype, saved boxes with file
-offsets and CRC32s, and the placements it was saved from) and ``objects.pt`` (scheduler
-state, hyperparameters, RNG state), and the directory is renamed into place only when
-everything is on disk: a crash mid-save leaves the previous checkpoint as it was.
+spreads over the ranks. Each rank writes one data file into a temporary directory;
+rank 0 writes the non-tensor state (scheduler state, hyperparameters, RNG state, the
+user's Python values) as ``objects.json`` with its tensors in ``objects.bin`` (never a
+pickle: see values.py), and ``manifest.json`` (per tensor: global shape, dtype, saved
+boxes with file offsets and CRC32s, and the placements it was saved from; every file's
+size; the CRC32 of objects.json; a CRC32 of the manifest itself). The directory is
+renamed into place only when everything is on disk: a crash mid-save leaves the
+previous checkpoint as it was, and the next save removes the crashed one's directory.
 
-Loading: every rank reads the manifest, checks it against its own state (missing or
-unexpected keys, shapes, dtypes: all differences in one error, before anything is
-changed), then reads, through a memory map, only the byte ranges of saved boxes that
-overlap the boxes it holds now, verifying their checksums.
+Loading is all or nothing: every rank reads the manifest, checks it against its own
+state (missing or unexpected keys, shapes, dtypes), and verifies the checksum of every
+block it will read, through a memory map of only the byte ranges of saved boxes that
+overlap the boxes it holds now; then the ranks agree in one collective, and either all
+load or all raise the same error, naming the rank that found it.
 """
 
 from __future__ import annotations
@@ -22,19 +26,24 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import shutil
 import threading
 import uuid
+import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..boxes import Box
+from ..boxes import Box, whole
 from .layout import Layout, build
-from .storage import Reader, write_file
+from .storage import CorruptCheckpoint, Reader, write_file
+from .values import decode, encode
 
-MANIFEST, OBJECTS = "manifest.json", "objects.pt"
-FORMAT = "vescale-checkpoint/1"
+MANIFEST, OBJECTS, OBJECT_TENSORS = "manifest.json", "objects.json", "objects.bin"
+FORMAT = "vescale-checkpoint/2"
+_PICKLED_FORMAT = "vescale-checkpoint/1"  # objects.pt, a pickle: refused
 _RNG_KEY = "__rng_state__"
 
 __all__ = ["save", "load", "wait"]
@@ -72,12 +81,15 @@ def save(path: str, state: dict, *, async_save: bool = False) -> None:
     """Saves ``state`` (modules, optimizers, schedulers, tensors, Python values) to the
     directory ``path``. Every rank of the default process group must call it. With
     ``async_save`` the local data is snapshotted to host memory and written by a
-    background thread; training goes on, and the next save waits for this one."""
-    _pending.wait()
+    background thread; training goes on, and the next save waits for this one.
+    Raises TypeError, on every rank and before writing anything, for a value that a
+    checkpoint cannot store without pickle (see vescale.checkpoint.values.SUPPORTED)."""
+    _pending.wait()  # also what keeps the stale-directory sweep (_remove_stale) off a save in progress
     group = _checkpoint_group()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     layout = build(state)
     layout.objects[_RNG_KEY] = torch.get_rng_state()
+    values = _encode_agreed(group, layout.objects)
     holdings = [(item.key, piece.box.to_json(), piece.tensor.numel() * piece.tensor.element_size())
                 for item in layout.items.values() for piece in item.pieces]
     everyone: list = [None] * world
@@ -87,23 +99,24 @@ def save(path: str, state: dict, *, async_save: bool = False) -> None:
               if (item.key, piece.box) in mine]
     tmp = [f"{path}.tmp-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
     dist.broadcast_object_list(tmp, src=dist.get_global_rank(group, 0), group=group)
-    meta = {k: dict(shape=list(i.shape), dtype=str(i.dtype).removeprefix("torch."), saved_from=i.source,
+    meta = {k: dict(shape=list(i.shape), dtype=_dtype_name(i.dtype), saved_from=i.source,
                     optional=i.optional) for k, i in layout.items.items()}
+    values = values if rank == 0 else None  # rank 0 writes the objects
     if async_save:
         chunks = [(k, b, t.detach().clone()) for k, b, t in chunks]  # the snapshot training may then change
-        objects = _snapshot(layout.objects) if rank == 0 else None
+        if values is not None:
+            values = (values[0], [t.clone() for t in values[1]])
 
         def background():
             try:
-                _write(path, tmp[0], chunks, meta, objects, layout.aliases, group, rank, world)
+                _write(path, tmp[0], chunks, meta, values, layout.aliases, group, rank, world)
             except BaseException as e:  # noqa: BLE001  (reported by the next wait)
                 _pending.error = e
 
         _pending.thread = threading.Thread(target=background, name="vescale-async-save", daemon=True)
         _pending.thread.start()
     else:
-        _write(path, tmp[0], chunks, meta, layout.objects if rank == 0 else None, layout.aliases, group, rank,
-               world)
+        _write(path, tmp[0], chunks, meta, values, layout.aliases, group, rank, world)
 
 
 def _checkpoint_group():
@@ -113,8 +126,36 @@ def _checkpoint_group():
     return _group
 
 
-def _snapshot(objects: dict) -> dict:
-    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in objects.items()}
+def _encode_agreed(group, objects: dict) -> tuple[dict, list[torch.Tensor]]:
+    """values.encode of the objects on every rank (they may differ by rank), agreed: a
+    value that one rank cannot store stops every rank's save before anything is written."""
+    values, error = None, None
+    try:
+        values = encode(objects)
+    except TypeError as e:
+        error = e
+    _agree(group, error, "nothing was saved")
+    return values
+
+
+# the errors that every rank raises as they are; any other becomes a RuntimeError naming it
+_SHARED_ERRORS = {c.__name__: c for c in (CorruptCheckpoint, ValueError, TypeError, FileNotFoundError)}
+
+
+def _agree(group, error: Exception | None, outcome: str) -> None:
+    """One collective in which the ranks tell each other what went wrong: then all go on,
+    or all raise the same error, naming the first rank that found one (a rank going on
+    alone would change its state while the others do not, or wait for them forever)."""
+    reports: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, None if error is None else (type(error).__name__, str(error)), group=group)
+    failed = [r for r, report in enumerate(reports) if report is not None]
+    if not failed:
+        return
+    kind, message = reports[failed[0]]
+    also = f"; ranks {', '.join(map(str, failed[1:]))} failed too" if len(failed) > 1 else ""
+    cls = _SHARED_ERRORS.get(kind)
+    raise (cls or RuntimeError)(f"{message if cls else f'{kind}: {message}'} "
+                                f"[found by rank {failed[0]}{also}; {outcome}]") from error
 
 
 def _assign_writers(everyone: list) -> list[set]:
@@ -136,8 +177,9 @@ def _assign_writers(everyone: list) -> list[set]:
     return mine
 
 
-def _write(path, tmp, chunks, meta, objects, aliases, group, rank, world) -> None:
+def _write(path, tmp, chunks, meta, values, aliases, group, rank, world) -> None:
     if rank == 0:
+        _remove_stale(path)
         os.makedirs(tmp, exist_ok=False)
     dist.barrier(group=group)
     records = write_file(os.path.join(tmp, f"data_{rank:05d}.bin"), chunks)
@@ -148,17 +190,40 @@ def _write(path, tmp, chunks, meta, objects, aliases, group, rank, world) -> Non
         for recs in gathered:
             for r in recs:
                 tensors[r["key"]]["chunks"].append({k: v for k, v in r.items() if k != "key"})
-        torch.save(objects, os.path.join(tmp, OBJECTS))
-        manifest = dict(format=FORMAT, world_size=world, tensors=tensors, aliases=aliases,
-                        files={f"data_{r:05d}.bin": sum(x["nbytes"] for x in recs) for r, recs in enumerate(gathered)})
-        _write_json(os.path.join(tmp, MANIFEST), manifest)
+        files = {f"data_{r:05d}.bin": _entry(recs) for r, recs in enumerate(gathered)}
+        files.update(_write_objects(tmp, *values))
+        manifest = dict(format=FORMAT, world_size=world, tensors=tensors, aliases=aliases, files=files)
+        _write_bytes(os.path.join(tmp, MANIFEST), json.dumps(dict(manifest, crc32=_crc_of(manifest))).encode())
         _replace(tmp, path)
     dist.barrier(group=group)
 
 
-def _write_json(path: str, value: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(value, f)
+def _entry(records: list[dict]) -> dict:
+    """A data file's entry in the manifest's ``files``: its chunks' checksums cover it."""
+    return {"nbytes": sum(r["nbytes"] for r in records)}
+
+
+def _write_objects(tmp: str, encoded: dict, tensors: list[torch.Tensor]) -> dict:
+    """objects.bin (the values' tensors, checksummed like data files) and objects.json
+    (the values and those tensors' records); returns their entries for ``files``."""
+    records = write_file(os.path.join(tmp, OBJECT_TENSORS),
+                         [(f"objects tensor {i}", whole(t.shape), t) for i, t in enumerate(tensors)])
+    for record, t in zip(records, tensors):
+        record["dtype"] = _dtype_name(t.dtype)
+    text = json.dumps({"values": encoded, "tensors": records}).encode()
+    _write_bytes(os.path.join(tmp, OBJECTS), text)
+    return {OBJECT_TENSORS: _entry(records), OBJECTS: {"nbytes": len(text), "crc32": zlib.crc32(text)}}
+
+
+def _crc_of(manifest: dict) -> int:
+    """The manifest's own checksum, of its content (keys sorted): a flipped digit in a
+    shape, offset or size still parses, and would go unnoticed without it."""
+    return zlib.crc32(json.dumps(manifest, sort_keys=True).encode())
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
@@ -174,39 +239,77 @@ def _replace(tmp: str, path: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _remove_stale(path: str) -> None:
+    """Removes the temporary directories (``path.tmp-<8 hex digits>``) that crashed saves
+    to ``path`` left behind, and only those. None belongs to a save in progress: save
+    waits for the previous (async) save of this process before it gets here, and
+    concurrent saves to one path from several jobs are not supported anyway."""
+    parent, base = os.path.split(os.path.abspath(path))
+    stale = re.compile(re.escape(base) + r"\.tmp-[0-9a-f]{8}")
+    for name in os.listdir(parent) if os.path.isdir(parent) else []:
+        if stale.fullmatch(name):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
 # ---- load ------------------------------------------------------------------------------------
+
+@dataclass
+class _Load:
+    """Everything a load will do, verified on this rank but not done yet."""
+    layout: Layout
+    saved: dict      # the manifest's tensors, aliases included
+    reader: Reader
+    objects: dict    # decoded
+    copies: list     # _plan_reads
+
 
 def load(path: str, state: dict, *, strict: bool = True, rng: bool = True) -> None:
     """Loads a checkpoint written by vescale.save into ``state`` in place, whatever mesh,
-    placements, world size or ZeRO stage it was saved from. Raises ValueError, before
-    changing anything, when keys, shapes or dtypes do not match (``strict=False``
-    ignores keys only one side has)."""
+    placements, world size or ZeRO stage it was saved from. Every rank verifies all it
+    will read and checks the checkpoint against its state first; if any rank finds a
+    problem, every rank raises the same error and none changes anything: ValueError when
+    keys, shapes or dtypes do not match (``strict=False`` ignores keys only one side
+    has), CorruptCheckpoint for a damaged, truncated or foreign file."""
     _pending.wait()
+    plan, error = None, None
+    try:
+        plan = _prepare(path, state, strict)
+    except Exception as e:  # noqa: BLE001  (shared with the other ranks, then raised on all)
+        error = e
+    _agree(_checkpoint_group(), error, "no rank loaded anything")
+    _commit(plan, state, rng)
+
+
+def _prepare(path: str, state: dict, strict: bool) -> _Load:
     root = _resolve(path)
-    with open(os.path.join(root, MANIFEST)) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{root} is not a vescale checkpoint (format {manifest.get('format')!r})")
+    manifest = _read_manifest(root)
+    reader = Reader(root, manifest["files"], os.path.join(root, MANIFEST))
     saved = manifest["tensors"]
     for alias, first in manifest.get("aliases", {}).items():
         saved.setdefault(alias, saved[first])
     layout = build(state, {k: (tuple(v["shape"]), _dtype(v["dtype"])) for k, v in saved.items()})
-    objects = torch.load(os.path.join(root, OBJECTS), weights_only=False)
+    objects = _read_objects(reader)
     _check(layout, saved, objects, strict, root)
-    reader = Reader(root, manifest["files"])
-    _bind_deferred(layout, saved, reader)
     copies = _plan_reads(layout, saved)
-    for key, chunk, dtype, overlap, _ in copies:  # every checksum first: a corrupt file changes nothing
+    for key, chunk, dtype, overlap, _ in copies:
         reader.verify(key, chunk, dtype, overlap)
+    return _Load(layout, saved, reader, objects, copies)
+
+
+def _commit(plan: _Load, state: dict, rng: bool) -> None:
+    for install in plan.layout.installs:
+        install()
     with torch.no_grad():
-        for key, chunk, dtype, overlap, dest in copies:
-            dest.copy_(reader.view(chunk, dtype, overlap))
-        _masters_from_parameters(state, layout, saved)
-    for key, restore in layout.restore.items():
-        if key in objects:
-            restore(objects[key])
-    if rng and _RNG_KEY in objects:
-        torch.set_rng_state(objects[_RNG_KEY])
+        for _, chunk, dtype, overlap, dest in plan.copies:
+            if not dest.is_meta:  # deferred tensors are bound, not read (_bind_deferred)
+                dest.copy_(plan.reader.view(chunk, dtype, overlap))
+        _masters_from_parameters(state, plan.layout, plan.saved)
+    _bind_deferred(plan.layout, plan.saved, plan.reader)
+    for key, restore in plan.layout.restore.items():
+        if key in plan.objects:
+            restore(plan.objects[key])
+    if rng and _RNG_KEY in plan.objects:
+        torch.set_rng_state(plan.objects[_RNG_KEY])
 
 
 def _resolve(path: str) -> str:
@@ -217,8 +320,55 @@ def _resolve(path: str) -> str:
     raise FileNotFoundError(f"no vescale checkpoint at {path} (no {MANIFEST})")
 
 
+def _read_manifest(root: str) -> dict:
+    path = os.path.join(root, MANIFEST)
+    with open(path, "rb") as f:
+        text = f.read()
+    try:
+        manifest = json.loads(text)
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise CorruptCheckpoint(f"{path}: not valid JSON ({e}): the manifest is damaged or truncated; load an "
+                                "earlier checkpoint") from None
+    if not isinstance(manifest, dict):
+        raise CorruptCheckpoint(f"{path}: not a vescale manifest (a JSON {type(manifest).__name__})")
+    if manifest.get("format") == _PICKLED_FORMAT:  # before the checksum, which that format lacks
+        raise ValueError(f"{root} is a {_PICKLED_FORMAT} checkpoint, an older format whose objects.pt is a pickle, "
+                         "which can run arbitrary code when loaded: this vescale refuses it. If you trust where it "
+                         "came from, load it with the vescale version that wrote it and save it again")
+    if manifest.pop("crc32", None) != _crc_of(manifest):
+        raise CorruptCheckpoint(f"{path}: checksum mismatch: the manifest is corrupted (or was edited); load an "
+                                "earlier checkpoint")
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{root}: checkpoint format {manifest.get('format')!r}; this vescale reads {FORMAT}")
+    return manifest
+
+
+def _read_objects(reader: Reader) -> dict:
+    """The non-tensor state: objects.json (checked against its CRC32 before it is
+    parsed) with its tensors from objects.bin (each verified)."""
+    text = reader.read_whole(OBJECTS)
+    try:
+        doc = json.loads(text)
+        tensors = []
+        for i, record in enumerate(doc["tensors"]):
+            dtype, box = _dtype(record["dtype"]), Box.from_json(record["box"])
+            reader.verify(f"objects tensor {i}", record, dtype, box)
+            tensors.append(reader.view(record, dtype, box).clone())
+        return decode(doc["values"], tensors)
+    except (ValueError, TypeError, KeyError, IndexError) as e:
+        raise CorruptCheckpoint(f"{reader.path(OBJECTS)}: malformed ({type(e).__name__}: {e}) although its "
+                                "checksum matches: it was not written by vescale.save; do not load it") from None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
 
 
 def _check(layout: Layout, saved: dict, objects: dict, strict: bool, root: str) -> None:
@@ -243,6 +393,10 @@ def _check(layout: Layout, saved: dict, objects: dict, strict: bool, root: str) 
                 problems.append(f"'{key}': shape {list(item.shape)} here, {list(shape)} in the checkpoint")
             elif dtype != item.dtype and not item.optional:
                 problems.append(f"'{key}': dtype {item.dtype} here, {dtype} in the checkpoint")
+    for key, validate in layout.validate.items():
+        problem = validate(objects[key]) if key in objects else None
+        if problem:
+            problems.append(problem)
     if problems:
         raise ValueError(f"cannot load {root}: " + "; ".join(problems)
                          + (" (strict=False ignores keys present on one side only)" if strict else ""))
@@ -254,12 +408,15 @@ def _some(keys: list[str], n: int = 8) -> str:
 
 def _plan_reads(layout: Layout, saved: dict) -> list[tuple]:
     """(key, saved chunk, dtype, overlap box, destination view) for every overlap of a
-    box this rank holds with a saved box."""
+    box this rank holds with a saved box. Those of deferred tensors are verified with
+    the rest (for the box they have now) but read only when they are materialised."""
+    from ..deferred import is_deferred
+
     reads = []
     for key, item in layout.items.items():
         if key in saved and key not in layout.aliases:
             for piece in item.pieces:
-                if not piece.tensor.is_meta:  # deferred tensors are bound, not read (_bind_deferred)
+                if not piece.tensor.is_meta or is_deferred(piece.tensor):
                     reads += _reads_for(key, saved[key], piece.box, piece.tensor)
     return reads
 

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from ..boxes import Box
 from .layout import build
+from .storage import inside
 
 INDEX = "model.safetensors.index.json"
 
@@ -129,7 +130,7 @@ def import_hf(directory: str, model: nn.Module, *, optimizer=None, strict: bool 
 
     def open_file(name):
         if name not in handles:
-            handles[name] = safe_open(os.path.join(directory, name), framework="pt")
+            handles[name] = safe_open(inside(directory, name, index), framework="pt")
         return handles[name]
 
     def shape_of(name):

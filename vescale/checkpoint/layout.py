@@ -45,6 +45,11 @@ class Layout:
     aliases: dict[str, str] = field(default_factory=dict)  # tied parameters: second name -> first
     # to restore objects on load: key -> callable(value)
     restore: dict[str, object] = field(default_factory=dict)
+    # to check an object before a load changes anything: key -> callable(value) -> problem or None
+    validate: dict[str, object] = field(default_factory=dict)
+    # optimizer state made for a load (the optimizer has not stepped yet), put in place only
+    # once every rank has verified the checkpoint: callables
+    installs: list = field(default_factory=list)
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -78,9 +83,10 @@ def flat_pieces(shard_box: Box, flat: torch.Tensor, start: int) -> list[Piece]:
 
 
 def build(state: dict, saved: dict | None = None) -> Layout:
-    """The layout of ``state``. For a load, ``saved`` is the checkpoint's {key: (shape,
-    dtype)}: optimizer state it has but the optimizer has not created yet (no step taken)
-    is created first, so that it can be filled."""
+    """The layout of ``state``; it changes nothing in ``state``. For a load, ``saved`` is
+    the checkpoint's {key: (shape, dtype)}: optimizer state it has but the optimizer has
+    not created yet (no step taken) is made, to be filled, and put in place by
+    ``Layout.installs``."""
     layout = Layout()
     fqn_of: dict[int, str] = {}
     zero3: dict[int, tuple] = {}  # param id -> (slice tensor, start): ZeRO-3 parameters live as slices
@@ -151,14 +157,20 @@ def _groups(groups: list[dict], key_of) -> list[dict]:
             for g in groups]
 
 
-def _restore_groups(opt: torch.optim.Optimizer, key: str):
-    def restore(saved: list[dict]) -> None:
+def _param_groups(layout: Layout, key: str, opt: torch.optim.Optimizer, key_of) -> None:
+    def validate(saved) -> str | None:
         if len(saved) != len(opt.param_groups):
-            raise ValueError(f"'{key}': the checkpoint has {len(saved)} parameter groups, the optimizer "
-                             f"{len(opt.param_groups)}")
+            return f"'{key}': the checkpoint has {len(saved)} parameter groups, the optimizer {len(opt.param_groups)}"
+        return None
+
+    def restore(saved: list[dict]) -> None:
         for group, values in zip(opt.param_groups, saved):
             group.update({k: v for k, v in values.items() if k != "params"})
-    return restore
+
+    name = f"{key}.param_groups"
+    layout.objects[name] = _groups(opt.param_groups, key_of)
+    layout.validate[name] = validate
+    layout.restore[name] = restore
 
 
 def _state_tensor(shape, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
@@ -168,28 +180,32 @@ def _state_tensor(shape, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor
     return torch.zeros_like(like, dtype=dtype)
 
 
-def _create_missing(opt_state: dict, target, param_key: str, opt_key: str, saved: dict | None, like) -> None:
+def _state_of(layout: Layout, opt_state: dict, target, param_key: str, opt_key: str, saved: dict | None,
+              like) -> dict:
+    """The optimizer state of ``target``: its own, or for a load, state the checkpoint
+    has and the optimizer has not made yet, installed only when the load goes ahead."""
     if saved is None or opt_state.get(target):
-        return
+        return opt_state.get(target, {})
     prefix = f"{opt_key}.state.{param_key}."
     names = [k[len(prefix):] for k in saved if k.startswith(prefix) and "." not in k[len(prefix):]]
-    if names:
-        opt_state[target] = {n: _state_tensor(*saved[prefix + n], like) for n in names}
+    made = {n: _state_tensor(*saved[prefix + n], like) for n in names}
+    if made:
+        layout.installs.append(lambda: opt_state.__setitem__(target, made))
+    return made
 
 
 def _optimizer(layout: Layout, key: str, opt: torch.optim.Optimizer, fqn_of: dict, saved: dict | None) -> None:
     for group in opt.param_groups:
         for p in group["params"]:
             pk = _param_key(p, fqn_of, key)
-            _create_missing(opt.state, p, pk, key, saved, p.detach())
-            for name, v in opt.state.get(p, {}).items():
+            state = _state_of(layout, opt.state, p, pk, key, saved, p.detach())
+            for name, v in state.items():
                 if isinstance(v, torch.Tensor):
                     _tensor(layout, f"{key}.state.{pk}.{name}", v)
                 else:
                     layout.objects[f"{key}.state.{pk}.{name}"] = v
-                    layout.restore[f"{key}.state.{pk}.{name}"] = lambda x, s=opt.state[p], n=name: s.__setitem__(n, x)
-    layout.objects[f"{key}.param_groups"] = _groups(opt.param_groups, lambda p: _param_key(p, fqn_of, key))
-    layout.restore[f"{key}.param_groups"] = _restore_groups(opt, key)
+                    layout.restore[f"{key}.state.{pk}.{name}"] = lambda x, s=state, n=name: s.__setitem__(n, x)
+    _param_groups(layout, key, opt, lambda p: _param_key(p, fqn_of, key))
 
 
 def _zero_optimizer(layout: Layout, key: str, opt: DistributedOptimizer, fqn_of: dict, saved: dict | None) -> None:
@@ -202,8 +218,8 @@ def _zero_optimizer(layout: Layout, key: str, opt: DistributedOptimizer, fqn_of:
         layout.items[f"{key}.master.{pk}"] = Item(f"{key}.master.{pk}", shape, o.master.dtype,
                                                   flat_pieces(shard_box, o.master.detach(), o.start), src,
                                                   optional=True)
-        _create_missing(opt.inner.state, o.master, pk, key, saved, o.master.detach())
-        for name, v in opt.inner.state.get(o.master, {}).items():
+        state = _state_of(layout, opt.inner.state, o.master, pk, key, saved, o.master.detach())
+        for name, v in state.items():
             k = f"{key}.state.{pk}.{name}"
             if isinstance(v, torch.Tensor) and v.dim() == 0:
                 layout.items[k] = Item(k, (), v.dtype, [Piece(Box((), ()), v)], "plain")
@@ -211,9 +227,8 @@ def _zero_optimizer(layout: Layout, key: str, opt: DistributedOptimizer, fqn_of:
                 layout.items[k] = Item(k, shape, v.dtype, flat_pieces(shard_box, v, o.start), src)
             else:
                 layout.objects[k] = v
-                layout.restore[k] = lambda x, s=opt.inner.state[o.master], n=name: s.__setitem__(n, x)
-    layout.objects[f"{key}.param_groups"] = _groups(opt.inner.param_groups, lambda m: key_of_master[id(m)])
-    layout.restore[f"{key}.param_groups"] = _restore_groups(opt.inner, key)
+                layout.restore[k] = lambda x, s=state, n=name: s.__setitem__(n, x)
+    _param_groups(layout, key, opt.inner, lambda m: key_of_master[id(m)])
     if opt.scaler is not None:
         layout.objects[f"{key}.loss_scale"] = opt.scaler.state_dict()
         layout.restore[f"{key}.loss_scale"] = opt.scaler.load_state_dict

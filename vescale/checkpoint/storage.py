@@ -1,10 +1,15 @@
 """The bytes of a checkpoint: one data file per writing rank, chunks back to back, each
 chunk one saved box in row-major order, with a CRC32 per 4 MiB block so that a reader
-of part of a chunk verifies only the blocks it touches."""
+of part of a chunk verifies only the blocks it touches; small files (the objects'
+JSON) with one CRC32 of the whole file.
+
+Reading trusts nothing it is given: file names must be plain names inside the
+checkpoint directory, every record must fit its file, and nothing is ever unpickled."""
 
 from __future__ import annotations
 
 import os
+import re
 import threading
 import warnings
 import zlib
@@ -15,10 +20,11 @@ import torch
 from ..boxes import Box
 
 BLOCK = 4 << 20  # bytes per checksum
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # no separators, no "..", not absolute
 
 
 class CorruptCheckpoint(RuntimeError):
-    """A data file is truncated or its bytes do not match the manifest's checksums."""
+    """A checkpoint file is missing, truncated, damaged, or not what vescale.save writes."""
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -53,25 +59,57 @@ def write_file(path: str, chunks: list[tuple[str, Box, torch.Tensor]]) -> list[d
     return records
 
 
+def inside(root: str, name, source: str) -> str:
+    """root/name for a file name read from the file ``source`` (a manifest, an index),
+    refused unless it stays inside root: a crafted file must not make a load read files
+    elsewhere (``../../etc/passwd``, an absolute path, a symbolic link out of root)."""
+    if not isinstance(name, str) or not _PLAIN_NAME.fullmatch(name):
+        raise CorruptCheckpoint(f"{source}: refers to the file {name!r}, which is not a plain file name (absolute "
+                                "paths, '..' and separators are refused): it is damaged or crafted; do not load it")
+    path, real_root = os.path.join(root, name), os.path.realpath(root)
+    if os.path.commonpath([os.path.realpath(path), real_root]) != real_root:
+        raise CorruptCheckpoint(f"{path}: a link to {os.path.realpath(path)}, outside {root}; the files of a "
+                                "checkpoint must be inside its directory: do not load it")
+    return path
+
+
 class Reader:
     """Reads parts of saved chunks through a read-only memory map: only the pages a
-    rank's boxes touch are read from disk."""
+    rank's boxes touch are read from disk. ``files`` is the manifest's {name: {"nbytes":
+    size, "crc32": checksum of the whole file (small files only)}}: every name is checked
+    to stay inside ``root`` and every size is checked on construction."""
 
-    def __init__(self, root: str, file_sizes: dict[str, int]):
-        self.root = root
+    def __init__(self, root: str, files: dict[str, dict], manifest: str):
+        self.root, self.files, self.manifest = root, files, manifest
         self._maps: dict[str, np.memmap] = {}
         self._verified: set[tuple[str, int]] = set()
-        for name, size in file_sizes.items():
-            path = os.path.join(root, name)
+        for name, entry in files.items():
+            path = self.path(name)
             actual = os.path.getsize(path) if os.path.exists(path) else None
-            if actual != size:
-                raise CorruptCheckpoint(f"{path}: expected {size} bytes, found "
+            if actual != entry["nbytes"]:
+                raise CorruptCheckpoint(f"{path}: expected {entry['nbytes']} bytes, found "
                                         f"{'no file' if actual is None else actual}: the checkpoint is truncated "
                                         "or incomplete; load an earlier one")
 
+    def path(self, name) -> str:
+        """root/name, for a name that the manifest's 'files' lists (see ``inside``)."""
+        if not isinstance(name, str) or name not in self.files:
+            raise CorruptCheckpoint(f"{self.manifest}: refers to the file {name!r}, which its 'files' does not list: "
+                                    "the manifest is damaged or crafted; do not load it")
+        return inside(self.root, name, self.manifest)
+
+    def read_whole(self, name: str) -> bytes:
+        """The bytes of a small file, checked against the CRC32 of the whole file."""
+        with open(self.path(name), "rb") as f:
+            data = f.read()
+        if zlib.crc32(data) != self.files[name].get("crc32"):
+            raise CorruptCheckpoint(f"{self.path(name)}: checksum mismatch: the file is corrupted; nothing was "
+                                    "loaded; load an earlier checkpoint")
+        return data
+
     def _map(self, name: str) -> np.memmap:
         if name not in self._maps:
-            self._maps[name] = np.memmap(os.path.join(self.root, name), dtype=np.uint8, mode="r")
+            self._maps[name] = np.memmap(self.path(name), dtype=np.uint8, mode="r")
         return self._maps[name]
 
     def view(self, chunk: dict, dtype: torch.dtype, want: Box) -> torch.Tensor:
@@ -85,6 +123,7 @@ class Reader:
 
     def verify(self, key: str, chunk: dict, dtype: torch.dtype, want: Box) -> None:
         """Checks the CRC32 of every block of the chunk that the part ``want`` touches."""
+        self._check_record(key, chunk, dtype)
         part = self.view(chunk, dtype, want)
         if part.numel() == 0:
             return
@@ -100,7 +139,19 @@ class Reader:
             lo = chunk["offset"] + b * BLOCK
             hi = min(lo + BLOCK, chunk["offset"] + chunk["nbytes"])
             if zlib.crc32(memoryview(raw[lo:hi])) != chunk["crc32"][b]:
-                raise CorruptCheckpoint(f"{os.path.join(self.root, chunk['file'])}: checksum mismatch in "
-                                        f"'{key}' (bytes {lo} to {hi}): the file is corrupted; nothing was "
-                                        "loaded; load an earlier checkpoint")
+                raise CorruptCheckpoint(f"{self.path(chunk['file'])}: checksum mismatch in block {b} of '{key}' "
+                                        f"(bytes {lo} to {hi} of the file): the file is corrupted; load an earlier "
+                                        "checkpoint")
             self._verified.add(tag)
+
+    def _check_record(self, key: str, chunk: dict, dtype: torch.dtype) -> None:
+        """A chunk's record must fit its file and its box: the manifest's checksum only
+        shows that nothing changed since it was written, not who wrote it."""
+        self.path(chunk["file"])  # a listed, plain name
+        size = self.files[chunk["file"]]["nbytes"]
+        offset, nbytes = chunk["offset"], chunk["nbytes"]
+        if (nbytes != Box.from_json(chunk["box"]).numel() * dtype.itemsize or offset < 0 or offset + nbytes > size
+                or len(chunk["crc32"]) != -(-nbytes // BLOCK)):
+            raise CorruptCheckpoint(f"{self.manifest}: the record of '{key}' (bytes {offset} to {offset + nbytes} of "
+                                    f"{chunk['file']}, {len(chunk['crc32'])} checksums) does not fit the file or the "
+                                    "tensor: this manifest was not written by vescale.save; do not load it")
