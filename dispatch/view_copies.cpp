@@ -15,11 +15,20 @@ namespace {
 
 using Record = DTensorImpl::CopyOf;
 
-// Shard storage -> the copies taken from tensors with that shard storage.
+// The copies taken from tensors sharing one shard storage. The storage is held weakly:
+// an address can be reused by a new storage after the old one is freed, on some ranks
+// and not others, so a key only counts while its storage is the one registered. (The
+// records hold their base, so a dead storage means every copy under it is dead too, on
+// every rank: such an entry can go without asking the others.)
+struct Entry {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  std::vector<std::weak_ptr<const Record>> copies;
+};
+
 struct Registry {
   std::mutex mutex;
-  std::unordered_map<const void*, std::vector<std::weak_ptr<const Record>>> copies;
-  std::atomic<size_t> size{0};  // read without the lock on every write
+  std::unordered_map<const void*, Entry> entries;
+  std::atomic<size_t> size{0};  // entries; read without the lock on every write
 };
 
 Registry& registry() {
@@ -29,6 +38,19 @@ Registry& registry() {
 
 const void* storage_key(const at::Tensor& local) {
   return local.has_storage() ? local.storage().unsafeGetStorageImpl() : nullptr;
+}
+
+// The entry of `local`'s storage, or null; drops an entry left by a freed storage whose
+// address was reused. Call with the lock held.
+Entry* find_entry(Registry& r, const at::Tensor& local) {
+  const void* key = storage_key(local);
+  auto it = r.entries.find(key);
+  if (it == r.entries.end()) return nullptr;
+  auto alive = it->second.storage.lock();
+  if (alive && alive.get() == key) return &it->second;
+  r.entries.erase(it);
+  r.size.fetch_sub(1);
+  return nullptr;
 }
 
 // `from` laid out as `to_spec` (same global shape), copied into `to_local`.
@@ -49,26 +71,28 @@ void check_same_shape(const TensorSpec& base, const TensorSpec& copy) {
 // whose shard is `skip` (it was just pushed back, so it is current).
 void refresh_copies(DTensorImpl& base, const void* skip) {
   auto& r = registry();
-  const void* key = storage_key(base.local());
   std::vector<std::shared_ptr<const Record>> live;
   {
     std::lock_guard<std::mutex> lock(r.mutex);
-    auto it = r.copies.find(key);
-    if (it == r.copies.end()) return;
-    for (auto& weak : it->second) live.push_back(weak.lock());  // null where gone on this rank
+    Entry* entry = find_entry(r, base.local());
+    if (entry == nullptr) return;
+    for (auto& weak : entry->copies) live.push_back(weak.lock());  // null where gone on this rank
   }
-  // Entries are registered in the same order on every rank, so position k names the
+  // Copies are registered in the same order on every rank, so position k names the
   // same copy everywhere. A copy gone on any rank is unreachable: dropped everywhere.
   std::vector<bool> here(live.size());
   for (size_t k = 0; k < live.size(); ++k) here[k] = live[k] != nullptr;
   const auto everywhere = collectives::all_ranks(*base.spec()->mesh, here);
   {
     std::lock_guard<std::mutex> lock(r.mutex);
-    auto& entries = r.copies[key];
-    size_t k = 0;
-    std::erase_if(entries, [&](const auto&) { return k < everywhere.size() && !everywhere[k++]; });
-    r.size.fetch_sub(static_cast<size_t>(std::count(everywhere.begin(), everywhere.end(), false)));
-    if (entries.empty()) r.copies.erase(key);
+    if (Entry* entry = find_entry(r, base.local())) {
+      size_t k = 0;
+      std::erase_if(entry->copies, [&](const auto&) { return k < everywhere.size() && !everywhere[k++]; });
+      if (entry->copies.empty()) {
+        r.entries.erase(storage_key(base.local()));
+        r.size.fetch_sub(1);
+      }
+    }
   }
   const auto& spec = *base.spec();
   for (size_t k = 0; k < live.size(); ++k) {
@@ -83,10 +107,16 @@ void refresh_copies(DTensorImpl& base, const void* skip) {
 void record_view_of_copy(const at::Tensor& view, const at::Tensor& base, at::Tensor copy_local, SpecPtr copy_spec) {
   auto record = std::make_shared<const Record>(Record{base, copy_local, std::move(copy_spec)});
   dtensor_impl(view)->copy_of = record;
+  const auto& local = dtensor_impl(base)->local();
+  if (!local.has_storage()) return;
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  r.copies[storage_key(dtensor_impl(base)->local())].push_back(record);
-  r.size.fetch_add(1);
+  Entry* entry = find_entry(r, local);
+  if (entry == nullptr) {
+    entry = &r.entries.try_emplace(storage_key(local), Entry{local.storage().getWeakStorageImpl(), {}}).first->second;
+    r.size.fetch_add(1);
+  }
+  entry->copies.push_back(record);
 }
 
 void after_write(const at::Tensor& written, const void* skip) {
@@ -104,14 +134,19 @@ void after_write(const at::Tensor& written, const void* skip) {
 
 void moved_shard(const at::Tensor& old_local, const at::Tensor& new_local) {
   auto& r = registry();
-  if (r.size.load(std::memory_order_relaxed) == 0) return;
+  if (r.size.load(std::memory_order_relaxed) == 0 || !new_local.has_storage()) return;
   std::lock_guard<std::mutex> lock(r.mutex);
-  auto it = r.copies.find(storage_key(old_local));
-  if (it == r.copies.end()) return;
-  auto moved = std::move(it->second);
-  r.copies.erase(it);
-  auto& dst = r.copies[storage_key(new_local)];
-  dst.insert(dst.end(), moved.begin(), moved.end());
+  Entry* old_entry = find_entry(r, old_local);
+  if (old_entry == nullptr) return;
+  auto moved = std::move(old_entry->copies);
+  r.entries.erase(storage_key(old_local));
+  r.size.fetch_sub(1);
+  Entry* entry = find_entry(r, new_local);
+  if (entry == nullptr) {
+    entry = &r.entries.try_emplace(storage_key(new_local), Entry{new_local.storage().getWeakStorageImpl(), {}}).first->second;
+    r.size.fetch_add(1);
+  }
+  entry->copies.insert(entry->copies.end(), moved.begin(), moved.end());
 }
 
 }  // namespace vescale
