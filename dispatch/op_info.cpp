@@ -53,10 +53,14 @@ std::unique_ptr<OpInfo> build(const c10::OperatorHandle& op) {
                                 : k == ArgKind::TensorList ? ReturnKind::TensorList
                                                            : ReturnKind::Other);
     int alias_of = -1;
-    if (r.alias_info() && !r.alias_info()->isWrite()) {
+    // A list of views (unbind, split: `Tensor(a)[]`) carries its alias set on the element type.
+    const c10::AliasInfo* view_alias = r.alias_info();
+    if (view_alias && view_alias->beforeSets().empty() && !view_alias->containedTypes().empty())
+      view_alias = &view_alias->containedTypes()[0];
+    if (view_alias && !view_alias->isWrite() && !view_alias->beforeSets().empty()) {
       for (size_t i = 0; i < schema.arguments().size(); ++i) {
         const auto& a = schema.arguments()[i];
-        if (a.alias_info() && a.alias_info()->beforeSets() == r.alias_info()->beforeSets()) info->view_of = static_cast<int>(i);
+        if (a.alias_info() && a.alias_info()->beforeSets() == view_alias->beforeSets()) info->view_of = static_cast<int>(i);
       }
     }
     if (r.alias_info() && r.alias_info()->isWrite()) {

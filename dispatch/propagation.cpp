@@ -48,9 +48,10 @@ SpecPtr source_spec(const at::Tensor& t, const TensorArg& a, const MeshPtr& mesh
 
 at::Tensor meta_like(const at::Tensor& t, const TensorArg& a) {
   if (!a.defined) return at::Tensor();
-  // Plain 0-dim CPU tensors (Python scalars among them) mix with meta tensors as
-  // scalars do, and keep type promotion right.
-  if (!a.is_dtensor && t.dim() == 0 && t.is_cpu()) return t;
+  // Python scalars (wrapped numbers) mix with meta tensors as scalars do, and keep type
+  // promotion right. Other plain 0-dim tensors become meta like the rest: ops such as
+  // stack refuse a CPU tensor among meta ones (autograd's zeros for unused unbind outputs).
+  if (!a.is_dtensor && t.dim() == 0 && t.is_cpu() && t.unsafeGetTensorImpl()->is_wrapped_number()) return t;
   auto options = at::TensorOptions().dtype(a.dtype).device(c10::kMeta);
   if (a.storage_offset == 0) return at::empty_strided(a.shape, a.stride, options);
   // A view: give it room before it in its storage, so views of it compute offsets right.

@@ -82,9 +82,10 @@ void softmax_backward_composed(const c10::OperatorHandle& op, torch::jit::Stack*
 ShardingChoice softmax_rule(const OpCall& call, size_t dim_arg, bool backward, bool composable = true) {
   const int64_t ndim = call.outputs[0].ndim();
   const int64_t dim = at::maybe_wrap_dim(call.int_arg(dim_arg), ndim);
+  // (Over an empty dim there is nothing to compose: the split strategies below apply.)
   for (const auto& in : call.inputs)
     for (const auto& p : in.placements)
-      if (composable && p.is_shard(dim))
+      if (composable && p.is_shard(dim) && call.inputs[0].shape[dim] > 0)
         return ShardingChoice::composition(backward ? softmax_backward_composed : softmax_composed);
   const size_t n = call.inputs.size();
   DimStrategies s = {{Placements(n, R), {R}}};
