@@ -1,0 +1,72 @@
+"""Every finding of the chain fuzzer (tests/fuzz), shrunk, kept as a program that must now
+match plain torch: values after every step, then the inputs' gradients, in float64 on
+4 ranks (1-d mesh of 4 and 2x2). Each was a wrong result, a hang or an exception on a
+program plain torch runs; docs/fuzzing.md tells what each one was."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fuzz import rank as fuzz_rank
+from tests.fuzz.chains import Program
+
+FINDINGS = {
+    # (a) matmul of a 1-d input ends in squeeze_, which left the global shape (1, n)
+    "matmul_1d_input": ["1d4", [[[7], 11, ["R"], True]], [["matmul", [0], {"fresh": True, "n": 5, "seed": 3}]]],
+    # (b) transpose_ kept the old global shape
+    "transpose_inplace_on_shard": ["1d4", [[[4, 1], 5, ["S0"], True]],
+                                   [["clone", [0], {}], ["transpose_", [1], {"d0": 1, "d1": 0}],
+                                    ["sum", [1], {"dim": 1, "keepdim": False}]]],
+    "unsqueeze_inplace": ["2d", [[[3, 1], 416448, ["S0", "R"], True]],
+                          [["add", [0, 0], {}], ["unsqueeze_", [1], {"dim": 2}], ["softmax", [1], {"dim": 0}]]],
+    "squeeze_inplace_sharded_unit_dim": ["1d4", [[[1, 6], 7, ["S0"], True]],
+                                         [["exp", [0], {}], ["squeeze_", [1], {"dim": 0}], ["cumsum", [1], {"dim": 0}]]],
+    # (c) amin/amax of a Partial: backward's `self == result` saw a second reduction
+    # rounded differently (NaN gradients)
+    "amin_of_partial": ["1d4", [[[6, 6, 3], 3, ["P.sum"], True]], [["amin", [0], {"dim": 0, "keepdim": False}]]],
+    "amax_of_partial": ["1d4", [[[6, 6, 3], 3, ["P.sum"], True]], [["amax", [0], {"dim": 0, "keepdim": False}]]],
+    # writes into a view that had to be taken from a copy of a tensor the user laid out
+    "setitem_on_user_shard": ["1d4", [[[5], 459491, ["S0"], False]],
+                              [["setitem", [0], {"dim": 0, "start": 3, "length": 2, "s": 0.0}]]],
+    "masked_fill_on_view_of_user_shard": ["1d4", [[[1, 1], 897632, ["S0"], False]],
+                                          [["view", [0], {"shape": [1, 1, 1]}], ["masked_fill_", [1], {}]]],
+    "setitem_after_alias": ["2d", [[[7], 6392, ["R", "S0"], True]],
+                            [["maximum", [0, 0], {}], ["zero_", [1], {}], ["squeeze", [1], {}],
+                             ["setitem", [2], {"dim": 0, "start": 6, "length": 1, "s": 1.0}]]],
+    # an empty view's meta shadow had a negative storage span
+    "setitem_empty_view": ["1d4", [[[4, 3, 1], 244362, ["S2"], False]],
+                           [["setitem", [0], {"dim": 2, "start": 0, "length": 0, "s": 1.0}]]],
+    "setitem_empty_rows": ["2d", [[[3, 9, 6], 929764, ["S0", "R"], False]],
+                           [["setitem", [0], {"dim": 0, "start": 1, "length": 0, "s": 0.0}]]],
+    # autograd's CopySlices writes into as_strided of a fresh no-grad result
+    "setitem_backward": ["2d", [[[4, 3, 2], 5, ["S1", "P.sum"], True]],
+                         [["min_dim", [0], {"dim": 2, "keepdim": False}], ["pow", [1], {}],
+                          ["setitem", [2], {"dim": 1, "start": 2, "length": 1, "s": 1.0}]]],
+    # lists of views (unbind/split) were not treated as views: a write missed the base
+    "write_into_unbind_of_cast_partial_max": ["2d", [[[9, 3], 256108, ["P.max", "R"], True]],
+                                              [["float_to_int_to_float", [0], {}], ["unbind", [1], {"dim": -2}],
+                                               ["mul_scalar_", [2], {"s": -2.0}]]],
+    "write_into_one_of_two_overlapping_copies": ["1d4", [[[5, 6], 21, ["S0"], False]],
+                                                 [["narrow", [0], {"dim": 0, "start": 0, "length": 2}],
+                                                  ["narrow", [0], {"dim": 0, "start": 1, "length": 2}],
+                                                  ["mul_scalar_", [1], {"s": 3.0}]]],
+    # unused unbind outputs get plain 0-d zeros in backward; stack's meta run refused them
+    "unbind_backward_partly_used": ["1d4", [[[5], 955040, ["R"], True]], [["unbind", [0], {"dim": 0}]]],
+    # softmax over an empty split dim was composed from reductions without identity
+    "softmax_over_empty_split_dim": ["1d4", [[[0, 6, 7], 376852, ["S0"], True]], [["softmax", [0], {"dim": -3}]]],
+    "softmax_over_empty_dim_2d": ["2d", [[[4, 0, 3, 3], 132343, ["R", "S1"], False]], [["softmax", [0], {"dim": 1}]]],
+}
+
+
+def _check(literal) -> tuple:
+    if not fuzz_rank._meshes:
+        fuzz_rank.setup()
+    return fuzz_rank.check(Program.from_literal(literal))
+
+
+@pytest.mark.parametrize("name", list(FINDINGS))
+def test_finding_matches_single_device(pool4, name):
+    verdicts = pool4.run(_check, FINDINGS[name])
+    assert all(v == verdicts[0] for v in verdicts), f"ranks disagree: {verdicts}"
+    kind, detail = verdicts[0]
+    assert kind == "ok", f"{Program.from_literal(FINDINGS[name]).describe()}\n{kind}: {detail}"
