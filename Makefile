@@ -11,7 +11,7 @@ JOBS ?= 2
 # pip fetch a newer torch with several GB of CUDA packages.
 TORCH_PIN := torch==2.13.0
 PY_PINS := numpy==2.4.6 pytest==9.2.0 pytest-timeout==2.4.0 expecttest==0.3.0 hypothesis==6.170.15 tqdm==4.70.1 matplotlib==3.11.2 safetensors==0.8.0
-APT_PKGS := cmake ninja-build g++ ccache libgtest-dev libabsl-dev
+APT_PKGS := cmake ninja-build g++ ccache libgtest-dev
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all setup build test test-cpp test-python demo bench clean
