@@ -11,10 +11,10 @@ JOBS ?= 2
 # pip fetch a newer torch with several GB of CUDA packages.
 TORCH_PIN := torch==2.13.0
 PY_PINS := numpy==2.4.6 pytest==9.2.0 pytest-timeout==2.4.0 expecttest==0.3.0 hypothesis==6.170.15 tqdm==4.70.1 matplotlib==3.11.2 safetensors==0.8.0
-APT_PKGS := cmake ninja-build g++ ccache libgtest-dev libabsl-dev
+APT_PKGS := cmake ninja-build g++ ccache libgtest-dev
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all setup build test test-cpp test-python demo bench clean
+.PHONY: all setup build test test-cpp test-python test-package demo bench clean
 
 all: build
 
@@ -48,6 +48,17 @@ test-python: build
 	$(PY) -m pytest tests/python tests/opinfo/test_opinfo_subset.py -q
 
 test: test-cpp test-python
+
+# The package as a user installs it: a plain `pip install .` (isolated: pip's own build
+# environment with scikit-build-core and the pinned torch, a temporary build dir, no
+# GoogleTest) into a fresh venv, then the installed copy imported and run from outside
+# the source tree. Needs only the Debian packages, not the development build.
+test-package: $(STAMPS)/apt
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	python3 -m venv "$$tmp/venv" && \
+	printf '%s\n' $(TORCH_PIN) $(PY_PINS) > "$$tmp/pins.txt" && \
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) "$$tmp/venv/bin/pip" install -q --disable-pip-version-check -c "$$tmp/pins.txt" . && \
+	cd "$$tmp" && "$$tmp/venv/bin/python" "$(CURDIR)/tests/package_smoke.py" "$(CURDIR)"
 
 demo: build
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/demo.py

@@ -1,9 +1,9 @@
 #include "dispatch/fallback_stats.h"
 
-#include <absl/container/node_hash_map.h>
 #include <c10/util/Exception.h>
 
 #include <mutex>
+#include <unordered_map>
 
 namespace vescale {
 
@@ -19,9 +19,9 @@ std::mutex& mu() {
   return m;
 }
 
-// node_hash_map: entries never move, so handed-out counter pointers stay valid.
-absl::node_hash_map<std::string, Entry>& entries() {
-  static absl::node_hash_map<std::string, Entry> e;
+// Node-based: entries never move, so handed-out counter pointers stay valid.
+std::unordered_map<std::string, Entry>& entries() {
+  static std::unordered_map<std::string, Entry> e;
   return e;
 }
 

@@ -2,7 +2,7 @@
 
 #include "sharding_rules/rule.h"
 
-#include <absl/container/flat_hash_map.h>
+#include <c10/util/flat_hash_map.h>
 
 #include <memory>
 #include <mutex>
@@ -82,12 +82,12 @@ std::unique_ptr<OpInfo> build(const c10::OperatorHandle& op) {
 
 const OpInfo& op_info(const c10::OperatorHandle& op) {
   // Keyed by the schema's address, which is stable for a registered operator.
-  thread_local absl::flat_hash_map<const void*, const OpInfo*> local;
+  thread_local ska::flat_hash_map<const void*, const OpInfo*> local;
   const void* key = &op.schema();
   if (auto it = local.find(key); it != local.end()) return *it->second;
 
   static std::mutex mu;
-  static absl::flat_hash_map<const void*, std::unique_ptr<OpInfo>> shared;
+  static ska::flat_hash_map<const void*, std::unique_ptr<OpInfo>> shared;
   std::lock_guard<std::mutex> lock(mu);
   auto& slot = shared[key];
   if (!slot) slot = build(op);

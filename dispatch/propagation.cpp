@@ -4,8 +4,8 @@
 #include "dispatch/fallback_stats.h"
 
 #include <ATen/ATen.h>
-#include <absl/container/flat_hash_map.h>
-#include <absl/types/span.h>
+#include <c10/util/flat_hash_map.h>
+#include <c10/util/hash.h>
 
 #include <atomic>
 
@@ -173,24 +173,17 @@ std::unique_ptr<Decision> decide(const c10::OperatorHandle& op, const OpInfo& in
 
 // ---- the cache -------------------------------------------------------------------
 
-using Key = absl::Span<const uint64_t>;
-
-struct KeyHash {
-  using is_transparent = void;
-  size_t operator()(Key k) const { return absl::HashOf(k); }
-};
-
-struct KeyEq {
-  using is_transparent = void;
-  bool operator()(Key a, Key b) const { return a == b; }
-};
-
 std::atomic<uint64_t> g_generation{0};
 std::atomic<int64_t> g_misses{0};
 
+using Key = std::vector<uint64_t>;
+
 struct ThreadCache {
   uint64_t generation = 0;
-  absl::flat_hash_map<std::vector<uint64_t>, std::unique_ptr<Decision>, KeyHash, KeyEq> map;
+  // c10's ska::flat_hash_map finds by its own key type only; looking up through this
+  // copy of the scanned key, whose capacity is reused, keeps a hit free of allocation.
+  Key probe;
+  ska::flat_hash_map<Key, std::unique_ptr<Decision>, c10::hash<Key>> map;
 };
 
 }  // namespace
@@ -203,11 +196,11 @@ const Decision& lookup_decision(const c10::OperatorHandle& op, const OpInfo& inf
     cache.map.clear();
     cache.generation = generation;
   }
-  const Key key(scan.key.data(), scan.key.size());
-  if (auto it = cache.map.find(key); C10_LIKELY(it != cache.map.end())) return *it->second;
+  cache.probe.assign(scan.key.begin(), scan.key.end());
+  if (auto it = cache.map.find(cache.probe); C10_LIKELY(it != cache.map.end())) return *it->second;
   g_misses.fetch_add(1, std::memory_order_relaxed);
   auto decision = decide(op, info, args, scan);
-  auto& slot = cache.map[std::vector<uint64_t>(key.begin(), key.end())];
+  auto& slot = cache.map[Key(scan.key.begin(), scan.key.end())];
   slot = std::move(decision);
   return *slot;
 }

@@ -1,13 +1,13 @@
 #include "dispatch/spec.h"
 
-#include <absl/container/flat_hash_set.h>
-#include <absl/hash/hash.h>
 #include <c10/util/Exception.h>
+#include <c10/util/hash.h>
 
 #include <algorithm>
 #include <mutex>
 #include <numeric>
 #include <sstream>
+#include <unordered_set>
 
 namespace vescale {
 
@@ -63,10 +63,10 @@ int32_t normalize_shard_dim(int64_t dim, int64_t ndim, const std::string& what) 
 namespace {
 
 size_t hash_spec(const TensorSpec& s) {
-  auto h = absl::HashOf(s.mesh.get(), static_cast<int>(s.dtype), s.storage_offset);
-  for (const auto& p : s.placements) h = absl::HashOf(h, p.code());
-  for (auto v : s.shape) h = absl::HashOf(h, v);
-  for (auto v : s.stride) h = absl::HashOf(h, v);
+  auto h = c10::get_hash(s.mesh.get(), static_cast<int>(s.dtype), s.storage_offset);
+  for (const auto& p : s.placements) h = c10::hash_combine(h, p.code());
+  for (auto v : s.shape) h = c10::hash_combine(h, static_cast<size_t>(v));
+  for (auto v : s.stride) h = c10::hash_combine(h, static_cast<size_t>(v));
   return h;
 }
 
@@ -117,7 +117,8 @@ SpecPtr make_spec(
   spec.hash = hash_spec(spec);
 
   static std::mutex mu;
-  static absl::flat_hash_set<SpecPtr, SpecHash, SpecEq> interned;
+  // std::unordered_set for the lookup by TensorSpec* (heterogeneous, C++20).
+  static std::unordered_set<SpecPtr, SpecHash, SpecEq> interned;
   std::lock_guard<std::mutex> lock(mu);
   auto it = interned.find(&spec);
   if (it != interned.end()) return *it;

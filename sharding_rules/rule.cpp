@@ -2,8 +2,8 @@
 
 #include "collectives/redistribute_plan.h"
 
-#include <absl/container/flat_hash_map.h>
 #include <c10/util/Exception.h>
+#include <c10/util/flat_hash_map.h>
 
 #include <limits>
 
@@ -62,7 +62,7 @@ class InputCosts {
  private:
   const Mesh& mesh_;
   const TensorArg& arg_;
-  absl::flat_hash_map<uint64_t, double> memo_;
+  ska::flat_hash_map<uint64_t, double> memo_;
 };
 
 }  // namespace
@@ -157,8 +157,8 @@ Placement broadcast_input_placement(const Placement& out, c10::ArrayRef<int64_t>
 // ---- registry ----------------------------------------------------------------
 
 namespace {
-absl::flat_hash_map<std::string, RuleFn>& table() {
-  static absl::flat_hash_map<std::string, RuleFn> t;
+ska::flat_hash_map<std::string, RuleFn>& table() {
+  static ska::flat_hash_map<std::string, RuleFn> t;
   return t;
 }
 }  // namespace
