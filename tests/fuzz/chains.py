@@ -169,11 +169,14 @@ def _try(values: list, factory, name, args, params) -> list | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            # What torch only still allows with a deprecation warning (writing into an
+            # expanded tensor, where elements share memory) is not part of the contract.
+            warnings.filterwarnings("error", message=".*deprecated.*")
             out = run_step(values, factory, name, args, params)
             if not isinstance(out, torch.Tensor) or out.numel() > 4096 or out.dim() > 5:
                 return None
             if out.is_floating_point() and not torch.isfinite(out).all():
                 return None
-    except (RuntimeError, ValueError, IndexError, TypeError):
+    except (RuntimeError, ValueError, IndexError, TypeError, UserWarning):
         return None
     return values + [out]

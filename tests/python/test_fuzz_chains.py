@@ -1,0 +1,22 @@
+"""A short campaign of the chain fuzzer (tests/fuzz) in every test run: random chains of
+2-6 training ops (in-place and view ops included, Partial inputs, uneven, empty and
+size-1 dims, 1-d and 2-d meshes), forward and backward, against plain torch in float64.
+
+The seeds are fixed so that a failure reproduces; VESCALE_FUZZ_SEED and
+VESCALE_FUZZ_CHAINS pick others. The long campaign (docs/fuzzing.md) is
+``python -m tests.fuzz.campaign --chains 20000``."""
+
+from __future__ import annotations
+
+import os
+
+from tests.fuzz.campaign import campaign
+
+
+def test_random_chains_match_single_device():
+    chains = int(os.environ.get("VESCALE_FUZZ_CHAINS", "400"))
+    seed = int(os.environ.get("VESCALE_FUZZ_SEED", "7000000"))
+    result = campaign(chains, seed, shrink_findings=True, log=lambda *a: None)
+    findings = "\n\n".join(f"seed {f['seed']}: {f['kind']}: {f['detail']}\n{f['text']}\nliteral: {f['program']}"
+                           for f in result["findings"])
+    assert result["counts"].get("ok", 0) == chains, f"{result['counts']}\n\n{findings}"
