@@ -37,6 +37,14 @@ Placements partial_as_replicate(PlacementsRef placements) {
   return out;
 }
 
+// A gradient that a backward formula built with a factory (zeros(...) then a scatter)
+// is a plain, whole tensor: the replicated value on `mesh`.
+at::Tensor as_dtensor_gradient(const at::Tensor& g, const MeshPtr& mesh) {
+  if (is_dtensor(g)) return g;
+  const Placements replicated(static_cast<size_t>(mesh->ndim()), Placement::replicate());
+  return make_dtensor(g, make_spec(mesh, replicated, g.sizes(), g.strides(), g.scalar_type()));
+}
+
 struct FromLocal : torch::autograd::Function<FromLocal> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& local, const c10::IValue& spec) {
     ctx->saved_data["spec"] = spec;
@@ -47,8 +55,7 @@ struct FromLocal : torch::autograd::Function<FromLocal> {
     const auto spec = from_capsule(ctx->saved_data["spec"]);
     const auto& g = grads[0];
     if (!g.defined()) return {at::Tensor(), at::Tensor()};
-    TORCH_CHECK(is_dtensor(g), "from_local backward: expected a DTensor gradient");
-    auto moved = redistribute_no_grad(g, partial_as_replicate(spec->placements));
+    auto moved = redistribute_no_grad(as_dtensor_gradient(g, spec->mesh), partial_as_replicate(spec->placements));
     return {dtensor_impl(moved)->local(), at::Tensor()};
   }
 };
@@ -77,8 +84,8 @@ struct Redistribute : torch::autograd::Function<Redistribute> {
     const auto source = from_capsule(ctx->saved_data["source"]);
     const auto& g = grads[0];
     if (!g.defined()) return {at::Tensor(), at::Tensor()};
-    TORCH_CHECK(is_dtensor(g), "redistribute backward: expected a DTensor gradient");
-    return {redistribute_no_grad(g, partial_as_replicate(source->placements)), at::Tensor()};
+    return {redistribute_no_grad(as_dtensor_gradient(g, source->mesh), partial_as_replicate(source->placements)),
+            at::Tensor()};
   }
 };
 
@@ -99,7 +106,10 @@ at::Tensor from_local(const at::Tensor& local, SpecPtr spec) {
 
 at::Tensor to_local(const at::Tensor& dtensor, std::optional<Placements> grad_placements) {
   auto* impl = checked_dtensor_impl(dtensor, "to_local");
-  auto grad_spec = grad_placements ? with_placements(impl->spec(), *grad_placements) : impl->spec();
+  // By default the local gradient is the gradient of the global value: replicated where
+  // the tensor was Partial (each addend's gradient is the whole gradient).
+  auto grad_spec = with_placements(impl->spec(), grad_placements ? *grad_placements
+                                                                 : partial_as_replicate(impl->spec()->placements));
   return ToLocal::apply(dtensor, capsule(std::move(grad_spec)));
 }
 

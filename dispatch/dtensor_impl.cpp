@@ -81,6 +81,11 @@ const DTensorImpl::Reduced* DTensorImpl::reduced() const {
   return &reduced_;
 }
 
+void DTensorImpl::drop_reduced() {
+  reduced_ = Reduced{};
+  reduced_from_ = nullptr;
+}
+
 void DTensorImpl::keep_reduced(at::Tensor local, SpecPtr spec) {
   if (is_inference() || local_.is_inference()) return;
   reduced_ = Reduced{std::move(local), std::move(spec)};

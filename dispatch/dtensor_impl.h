@@ -44,6 +44,7 @@ class DTensorImpl final : public c10::TensorImpl {
   };
   const Reduced* reduced() const;
   void keep_reduced(at::Tensor local, SpecPtr spec);
+  void drop_reduced();
 
   // Set once a gradient-placement hook is attached (see align_grad_placements).
   bool grads_aligned = false;

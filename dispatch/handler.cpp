@@ -131,6 +131,7 @@ void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
       if (info.arg_written[scan.slots[i].arg] && is_dtensor(scan.tensors[i])) {
         const auto& local = dtensor_impl(scan.tensors[i])->local();
         if (!local.is_inference()) local.unsafeGetTensorImpl()->bump_version();
+        forget_reductions(local);
         after_write(scan.tensors[i]);
       }
 

@@ -8,7 +8,9 @@
 // divides by the number of matches, which was zero on some elements (NaN gradients).
 // So the first reduction of a Partial DTensor is kept with it, and every later
 // consumer is served from that reduced form by exact data movement (slicing,
-// gathering, all-to-all), never by another sum. Any write to the tensor drops it.
+// gathering, all-to-all), never by another sum. Any write into the tensor's shard
+// storage drops it, through whichever tensor it came: views made below autograd have
+// version counters of their own, so the storage is what is tracked.
 
 #include "collectives/redistribute_plan.h"
 #include "dispatch/dtensor_impl.h"
@@ -20,5 +22,9 @@ namespace vescale {
 // first full reduction is kept; the result may then be the kept tensor itself, so a
 // caller that hands it out as a new tensor passes false.
 at::Tensor laid_out_as(DTensorImpl& impl, const RedistPlan& plan, const SpecPtr& target, bool keep = true);
+
+// After an op wrote into `written_local`: drops the reductions kept for tensors whose
+// shard shares its storage. Costs one relaxed load while nothing is kept anywhere.
+void forget_reductions(const at::Tensor& written_local);
 
 }  // namespace vescale

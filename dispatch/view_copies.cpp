@@ -2,6 +2,7 @@
 
 #include "collectives/collectives.h"
 #include "collectives/redistribute_plan.h"
+#include "dispatch/reduce_once.h"
 
 #include <algorithm>
 #include <atomic>
@@ -59,6 +60,7 @@ void copy_laid_out(const at::Tensor& from, const TensorSpec& from_spec, const at
   const auto plan = plan_redistribution(from_spec, to_spec->placements);
   to_local.copy_(collectives::execute_redistribution(plan, *from_spec.mesh, from_spec.shape, from_spec.stride, from));
   if (!to_local.is_inference()) to_local.unsafeGetTensorImpl()->bump_version();
+  forget_reductions(to_local);
 }
 
 void check_same_shape(const TensorSpec& base, const TensorSpec& copy) {

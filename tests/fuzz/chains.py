@@ -66,6 +66,12 @@ def draw_placements(rng: random.Random, ndim: int, mesh_ndim: int, *, partial: b
     return out
 
 
+def placements_from_codes(codes: list[str]) -> list:
+    from vescale import Partial, Replicate, Shard
+    return [Replicate() if c == "R" else Shard(int(c[1:])) if c.startswith("S") else Partial(c.split(".")[1])
+            for c in codes]
+
+
 def fresh_placements(seed: int, ndim: int, mesh: str, *, partial: bool) -> list[str]:
     return draw_placements(random.Random(seed * 7919 + 1), ndim, len(MESHES[mesh]), partial=partial)
 

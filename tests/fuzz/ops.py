@@ -282,6 +282,32 @@ def _topk_values(x, *, dim):
     return x.topk(min(2, x.shape[dim]), dim).values
 
 
+def relayout_draw(rng, values):
+    i = _pick(rng, _floats(values))
+    if i is None:
+        return None
+    return (i,), {"seed": rng.randrange(1 << 20)}
+
+
+def _redistribute(x, *, seed):
+    """To placements drawn from the seed (Partial included); the identity on plain tensors."""
+    if not hasattr(x, "redistribute") or not hasattr(x, "device_mesh"):
+        return x.clone()
+    from .chains import placements_from_codes, fresh_placements
+    mesh = x.device_mesh
+    codes = fresh_placements(seed, x.dim(), "2d" if mesh.ndim == 2 else "1d4", partial=True)
+    y = x.redistribute(mesh, placements_from_codes(codes))
+    return y.clone() if y is x else y  # to its own placements, redistribute hands back x itself
+
+
+def _local_round_trip(x, *, seed):
+    """to_local then from_local with the same placements: an alias of x, with gradients."""
+    if not hasattr(x, "to_local") or not hasattr(x, "device_mesh"):
+        return x.view_as(x)
+    import vescale
+    return vescale.DTensor.from_local(x.to_local(), x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
+
+
 OPS: list[Op] = [
     # pointwise
     Op("neg", unary, lambda x: -x),
@@ -376,6 +402,9 @@ OPS: list[Op] = [
     Op("embedding", index_draw, _embedding),
     Op("cross_entropy", cross_entropy_draw, _cross_entropy),
     Op("dropout", dropout_draw, _dropout),
+    # the DTensor API inside a chain (identities on plain tensors)
+    Op("redistribute", relayout_draw, _redistribute, 2),
+    Op("local_round_trip", relayout_draw, _local_round_trip),
 ]
 
 OPS_BY_NAME = {op.name: op for op in OPS}

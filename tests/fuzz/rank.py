@@ -16,14 +16,13 @@ import torch
 import torch.distributed as dist
 
 import vescale
-from vescale import Partial, Replicate, Shard
 
 import os as _os
 import sys as _sys
 
 _sys.path.insert(0, _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), "python"))
 
-from .chains import MESHES, PlainFactory, Program, fresh_placements, full_value, index_value, loss_of, run_program
+from .chains import MESHES, PlainFactory, placements_from_codes, Program, fresh_placements, full_value, index_value, loss_of, run_program
 
 _meshes: dict = {}
 
@@ -38,19 +37,11 @@ def setup() -> None:
             _meshes[name] = vescale.DeviceMesh("cpu", torch.arange(n).reshape(shape))
 
 
-def _placement(code: str):
-    if code == "R":
-        return Replicate()
-    if code.startswith("S"):
-        return Shard(int(code[1:]))
-    return Partial(code.split(".")[1])
-
-
 def make_dtensor(full: torch.Tensor, mesh, codes: list[str], seed: int) -> torch.Tensor:
     """A DTensor whose global value is ``full``; Partial shards hold genuinely different
     values (noise that the reduction cancels), so a missing reduction shows."""
     from dist_utils import make_dtensor as _make  # the tests' own builder (Partial noise included)
-    return _make(full, mesh, [_placement(c) for c in codes], seed=seed)
+    return _make(full, mesh, placements_from_codes(codes), seed=seed)
 
 
 class DTensorFactory(PlainFactory):
@@ -67,7 +58,7 @@ class DTensorFactory(PlainFactory):
             codes = fresh_placements(seed, len(shape), self.mesh_name, partial=False)
             # Indices come as plain tensors (implicitly replicated) or as sharded DTensors.
             return value if random.Random(seed).random() < 0.3 else vescale.distribute_tensor(
-                value, self.mesh, [_placement(c) for c in codes])
+                value, self.mesh, placements_from_codes(codes))
         codes = fresh_placements(seed, len(shape), self.mesh_name, partial=True)
         return make_dtensor(full_value(shape, seed), self.mesh, codes, seed)
 
