@@ -69,14 +69,14 @@ void check_same_shape(const TensorSpec& base, const TensorSpec& copy) {
               "follow it. Take views after restriding the tensor, or clone() the view.");
 }
 
-// Refreshes the live copies taken from tensors sharing `base`'s shard, except the one
-// whose shard is `skip` (it was just pushed back, so it is current).
-void refresh_copies(DTensorImpl& base, const void* skip) {
+// Refreshes the live copies taken from tensors sharing `written`'s shard storage, except
+// the one whose shard is `skip` (it was just pushed back, so it is current).
+void refresh_copies(DTensorImpl& written, const void* skip) {
   auto& r = registry();
   std::vector<std::shared_ptr<const Record>> live;
   {
     std::lock_guard<std::mutex> lock(r.mutex);
-    Entry* entry = find_entry(r, base.local());
+    Entry* entry = find_entry(r, written.local());
     if (entry == nullptr) return;
     for (auto& weak : entry->copies) live.push_back(weak.lock());  // null where gone on this rank
   }
@@ -84,23 +84,25 @@ void refresh_copies(DTensorImpl& base, const void* skip) {
   // same copy everywhere. A copy gone on any rank is unreachable: dropped everywhere.
   std::vector<bool> here(live.size());
   for (size_t k = 0; k < live.size(); ++k) here[k] = live[k] != nullptr;
-  const auto everywhere = collectives::all_ranks(*base.spec()->mesh, here);
+  const auto everywhere = collectives::all_ranks(*written.spec()->mesh, here);
   {
     std::lock_guard<std::mutex> lock(r.mutex);
-    if (Entry* entry = find_entry(r, base.local())) {
+    if (Entry* entry = find_entry(r, written.local())) {
       size_t k = 0;
       std::erase_if(entry->copies, [&](const auto&) { return k < everywhere.size() && !everywhere[k++]; });
       if (entry->copies.empty()) {
-        r.entries.erase(storage_key(base.local()));
+        r.entries.erase(storage_key(written.local()));
         r.size.fetch_sub(1);
       }
     }
   }
-  const auto& spec = *base.spec();
+  // Each copy is refreshed from the tensor it was taken from (the write may have come
+  // through another view of the same shard).
   for (size_t k = 0; k < live.size(); ++k) {
     if (!everywhere[k] || storage_key(live[k]->copy_local) == skip) continue;
-    check_same_shape(spec, *live[k]->copy_spec);
-    copy_laid_out(base.local(), spec, live[k]->copy_local, live[k]->copy_spec);
+    const auto* source = dtensor_impl(live[k]->base);
+    check_same_shape(*source->spec(), *live[k]->copy_spec);
+    copy_laid_out(source->local(), *source->spec(), live[k]->copy_local, live[k]->copy_spec);
   }
 }
 

@@ -33,6 +33,18 @@ FINDINGS = {
     "setitem_after_alias": ["2d", [[[7], 6392, ["R", "S0"], True]],
                             [["maximum", [0, 0], {}], ["zero_", [1], {}], ["squeeze", [1], {}],
                              ["setitem", [2], {"dim": 0, "start": 6, "length": 1, "s": 1.0}]]],
+    # a write through one view refreshed a copy taken from the base using the view's data
+    "copy_refreshed_from_its_own_base": ["2d", [[[3, 3, 7], 5, ["R", "S0"], False]],
+                                         [["view_flat", [0], {}],
+                                          ["setitem", [0], {"dim": 1, "start": 2, "length": 1, "s": -2.5}]]],
+    # to_local's gradient of a Partial counted once per rank
+    "local_round_trip_of_partial_view": ["2d", [[[4, 5, 4], 1, ["R", "P.sum"], True]],
+                                         [["split", [0], {"dim": 1}], ["local_round_trip", [1], {"seed": 133297}]]],
+    # a kept reduction survived a write through another view of the same shard storage
+    "kept_reduction_dropped_on_alias_write": ["1d4", [[[9, 1], 2, ["P.max"], False]],
+                                              [["local_round_trip", [0], {"seed": 1}], ["squeeze_dim", [0], {"dim": 1}],
+                                               ["softmax", [1], {"dim": -1}], ["addcmul_", [2, 2], {}],
+                                               ["softmax", [1], {"dim": -1}]]],
     # an empty view's meta shadow had a negative storage span
     "setitem_empty_view": ["1d4", [[[4, 3, 1], 244362, ["S2"], False]],
                            [["setitem", [0], {"dim": 2, "start": 0, "length": 0, "s": 1.0}]]],
