@@ -40,11 +40,12 @@ FINDINGS = {
     # to_local's gradient of a Partial counted once per rank
     "local_round_trip_of_partial_view": ["2d", [[[4, 5, 4], 1, ["R", "P.sum"], True]],
                                          [["split", [0], {"dim": 1}], ["local_round_trip", [1], {"seed": 133297}]]],
-    # a kept reduction survived a write through another view of the same shard storage
-    "kept_reduction_dropped_on_alias_write": ["1d4", [[[9, 1], 2, ["P.max"], False]],
-                                              [["local_round_trip", [0], {"seed": 1}], ["squeeze_dim", [0], {"dim": 1}],
-                                               ["softmax", [1], {"dim": -1}], ["addcmul_", [2, 2], {}],
-                                               ["softmax", [1], {"dim": -1}]]],
+    # a kept reduction (see "amin_of_partial") survived a write through another view of
+    # the same shard storage; found in the mechanism's first version
+    "kept_reduction_dropped_on_alias_write": ["1d4", [[[9, 1], 291022, ["P.max"], False]],
+                                              [["local_round_trip", [0], {"seed": 695358}], ["tanh", [0], {}],
+                                               ["squeeze_dim", [0], {"dim": 1}], ["squeeze_dim", [2], {"dim": 1}],
+                                               ["softmax", [1], {"dim": -1}], ["addcmul_", [3, 3], {}]]],
     # an empty view's meta shadow had a negative storage span
     "setitem_empty_view": ["1d4", [[[4, 3, 1], 244362, ["S2"], False]],
                            [["setitem", [0], {"dim": 2, "start": 0, "length": 0, "s": 1.0}]]],
