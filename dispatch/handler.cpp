@@ -89,12 +89,13 @@ void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
     const bool owned = impl != nullptr && exclusively_owned(impl->local());
     locals[i] = impl != nullptr ? laid_out_as(*impl, plan, d.targets[i])
                                 : collectives::execute_redistribution(plan, *src.mesh, src.shape, src.stride, locals[i]);
-    if (impl != nullptr && static_cast<int>(scan.slots[i].arg) == info.view_of) {
-      // A view must alias its base. An intermediate result is re-laid out in place
-      // (same values, new placements) unless another tensor shares its storage; a
-      // leaf (a parameter, an input) keeps the placements its owner gave it. Otherwise
-      // the view is of a copy. Sharing is a per-rank fact (Python frees cycles whenever
-      // its collector runs) but the choice steers later decisions, so ranks agree first.
+    if (view_input == static_cast<int>(i)) {
+      // A view must alias its base. A result of an op is re-laid out in place (same
+      // values, new placements) unless another tensor shares its storage; a tensor the
+      // user laid out, or a leaf that requires grad (a parameter), keeps its placements.
+      // Otherwise the view is of a copy, kept in step with its base (view_copies.h).
+      // Sharing is a per-rank fact (Python frees cycles whenever its collector runs) but
+      // the choice steers later decisions, so ranks agree first.
       const bool keeps = t.is_leaf() && (t.requires_grad() || impl->keeps_placements);
       if (!keeps && collectives::all_ranks(*src.mesh, owned)) {
         moved_shard(impl->local(), locals[i]);
