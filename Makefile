@@ -14,7 +14,7 @@ PY_PINS := numpy==2.4.6 pytest==9.2.0 pytest-timeout==2.4.0 expecttest==0.3.0 hy
 APT_PKGS := cmake ninja-build g++ ccache libgtest-dev libabsl-dev
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all setup build test test-cpp test-python demo bench clean
+.PHONY: all setup build test test-cpp test-python test-matrix demo bench clean
 
 all: build
 
@@ -48,6 +48,10 @@ test-python: build
 	$(PY) -m pytest tests/python tests/opinfo/test_opinfo_subset.py -q
 
 test: test-cpp test-python
+
+# the Python tests under every CPU capability (native, avx2, default) and 1 and 2 threads
+test-matrix: build
+	PY=$(PY) tests/run_matrix.sh
 
 demo: build
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/demo.py

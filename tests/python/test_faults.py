@@ -120,3 +120,25 @@ def test_debug_mode_reports_ranks_that_issue_different_collectives(tmp_path):
         assert "Detected mismatch between collectives on ranks" in texts[rank], _explain(codes, texts)
         assert "TensorShape=[6, 4]" in texts[rank] and "TensorShape=[4, 4]" in texts[rank]
     assert codes[0] == codes[1] == 0, _explain(codes, texts)
+
+
+# ---- the timeouts themselves, in the shared pool -----------------------------------------------
+
+def _timeout_s(group) -> float:
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def _case_group_timeouts() -> list[float]:
+    import vescale
+    from dist_utils import mesh
+    from vescale.checkpoint.api import _checkpoint_group
+
+    m = mesh("2d")  # the pool sets VESCALE_COLLECTIVE_TIMEOUT=120, as its world group's
+    own = vescale.DeviceMesh("cpu", [[0, 1], [2, 3]], timeout=7)
+    return [_timeout_s(g) for g in (m.get_group(0), m.get_group(1), _checkpoint_group(), own.get_group(0),
+                                    own.get_group(1))]
+
+
+def test_every_group_has_the_vescale_timeout(pool4):
+    """torch's new_group would give sub-groups 30 minutes, whatever the world group has."""
+    assert pool4.run(_case_group_timeouts) == [[120.0, 120.0, 120.0, 7.0, 7.0]] * WORLD
