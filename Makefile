@@ -14,7 +14,7 @@ PY_PINS := numpy==2.4.6 pytest==9.2.0 pytest-timeout==2.4.0 expecttest==0.3.0 hy
 APT_PKGS := cmake ninja-build g++ ccache libgtest-dev
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all setup build test test-cpp test-python test-package demo bench clean
+.PHONY: all setup build test test-cpp test-python test-package test-matrix demo bench clean
 
 all: build
 
@@ -59,6 +59,10 @@ test-package: $(STAMPS)/apt
 	printf '%s\n' $(TORCH_PIN) $(PY_PINS) > "$$tmp/pins.txt" && \
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) "$$tmp/venv/bin/pip" install -q --disable-pip-version-check -c "$$tmp/pins.txt" . && \
 	cd "$$tmp" && "$$tmp/venv/bin/python" "$(CURDIR)/tests/package_smoke.py" "$(CURDIR)"
+
+# the Python tests under every CPU capability (native, avx2, default) and 1 and 2 threads
+test-matrix: build
+	PY=$(PY) tests/run_matrix.sh
 
 demo: build
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/demo.py

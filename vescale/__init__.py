@@ -7,7 +7,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
 from ._tensor_methods import _install
-from .debug import fallback_counts, reset_fallback_counts
+from .debug import debug_mode, fallback_counts, reset_fallback_counts
 from .device_mesh import DeviceMesh, get_device_mesh, init_device_mesh
 from .dtensor import DTensor, distribute_tensor
 from .placement_types import Partial, Placement, Replicate, Shard
@@ -21,7 +21,7 @@ __all__ = [
     "DeviceMesh", "init_device_mesh", "get_device_mesh",
     "DTensor", "distribute_tensor",
     "Placement", "Shard", "Replicate", "Partial",
-    "fallback_counts", "reset_fallback_counts",
+    "fallback_counts", "reset_fallback_counts", "debug_mode",
     "parallelize_module", "DDP", "DistributedOptimizer",
     "save", "load", "deferred_init", "materialize_module",
 ]

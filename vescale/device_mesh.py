@@ -3,11 +3,18 @@
 The process groups come from ``torch.distributed.device_mesh.DeviceMesh``; this class
 adds the names veScale users know (``get_strategy_size``, rank <-> coordinate lookup,
 sub-mesh enumeration) and hands the C++ engine its view of the mesh.
+
+Every process group vescale creates has the vescale collective timeout (5 minutes
+unless set; torch's own default is 30): when a rank dies or stops taking part, the
+others raise after that long instead of hanging. Sub-groups need it explicitly:
+torch's ``new_group`` falls back to torch's default, not the world group's timeout.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from datetime import timedelta
 from typing import Sequence
 
 import torch
@@ -15,19 +22,22 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as _TorchDeviceMesh
 
 from . import _C
+from .debug import install_failure_notes
 
-__all__ = ["DeviceMesh", "init_device_mesh", "get_device_mesh", "set_device_mesh"]
+__all__ = ["DeviceMesh", "init_device_mesh", "get_device_mesh", "set_device_mesh", "collective_timeout"]
 
 
 class DeviceMesh:
     """An n-d mesh of ranks with optional dimension names.
 
     ``DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("DP", "TP"))`` must be
-    created on every rank (it creates one process group per mesh dim and row).
+    created on every rank (it creates one process group per mesh dim and row, with
+    ``timeout``, default ``collective_timeout()``; a dim over the whole world uses the
+    world group as it is).
     """
 
     def __init__(self, device_type: str, mesh, *, mesh_dim_names: Sequence[str] | None = None,
-                 _torch_mesh: _TorchDeviceMesh | None = None):
+                 timeout: timedelta | float | None = None, _torch_mesh: _TorchDeviceMesh | None = None):
         ranks = torch.as_tensor(mesh, dtype=torch.int64, device="cpu")
         _check_ranks(ranks)
         if mesh_dim_names is not None:
@@ -38,8 +48,10 @@ class DeviceMesh:
             if len(set(mesh_dim_names)) != len(mesh_dim_names):
                 raise ValueError(f"mesh_dim_names must be distinct, got {mesh_dim_names}")
         if _torch_mesh is None:
-            _torch_mesh = _TorchDeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names)
+            _torch_mesh = _TorchDeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names,
+                                           backend_override=_timeout_overrides(device_type, ranks.shape, timeout))
         self._torch = _torch_mesh
+        install_failure_notes()  # after torch's own hook (init_process_group), so that ours runs first
         self._device_type = device_type
         self._ranks = ranks
         self._names = mesh_dim_names
@@ -162,8 +174,8 @@ class DeviceMesh:
 
 def _check_ranks(ranks: torch.Tensor) -> None:
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("vescale needs torch.distributed: call torch.distributed.init_process_group "
-                           "(torchrun sets up the environment for it) before creating a DeviceMesh")
+        raise RuntimeError("vescale needs torch.distributed: launch with torchrun (vescale.init_device_mesh then "
+                           "initialises it) or call torch.distributed.init_process_group before creating a DeviceMesh")
     world = dist.get_world_size()
     flat = ranks.flatten().tolist()
     if ranks.numel() > world:
@@ -176,18 +188,83 @@ def _check_ranks(ranks: torch.Tensor) -> None:
         raise ValueError(f"mesh ranks {bad} are outside the world of {world} ranks")
 
 
+# ---- timeouts --------------------------------------------------------------------------------
+
+_DEFAULT_TIMEOUT_S = 300.0
+_timeout: timedelta | None = None  # set by init_device_mesh(timeout=...)
+
+
+def collective_timeout() -> timedelta:
+    """How long a collective on a process group vescale creates waits for the other ranks
+    before it raises: the last ``init_device_mesh(timeout=...)``, else the environment
+    variable ``VESCALE_COLLECTIVE_TIMEOUT`` (seconds), else 5 minutes."""
+    if _timeout is not None:
+        return _timeout
+    env = os.environ.get("VESCALE_COLLECTIVE_TIMEOUT")
+    return _as_timedelta(float(env)) if env else timedelta(seconds=_DEFAULT_TIMEOUT_S)
+
+
+def _as_timedelta(timeout: timedelta | float) -> timedelta:
+    timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"a collective timeout must be positive, got {timeout}")
+    return timeout
+
+
+def _timeout_overrides(device_type: str, shape, timeout) -> tuple:
+    """torch DeviceMesh's per-dim (backend, options) carrying the timeout. A dim that spans
+    the whole world keeps (None, None): torch then reuses the world group instead of
+    opening another one (its timeout is the one it was created with: vescale's when
+    init_device_mesh created it)."""
+    options = _pg_options(device_type, _as_timedelta(timeout) if timeout is not None else collective_timeout())
+    return tuple((None, None) if size == dist.get_world_size() else (None, options) for size in shape)
+
+
+def _pg_options(device_type: str, timeout: timedelta):
+    if device_type == "cuda" and dist.is_nccl_available():
+        from torch.distributed.distributed_c10d import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+    else:  # gloo takes only the timeout from its options
+        from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+        options = ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return options
+
+
+def _init_world_from_env(device_type: str) -> None:
+    """The world group, as torch's init_device_mesh makes it under torchrun, with the vescale timeout."""
+    launched = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    if dist.is_initialized() or not launched:
+        return  # without torchrun's variables, DeviceMesh says how to set up torch.distributed
+    if device_type == "cuda" and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=collective_timeout())
+
+
 _global_mesh: DeviceMesh | None = None
 
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
-                     mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
+                     mesh_dim_names: Sequence[str] | None = None,
+                     timeout: timedelta | float | None = None) -> DeviceMesh:
     """Creates a mesh of ranks 0..N-1 in row-major order and makes it the global mesh.
 
     Must be called on every rank. ``vescale.get_device_mesh()`` returns it afterwards.
+    Under torchrun, the default process group is initialised here if it is not yet
+    (gloo for ``"cpu"``, NCCL for ``"cuda"``). ``timeout`` (a timedelta or seconds)
+    becomes the collective timeout of every process group vescale creates from now on
+    (see ``collective_timeout``): a rank that dies or stops taking part makes the others
+    raise after that long instead of hanging.
     """
+    global _timeout
+    if timeout is not None:
+        _timeout = _as_timedelta(timeout)
     mesh_shape = tuple(int(s) for s in mesh_shape)
     if any(s <= 0 for s in mesh_shape):
         raise ValueError(f"mesh_shape must be positive, got {mesh_shape}")
+    _init_world_from_env(device_type)
     n = math.prod(mesh_shape)
     if dist.is_initialized() and n > dist.get_world_size():
         raise ValueError(f"a mesh of shape {mesh_shape} needs {n} ranks but the world has "

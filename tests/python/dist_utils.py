@@ -1,5 +1,14 @@
 """Helpers that run inside the pool's ranks: meshes, DTensor inputs in any placement
-(Partial included), placement enumeration and comparison with single-device results."""
+(Partial included), placement enumeration and comparison with single-device results.
+
+How training runs are compared with single-device training (fp32): rounding differs
+with the summation order (sharded matmuls, all-reduces) and with the CPU's vector
+units, so results agree only to rounding, and Adam turns that rounding into lr-sized
+steps wherever a gradient is nearly zero (it divides by the gradient's magnitude).
+So losses are compared at every step (rtol 1e-5), gradients of the first step tightly
+relative to each tensor's largest element (``mismatch_to_max``), Adam-updated parameters
+only within what Adam may move them (``adam_mismatch``), and SGD-updated parameters,
+which move linearly with the gradients, tightly (``mismatch_to_max``)."""
 
 from __future__ import annotations
 
@@ -11,6 +20,9 @@ import torch.distributed as dist
 
 import vescale
 from vescale import Partial, Replicate, Shard
+from vescale.parallel import DDP
+from vescale.parallel.ddp import local_of
+from vescale.parallel.zero3 import _all_gather
 
 MESHES = {
     "1d2": ((2,), ("TP",)),
@@ -116,3 +128,62 @@ def mismatch(actual: torch.Tensor, expected: torch.Tensor, *, rtol=1e-7, atol=1e
 
 def describe(placements) -> str:
     return "[" + ", ".join(repr(p) for p in placements) + "]"
+
+
+def mismatch_to_max(actual: torch.Tensor | None, expected: torch.Tensor | None, *, tol=1e-5) -> str | None:
+    """None when the largest error is at most ``tol`` times the largest |expected|.
+
+    For gradients and SGD-updated parameters: their rounding errors are relative to the
+    tensor's large elements, which an element-wise rtol would demand of near-zero ones."""
+    if actual is None or expected is None:
+        return None if actual is None and expected is None else f"{actual is None=}, {expected is None=}"
+    if actual.shape != expected.shape:
+        return f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    scale = expected.abs().max().item()
+    err = (actual.double() - expected.double()).abs().max().item()
+    if err <= tol * scale:
+        return None
+    return f"largest error {err:.3g} is {err / scale if scale else float('inf'):.3g} of the largest |value| {scale:.3g} (up to {tol} allowed)"
+
+
+def adam_mismatch(actual: torch.Tensor, expected: torch.Tensor, *, lr: float, steps: int,
+                  atol=1e-6) -> str | None:
+    """None when every element is within 2 * lr * steps (+ atol) of the reference.
+
+    An Adam(W) step moves an element by about lr at most, whatever its gradient, and
+    where a gradient is nearly zero the two runs' rounding noise decides the direction:
+    each run may walk that far, in opposite directions. A bound, not a tight check:
+    losses and first-step gradients are the tight checks of an Adam run."""
+    if actual.shape != expected.shape:
+        return f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    bound = 2 * lr * steps + atol
+    err = (actual.double() - expected.double()).abs().max().item()
+    if err <= bound:  # also False for NaN
+        return None
+    return f"moved {err:.3g} away from the reference, more than 2 * lr * steps = {bound:.3g}"
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """Every parameter's whole gradient after backward (before the optimizer step), by name.
+
+    Under DDP these are the averaged gradients; with ZeRO-2/3 each rank keeps only its
+    DP slice of the flat local gradient, so the slices are all-gathered back first."""
+    ddp = model if isinstance(model, DDP) else None
+    inner = model.module if ddp is not None else model
+    out = {}
+    for name, p in inner.named_parameters():
+        if ddp is not None and ddp.reduce_scatter:
+            _, slot = ddp._slot_of[id(p)]
+            mine = ddp.grad_shards.get(id(p))
+            mine = torch.zeros(slot.chunk, dtype=local_of(p).dtype) if mine is None else mine.contiguous()
+            rows = torch.empty(ddp.world * slot.chunk, dtype=mine.dtype)
+            _all_gather(rows, mine, ddp.group)
+            local = rows[: slot.numel].view(local_of(p).shape)
+            grad = (vescale.DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                    if isinstance(p, vescale.DTensor) else local)
+        else:
+            grad = p.grad
+        if isinstance(grad, vescale.DTensor):
+            grad = grad.full_tensor()
+        out[name] = None if grad is None else grad.detach().clone()
+    return out

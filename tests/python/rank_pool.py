@@ -25,15 +25,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_TIMEOUT_S = 120
+
+
 def _worker(rank: int, world: int, port: int, conn, path: list[str]) -> None:
     sys.path[:] = path
+    # One thread per rank by default (the ranks share the machine's cores);
+    # VESCALE_TEST_THREADS sets another count, to run the tests with other reduction orders.
+    threads = os.environ.get("VESCALE_TEST_THREADS", "1")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS=threads,
+                      VESCALE_COLLECTIVE_TIMEOUT=str(_TIMEOUT_S))  # the meshes' groups, as the world's
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    torch.set_num_threads(int(threads))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=_TIMEOUT_S))
     import vescale  # noqa: F401  (registers the engine before any case runs)
 
     conn.send("ready")

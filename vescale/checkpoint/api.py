@@ -122,7 +122,9 @@ def save(path: str, state: dict, *, async_save: bool = False) -> None:
 def _checkpoint_group():
     global _group
     if _group is None:
-        _group = dist.new_group(backend="gloo")
+        from ..device_mesh import collective_timeout  # torch's default would be 30 minutes
+
+        _group = dist.new_group(backend="gloo", timeout=collective_timeout())
     return _group
 
 
