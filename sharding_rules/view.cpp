@@ -324,8 +324,9 @@ ShardingChoice index_backward_rule(const OpCall& call, bool dim_removed) {
 void as_strided_locally(const c10::OperatorHandle& op, torch::jit::Stack* stack, const LocalContext& ctx) {
   const auto& spec = *ctx.inputs[0];
   const auto self = (*stack)[stack->size() - op.schema().arguments().size()].toTensor();
-  bool same = self.storage_offset() == spec.storage_offset;
-  for (int64_t d = 0; d < self.dim() && same; ++d)
+  // (An empty tensor has no elements to address: its strides mean nothing.)
+  bool same = self.numel() == 0 || self.storage_offset() == spec.storage_offset;
+  for (int64_t d = 0; d < self.dim() && same && self.numel() > 0; ++d)
     same = self.size(d) <= 1 || self.stride(d) == spec.stride[static_cast<size_t>(d)];
   TORCH_CHECK(same, "as_strided on a DTensor needs its replicated shard laid out like the global tensor ",
               spec.str(), " (strides ", c10::IntArrayRef(spec.stride), ", offset ", spec.storage_offset,
