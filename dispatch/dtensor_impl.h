@@ -53,7 +53,7 @@ class DTensorImpl final : public c10::TensorImpl {
   // into the view (whose shard is part of the copy's) is pushed back into the base.
   // Views of such a view share the record.
   struct CopyOf {
-    at::Tensor base;        // the DTensor the view was asked of
+    at::Tensor base;        // the DTensor the view was asked of, as it was then
     at::Tensor copy_local;  // the copy's shard: the base laid out as copy_spec
     SpecPtr copy_spec;
   };

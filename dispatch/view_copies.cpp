@@ -63,10 +63,14 @@ void copy_laid_out(const at::Tensor& from, const TensorSpec& from_spec, const at
   forget_reductions(to_local);
 }
 
-void check_same_shape(const TensorSpec& base, const TensorSpec& copy) {
-  TORCH_CHECK(base.shape == copy.shape, "a view of a DTensor was taken from a copy of it (laid out as ", copy.str(),
-              ") and the DTensor has since changed shape in place (now ", base.str(), "); the view can no longer "
-              "follow it. Take views after restriding the tensor, or clone() the view.");
+// The base as it is now: its shard (the same tensor object, over the same storage) and
+// spec. An in-place view op may restride the base later; the copy keeps following the
+// elements it was taken from, as a torch view does.
+at::Tensor snapshot(const at::Tensor& base) {
+  auto* impl = dtensor_impl(base);
+  auto taken = make_dtensor(impl->local(), impl->spec());
+  dtensor_impl(taken)->copy_of = impl->copy_of;
+  return taken;
 }
 
 // Refreshes the live copies taken from tensors sharing `written`'s shard storage, except
@@ -101,7 +105,6 @@ void refresh_copies(DTensorImpl& written, const void* skip) {
   for (size_t k = 0; k < live.size(); ++k) {
     if (!everywhere[k] || storage_key(live[k]->copy_local) == skip) continue;
     const auto* source = dtensor_impl(live[k]->base);
-    check_same_shape(*source->spec(), *live[k]->copy_spec);
     copy_laid_out(source->local(), *source->spec(), live[k]->copy_local, live[k]->copy_spec);
   }
 }
@@ -109,7 +112,7 @@ void refresh_copies(DTensorImpl& written, const void* skip) {
 }  // namespace
 
 void record_view_of_copy(const at::Tensor& view, const at::Tensor& base, at::Tensor copy_local, SpecPtr copy_spec) {
-  auto record = std::make_shared<const Record>(Record{base, copy_local, std::move(copy_spec)});
+  auto record = std::make_shared<const Record>(Record{snapshot(base), copy_local, std::move(copy_spec)});
   dtensor_impl(view)->copy_of = record;
   const auto& local = dtensor_impl(base)->local();
   if (!local.has_storage()) return;
@@ -130,7 +133,6 @@ void after_write(const at::Tensor& written, const void* skip) {
     // The write went into the copy (the view's shard is part of it): the base takes
     // the whole copy back in its own layout, and what aliases the base follows.
     auto* base = dtensor_impl(record->base);
-    check_same_shape(*base->spec(), *record->copy_spec);
     copy_laid_out(record->copy_local, *record->copy_spec, base->local(), base->spec());
     after_write(record->base, storage_key(record->copy_local));
   }

@@ -46,6 +46,14 @@ FINDINGS = {
                                               [["local_round_trip", [0], {"seed": 695358}], ["tanh", [0], {}],
                                                ["squeeze_dim", [0], {"dim": 1}], ["squeeze_dim", [2], {"dim": 1}],
                                                ["softmax", [1], {"dim": -1}], ["addcmul_", [3, 3], {}]]],
+    # the long campaign's two findings: as_strided (CopySlices in backward) of an empty
+    # tensor laid out differently; a base restrided in place after a copy was taken of it
+    "as_strided_of_empty_tensor": ["1d4", [[[4, 1, 0, 5], 69099, ["R"], True]],
+                                   [["expand", [0], {"lead": 2}], ["redistribute", [1], {"seed": 829607}],
+                                    ["setitem", [2], {"dim": 0, "start": 1, "length": 0, "s": 1.0}]]],
+    "copy_follows_a_base_restrided_in_place": ["2d", [[[3, 2, 1, 8], 569095, ["S2", "R"], False]],
+                                               [["reshape", [0], {"shape": [3, 2, 1, 4, 2]}],
+                                                ["transpose_", [0], {"d0": 3, "d1": 1}], ["mul_", [2, 2], {}]]],
     # an empty view's meta shadow had a negative storage span
     "setitem_empty_view": ["1d4", [[[4, 3, 1], 244362, ["S2"], False]],
                            [["setitem", [0], {"dim": 2, "start": 0, "length": 0, "s": 1.0}]]],
