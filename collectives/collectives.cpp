@@ -125,26 +125,7 @@ at::Tensor to_partial_step(const RedistStep& s, const Mesh& mesh, const at::Tens
 
 }  // namespace
 
-// Under torch's collective checker (TORCH_DISTRIBUTED_DEBUG=DETAIL, vescale.debug_mode)
-// the all-gather goes through the `_out` form: the checker fingerprints that path, while
-// it forwards the plain functional all-gather unchecked, and ranks that disagree would
-// then wait out the timeout (or exchange data of the wrong size) instead of being told.
-bool collectives_checked() {
-  static const bool checked = [] {
-    const char* mode = std::getenv("TORCH_DISTRIBUTED_DEBUG");
-    return mode != nullptr && std::string(mode) == "DETAIL";
-  }();
-  return checked;
-}
-
 at::Tensor all_gather_dim0(const at::Tensor& x, int64_t k, const std::string& group) {
-  if (C10_UNLIKELY(collectives_checked())) {
-    static const auto op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::all_gather_into_tensor_out", "");
-    auto sizes = x.sizes().vec();
-    sizes.at(0) *= k;
-    return call_and_wait(op, {x.contiguous(), k, group, at::empty(sizes, x.options())});
-  }
   static const auto op = functional_op("_c10d_functional::all_gather_into_tensor");
   return call_and_wait(op, {x, k, group});
 }

@@ -52,8 +52,10 @@ def debug_mode() -> None:
     fingerprints before every collective (slow: for debugging only). Call it before
     any process group is created (before init_device_mesh), or set VESCALE_DEBUG=1.
 
-    The engine's all-gathers (Shard -> Replicate) are checked too: in this mode they go
-    through the form of torch's functional all-gather that the checker fingerprints.
+    Not checked (torch 2.13): all-gathers that vescale's engine issues (Shard ->
+    Replicate), because torch's checker forwards the functional all-gather unchecked;
+    when only one rank is in such an all-gather, the other rank's check fails after the
+    collective timeout instead, and names the rank it waited for.
     """
     if dist.is_initialized():
         warnings.warn("vescale.debug_mode(): process groups created before this call are not checked; "

@@ -153,7 +153,10 @@ def generate(rng: random.Random, mesh: str | None = None, max_steps: int = 6) ->
     while len(program.steps) < target and attempts < 200:
         attempts += 1
         op = rng.choices(OPS, weights)[0]
-        drawn = op.draw(rng, values)
+        try:
+            drawn = op.draw(rng, values)
+        except RuntimeError:  # e.g. reading autograd facts of a view torch has invalidated
+            continue
         if drawn is None:
             continue
         args, params = drawn

@@ -9,7 +9,6 @@ HOW:   kill  (SIGKILL: the process vanishes)
        raise (the victim raises, catches it and goes on to a different collective)
 POINT diverge: no training; the victim's tensor has a data-dependent number of rows, so
        its all-reduce differs from its TP partner's (run with VESCALE_DEBUG=1)
-POINT diverge_gather: the same, through an all-gather (Shard -> Replicate)
 
 Every rank writes "vescale-fault-test: rank R <event> at T" lines to stderr (T: wall clock),
 so the test can measure how long the others took to fail after the victim did.
@@ -46,22 +45,11 @@ def diverge(mesh, victim: int) -> None:
     log("finished")
 
 
-def diverge_gather(mesh, victim: int) -> None:
-    rows = 6 if dist.get_rank() == victim else 4
-    replicated = vescale.DTensor.from_local(torch.ones(rows, 4), mesh["TP"], [vescale.Replicate()])
-    sharded = replicated.redistribute(mesh["TP"], [vescale.Shard(0)])  # a local slice: no communication
-    log("redistributes")
-    sharded.redistribute(mesh["TP"], [vescale.Replicate()]).to_local().sum()  # an all-gather of 3 rows vs 2
-    log("finished")
-
-
 def main(point: str, how: str, victim: int, ckpt: str) -> None:
     mesh = vescale.init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
     rank = dist.get_rank()
     if point == "diverge":
         return diverge(mesh, victim)
-    if point == "diverge_gather":
-        return diverge_gather(mesh, victim)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2))
     parallelize_module(model, mesh["TP"], llama_plan(sequence_parallel=True))
