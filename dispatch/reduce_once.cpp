@@ -2,64 +2,46 @@
 
 #include "collectives/collectives.h"
 
-#include <atomic>
-#include <mutex>
-#include <unordered_map>
+#include "dispatch/storage_map.h"
+
 #include <vector>
 
 namespace vescale {
 
 namespace {
 
-// Shard storage -> the DTensors that keep a reduction of a shard in it. The storage is
-// held weakly, so a freed storage's reused address does not match.
-struct Keepers {
-  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> tensors;
-};
+// Shard storage -> the DTensors that keep a reduction of a shard in it.
+using Keepers = std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>>;
 
-struct Registry {
-  std::mutex mutex;
-  std::unordered_map<const void*, Keepers> by_storage;
-  std::atomic<size_t> size{0};
-};
-
-Registry& registry() {
-  static Registry r;
-  return r;
+StorageMap<Keepers>& keepers() {
+  static StorageMap<Keepers> map;
+  return map;
 }
 
 void remember_keeper(DTensorImpl& impl) {
-  const auto& local = impl.local();
-  if (!local.has_storage()) return;
-  const void* key = local.storage().unsafeGetStorageImpl();
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  auto [it, fresh] = r.by_storage.try_emplace(key, Keepers{local.storage().getWeakStorageImpl(), {}});
-  if (!fresh && it->second.storage.lock().get() != key) it->second = Keepers{local.storage().getWeakStorageImpl(), {}};
-  std::erase_if(it->second.tensors, [](const auto& weak) { return weak.expired(); });
-  it->second.tensors.emplace_back(c10::intrusive_ptr<c10::TensorImpl>::reclaim_copy(&impl));
-  r.size.store(r.by_storage.size(), std::memory_order_relaxed);
+  if (!impl.local().has_storage()) return;
+  auto& map = keepers();
+  std::lock_guard<std::mutex> lock(map.mutex);
+  auto& tensors = map.get(impl.local());
+  std::erase_if(tensors, [](const auto& weak) { return weak.expired(); });
+  tensors.emplace_back(c10::intrusive_ptr<c10::TensorImpl>::reclaim_copy(&impl));
 }
 
 }  // namespace
 
 void forget_reductions(const at::Tensor& written_local) {
-  auto& r = registry();
-  if (r.size.load(std::memory_order_relaxed) == 0 || !written_local.has_storage()) return;
-  const void* key = written_local.storage().unsafeGetStorageImpl();
-  std::vector<c10::intrusive_ptr<c10::TensorImpl>> keepers;
+  auto& map = keepers();
+  if (map.size() == 0 || !written_local.has_storage()) return;
+  std::vector<c10::intrusive_ptr<c10::TensorImpl>> alive;
   {
-    std::lock_guard<std::mutex> lock(r.mutex);
-    auto it = r.by_storage.find(key);
-    if (it == r.by_storage.end()) return;
-    if (it->second.storage.lock().get() == key)
-      for (auto& weak : it->second.tensors)
-        if (auto strong = weak.lock()) keepers.push_back(std::move(strong));
-    r.by_storage.erase(it);
-    r.size.store(r.by_storage.size(), std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(map.mutex);
+    Keepers* tensors = map.find(written_local);
+    if (tensors == nullptr) return;
+    for (auto& weak : *tensors)
+      if (auto strong = weak.lock()) alive.push_back(std::move(strong));
+    map.erase(written_local);
   }
-  for (auto& impl : keepers) static_cast<DTensorImpl*>(impl.get())->drop_reduced();
+  for (auto& impl : alive) static_cast<DTensorImpl*>(impl.get())->drop_reduced();
 }
 
 at::Tensor laid_out_as(DTensorImpl& impl, const RedistPlan& plan, const SpecPtr& target, bool keep) {

@@ -3,11 +3,9 @@
 #include "collectives/collectives.h"
 #include "collectives/redistribute_plan.h"
 #include "dispatch/reduce_once.h"
+#include "dispatch/storage_map.h"
 
 #include <algorithm>
-#include <atomic>
-#include <mutex>
-#include <unordered_map>
 #include <vector>
 
 namespace vescale {
@@ -16,42 +14,16 @@ namespace {
 
 using Record = DTensorImpl::CopyOf;
 
-// The copies taken from tensors sharing one shard storage. The storage is held weakly:
-// an address can be reused by a new storage after the old one is freed, on some ranks
-// and not others, so a key only counts while its storage is the one registered. (The
-// records hold their base, so a dead storage means every copy under it is dead too, on
-// every rank: such an entry can go without asking the others.)
-struct Entry {
-  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-  std::vector<std::weak_ptr<const Record>> copies;
-};
+// Shard storage -> the copies taken from tensors with a shard in it.
+using Copies = std::vector<std::weak_ptr<const Record>>;
 
-struct Registry {
-  std::mutex mutex;
-  std::unordered_map<const void*, Entry> entries;
-  std::atomic<size_t> size{0};  // entries; read without the lock on every write
-};
-
-Registry& registry() {
-  static Registry r;
-  return r;
+StorageMap<Copies>& registry() {
+  static StorageMap<Copies> map;
+  return map;
 }
 
 const void* storage_key(const at::Tensor& local) {
   return local.has_storage() ? local.storage().unsafeGetStorageImpl() : nullptr;
-}
-
-// The entry of `local`'s storage, or null; drops an entry left by a freed storage whose
-// address was reused. Call with the lock held.
-Entry* find_entry(Registry& r, const at::Tensor& local) {
-  const void* key = storage_key(local);
-  auto it = r.entries.find(key);
-  if (it == r.entries.end()) return nullptr;
-  auto alive = it->second.storage.lock();
-  if (alive && alive.get() == key) return &it->second;
-  r.entries.erase(it);
-  r.size.fetch_sub(1);
-  return nullptr;
 }
 
 // `from` laid out as `to_spec` (same global shape), copied into `to_local`.
@@ -77,12 +49,13 @@ at::Tensor snapshot(const at::Tensor& base) {
 // the one whose shard is `skip` (it was just pushed back, so it is current).
 void refresh_copies(DTensorImpl& written, const void* skip) {
   auto& r = registry();
+  if (!written.local().has_storage()) return;
   std::vector<std::shared_ptr<const Record>> live;
   {
     std::lock_guard<std::mutex> lock(r.mutex);
-    Entry* entry = find_entry(r, written.local());
-    if (entry == nullptr) return;
-    for (auto& weak : entry->copies) live.push_back(weak.lock());  // null where gone on this rank
+    Copies* copies = r.find(written.local());
+    if (copies == nullptr) return;
+    for (auto& weak : *copies) live.push_back(weak.lock());  // null where gone on this rank
   }
   // Copies are registered in the same order on every rank, so position k names the
   // same copy everywhere. A copy gone on any rank is unreachable: dropped everywhere.
@@ -91,13 +64,10 @@ void refresh_copies(DTensorImpl& written, const void* skip) {
   const auto everywhere = collectives::all_ranks(*written.spec()->mesh, here);
   {
     std::lock_guard<std::mutex> lock(r.mutex);
-    if (Entry* entry = find_entry(r, written.local())) {
+    if (Copies* copies = r.find(written.local())) {
       size_t k = 0;
-      std::erase_if(entry->copies, [&](const auto&) { return k < everywhere.size() && !everywhere[k++]; });
-      if (entry->copies.empty()) {
-        r.entries.erase(storage_key(written.local()));
-        r.size.fetch_sub(1);
-      }
+      std::erase_if(*copies, [&](const auto&) { return k < everywhere.size() && !everywhere[k++]; });
+      if (copies->empty()) r.erase(written.local());
     }
   }
   // Each copy is refreshed from the tensor it was taken from (the write may have come
@@ -118,17 +88,12 @@ void record_view_of_copy(const at::Tensor& view, const at::Tensor& base, at::Ten
   if (!local.has_storage()) return;
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  Entry* entry = find_entry(r, local);
-  if (entry == nullptr) {
-    entry = &r.entries.try_emplace(storage_key(local), Entry{local.storage().getWeakStorageImpl(), {}}).first->second;
-    r.size.fetch_add(1);
-  }
-  entry->copies.push_back(record);
+  r.get(local).push_back(record);
 }
 
 void after_write(const at::Tensor& written, const void* skip) {
   auto* impl = dtensor_impl(written);
-  if (registry().size.load(std::memory_order_relaxed) != 0) refresh_copies(*impl, skip);
+  if (registry().size() != 0) refresh_copies(*impl, skip);
   if (const auto record = impl->copy_of) {
     // The write went into the copy (the view's shard is part of it): the base takes
     // the whole copy back in its own layout, and what aliases the base follows.
@@ -140,19 +105,14 @@ void after_write(const at::Tensor& written, const void* skip) {
 
 void moved_shard(const at::Tensor& old_local, const at::Tensor& new_local) {
   auto& r = registry();
-  if (r.size.load(std::memory_order_relaxed) == 0 || !new_local.has_storage()) return;
+  if (r.size() == 0 || !old_local.has_storage() || !new_local.has_storage()) return;
   std::lock_guard<std::mutex> lock(r.mutex);
-  Entry* old_entry = find_entry(r, old_local);
-  if (old_entry == nullptr) return;
-  auto moved = std::move(old_entry->copies);
-  r.entries.erase(storage_key(old_local));
-  r.size.fetch_sub(1);
-  Entry* entry = find_entry(r, new_local);
-  if (entry == nullptr) {
-    entry = &r.entries.try_emplace(storage_key(new_local), Entry{new_local.storage().getWeakStorageImpl(), {}}).first->second;
-    r.size.fetch_add(1);
-  }
-  entry->copies.insert(entry->copies.end(), moved.begin(), moved.end());
+  Copies* old_copies = r.find(old_local);
+  if (old_copies == nullptr) return;
+  Copies moved = std::move(*old_copies);
+  r.erase(old_local);
+  auto& copies = r.get(new_local);
+  copies.insert(copies.end(), moved.begin(), moved.end());
 }
 
 }  // namespace vescale
