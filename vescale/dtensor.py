@@ -82,7 +82,10 @@ class DTensor(torch.Tensor, metaclass=_DTensorMeta):
         return _C.from_local(local_tensor, _register(mesh), cp, shape, list(stride))
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
-        """This rank's shard (shares storage). Differentiable."""
+        """This rank's shard (shares storage). Differentiable; where the tensor is Partial, the
+        shard's gradient is taken as the whole (replicated) gradient unless
+        ``grad_placements`` says otherwise. The shard is not an autograd view of the DTensor:
+        an in-place op on one changes the other's values, not its gradient path."""
         return _C.to_local(self, None if grad_placements is None else to_c(grad_placements))
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
