@@ -75,15 +75,14 @@ uint32_t version_of(const c10::TensorImpl& impl) { return impl.version_counter()
 
 const DTensorImpl::Reduced* DTensorImpl::reduced() const {
   // keep_reduced keeps nothing for inference tensors, which have no version counter.
-  if (reduced_from_ == nullptr || reduced_from_ != spec_) return nullptr;
+  if (!kept_for_spec() || !reduced_.local.defined()) return nullptr;
   if (version_of(*this) != reduced_version_ || version_of(*local_.unsafeGetTensorImpl()) != reduced_local_version_)
     return nullptr;
   return &reduced_;
 }
 
 void DTensorImpl::drop_reduced() {
-  reduced_ = Reduced{};
-  reduced_from_ = nullptr;
+  reduced_ = Reduced{};  // kept_for_spec() stays what it was, as on every other rank
 }
 
 void DTensorImpl::keep_reduced(at::Tensor local, SpecPtr spec) {

@@ -43,6 +43,10 @@ class DTensorImpl final : public c10::TensorImpl {
     SpecPtr spec;
   };
   const Reduced* reduced() const;
+  // Whether a reduction was kept for the current spec, valid or not since: the same on
+  // every rank (keeping is), unlike validity (a write can reach the shard's storage through
+  // an alias that only some ranks have, e.g. from_local's layout copy).
+  bool kept_for_spec() const { return reduced_from_ != nullptr && reduced_from_ == spec_; }
   void keep_reduced(at::Tensor local, SpecPtr spec);
   void drop_reduced();
 

@@ -48,7 +48,12 @@ at::Tensor laid_out_as(DTensorImpl& impl, const RedistPlan& plan, const SpecPtr&
   const auto& src = *impl.spec();
   if (C10_LIKELY(!any_partial(src.placements)))
     return collectives::execute_redistribution(plan, *src.mesh, src.shape, src.stride, impl.local());
-  if (const auto* kept = impl.reduced()) {
+  // Ranks agree before using a kept reduction: the moves from it and a fresh reduction are
+  // different collectives.
+  const auto* kept = impl.kept_for_spec() && collectives::all_ranks(*src.mesh, impl.reduced() != nullptr)
+                         ? impl.reduced()
+                         : nullptr;
+  if (kept != nullptr) {
     if (kept->spec == target) return kept->local;
     const auto moves = plan_redistribution(*kept->spec, target->placements);
     return collectives::execute_redistribution(moves, *src.mesh, src.shape, src.stride, kept->local);

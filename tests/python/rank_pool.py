@@ -36,8 +36,12 @@ def _worker(rank: int, world: int, port: int, conn, path: list[str]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS=threads,
                       VESCALE_COLLECTIVE_TIMEOUT=str(_TIMEOUT_S))  # the meshes' groups, as the world's
+    import faulthandler
+
     import torch
     import torch.distributed as dist
+
+    faulthandler.enable()  # a rank that crashes in C++ says where, instead of vanishing
 
     torch.set_num_threads(int(threads))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=_TIMEOUT_S))
