@@ -155,13 +155,15 @@ bool all_ranks(const Mesh& mesh, bool value) { return all_ranks(mesh, std::vecto
 
 std::vector<bool> all_ranks(const Mesh& mesh, const std::vector<bool>& values) {
   auto flags = at::empty({static_cast<int64_t>(values.size())}, at::TensorOptions().dtype(at::kInt));
-  for (size_t k = 0; k < values.size(); ++k) flags[static_cast<int64_t>(k)] = values[k] ? 1 : 0;
+  int32_t* in = flags.data_ptr<int32_t>();
+  for (size_t k = 0; k < values.size(); ++k) in[k] = values[k] ? 1 : 0;
   flags = flags.to(mesh.device_type);
   for (size_t m = 0; m < mesh.shape.size(); ++m)
     if (mesh.shape[m] > 1) flags = all_reduce(flags, ReduceOp::Min, mesh.group_names[m]);
-  flags = flags.cpu();
+  flags = flags.cpu().contiguous();
+  const int32_t* out_flags = flags.data_ptr<int32_t>();
   std::vector<bool> out(values.size());
-  for (size_t k = 0; k < values.size(); ++k) out[k] = flags[static_cast<int64_t>(k)].item<int>() == 1;
+  for (size_t k = 0; k < values.size(); ++k) out[k] = out_flags[k] == 1;
   return out;
 }
 

@@ -1,5 +1,4 @@
 #include "dispatch/api.h"
-#include "dispatch/reduce_once.h"
 
 #include "collectives/collectives.h"
 #include "dispatch/dtensor_impl.h"
@@ -118,9 +117,8 @@ at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placeme
   const auto& src = impl->spec();
   auto dst = with_placements(src, placements);
   const auto plan = plan_redistribution(*src, dst->placements);
-  auto local = laid_out_as(*impl, plan, dst, /*keep=*/false);
-  const auto* kept = impl->reduced();
-  if (plan.empty() || (kept != nullptr && local.is_alias_of(kept->local))) local = local.clone();
+  auto local = collectives::execute_redistribution(plan, *src->mesh, src->shape, src->stride, impl->local());
+  if (plan.empty()) local = local.clone();
   return make_dtensor(std::move(local), std::move(dst));
 }
 

@@ -53,6 +53,8 @@ void DTensorImpl::shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& i
   copy_tensor_metadata(other, this, version_counter(), allow_tensor_metadata_change());
   local_ = other->local_;
   spec_ = other->spec_;
+  reduced_ = Reduced{};  // of the old data (the spec may be the same interned object)
+  reduced_from_ = nullptr;
 }
 
 void DTensorImpl::relayout(at::Tensor local, SpecPtr spec) {

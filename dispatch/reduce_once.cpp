@@ -44,7 +44,7 @@ void forget_reductions(const at::Tensor& written_local) {
   for (auto& impl : alive) static_cast<DTensorImpl*>(impl.get())->drop_reduced();
 }
 
-at::Tensor laid_out_as(DTensorImpl& impl, const RedistPlan& plan, const SpecPtr& target, bool keep) {
+at::Tensor laid_out_as(DTensorImpl& impl, const RedistPlan& plan, const SpecPtr& target) {
   const auto& src = *impl.spec();
   if (C10_LIKELY(!any_partial(src.placements)))
     return collectives::execute_redistribution(plan, *src.mesh, src.shape, src.stride, impl.local());
@@ -59,7 +59,7 @@ at::Tensor laid_out_as(DTensorImpl& impl, const RedistPlan& plan, const SpecPtr&
     return collectives::execute_redistribution(moves, *src.mesh, src.shape, src.stride, kept->local);
   }
   auto local = collectives::execute_redistribution(plan, *src.mesh, src.shape, src.stride, impl.local());
-  if (keep && !any_partial(target->placements)) {
+  if (!any_partial(target->placements)) {
     impl.keep_reduced(local, target);
     remember_keeper(impl);
   }
