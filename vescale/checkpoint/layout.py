@@ -56,6 +56,10 @@ def unwrap(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DDP) else module
 
 
+def _is_pipeline(module: nn.Module) -> bool:
+    return hasattr(module, "_data_parallel")  # PipelineParallel: names without its "module." prefix
+
+
 def local_box(t: torch.Tensor) -> Box:
     """This rank's box of a DTensor (its shard), or the whole of a plain tensor."""
     if not isinstance(t, DTensor):
@@ -141,7 +145,7 @@ def _module(layout: Layout, key: str, module: nn.Module, zero3: dict) -> None:
 
 def _persistent(module: nn.Module, name: str) -> bool:
     owner, _, leaf = name.rpartition(".")
-    sub = module.get_submodule(owner) if owner else module
+    sub = module.get_submodule(owner) if owner else getattr(module, "module", module) if _is_pipeline(module) else module
     return leaf not in sub._non_persistent_buffers_set
 
 

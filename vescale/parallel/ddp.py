@@ -79,6 +79,8 @@ class DDP(nn.Module):
         self._sync = True
         self._callback_queued = False
         self.buckets = self._make_buckets(bucket_cap_mb)
+        if hasattr(module, "_data_parallel"):  # a PipelineParallel: it reduces once per step, after its schedule
+            module._data_parallel = self
         # deferred tensors get the same values on every rank when materialised: no broadcast,
         # and ZeRO-3 (DistributedOptimizer) materialises only each rank's slices
         self._deferred = has_deferred(module)
@@ -104,6 +106,11 @@ class DDP(nn.Module):
             yield
         finally:
             self._sync = old
+
+    def sync_gradients(self) -> None:
+        """Reduces every gradient now: after backward passes run under ``no_sync``
+        (gradient accumulation, or a pipeline schedule's micro-batches)."""
+        self._finish()
 
     # ---- set-up ----
 

@@ -27,6 +27,7 @@ import torch.nn as nn
 from ..device_mesh import DeviceMesh
 from ..dtensor import DTensor, distribute_tensor
 from ..placement_types import Placement, Replicate, Shard
+from .pipeline.stage import is_elsewhere
 
 __all__ = ["parallelize_module"]
 
@@ -108,6 +109,8 @@ def _distribute_parameters(module: nn.Module, mesh: DeviceMesh, plan: dict) -> N
 
     for e in entries.values():
         tensor = e["tensor"]
+        if is_elsewhere(tensor):  # another pipeline stage holds it
+            continue
         placements = e["explicit"][1] if e["explicit"] else [Replicate()] * mesh.ndim
         dt = distribute_tensor(tensor.detach(), mesh, placements)
         if isinstance(tensor, nn.Parameter):
@@ -125,8 +128,8 @@ def _distribute_parameters(module: nn.Module, mesh: DeviceMesh, plan: dict) -> N
 # ---- forward hooks ------------------------------------------------------------------------
 
 def _convert(value, placements, mesh: DeviceMesh, where: str):
-    if placements is None or not isinstance(value, torch.Tensor):
-        return value
+    if placements is None or not isinstance(value, torch.Tensor) or value.is_meta:
+        return value  # meta: a pipeline stage working out the shapes of another stage's module
     placements = _checked_placements(placements, mesh, value, where)
     if isinstance(value, DTensor):
         return value.redistribute(mesh, placements)

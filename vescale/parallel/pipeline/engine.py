@@ -1,0 +1,317 @@
+"""``PipelineParallel``: an unmodified model cut into stages over the pipeline dim of a
+mesh, trained one schedule per ``step``."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ...deferred import has_deferred, materialize_module
+from ...device_mesh import DeviceMesh
+from ...dtensor import DTensor
+from ..ddp import local_of
+from .p2p import Boundary
+from .schedules import Schedule, make_schedule
+from .split import Layout, PipelineSplitError, assign_blocks, find_layout
+from .stage import StageRunner, StageSpec, is_elsewhere, meta_twin_of, reached_dummies
+
+SPLIT_METHODS = ("uniform", "parameters", "flops", "time")
+
+
+class PipelineParallel(nn.Module):
+    """``model`` cut into ``mesh.size(pp_dim) * virtual_stages`` stages between its blocks.
+
+    This rank keeps the parameters of its own stages; the others become ``meta`` (with
+    ``vescale.deferred_init`` they are never built). ``parameters()``, ``state_dict()`` and
+    checkpoints see only this rank's parameters, under the model's own names.
+
+    ``split``: a list of block names that start stages 1, 2, ... (e.g.
+    ``["model.layers.8"]``), or a method: ``"uniform"`` (equal block counts),
+    ``"parameters"`` (balanced parameter counts, embedding and head included),
+    ``"flops"`` / ``"time"`` (balanced forward+backward cost measured on ``sample``, a
+    micro-batch of inputs, as ``(args, kwargs)``).
+
+    Apply tensor parallelism to the model after this (``parallelize_module`` leaves the
+    other stages' parameters alone); wrap in ``DDP`` / ``DistributedOptimizer`` as usual.
+    """
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, *, split: str | Sequence[str] = "uniform",
+                 schedule: str = "1f1b", microbatches: int = 1, virtual_stages: int = 1,
+                 pp_dim: str = "PP", blocks: str | None = None, sample: tuple | None = None):
+        super().__init__()
+        self.module = model
+        self.mesh, self.pp_dim = mesh, pp_dim
+        self.pp_size = mesh.size(pp_dim)
+        self.pp_rank = mesh.get_local_rank(pp_dim)
+        self.group = mesh.get_group(pp_dim)
+        self.layout: Layout = find_layout(model, blocks)
+        self.schedule: Schedule = make_schedule(schedule, self.pp_size, microbatches, virtual_stages)
+        self.ranges = self._ranges(split, sample)
+        self.specs = self._specs()
+        self.local_stages = self.schedule.stages_of(self.pp_rank)
+        self._data_parallel = None   # set by DDP when it wraps this pipeline
+        self._shared = self._strip_other_stages()
+        self.runner = StageRunner(model, self.layout, self.specs, self.local_stages, torch.device(mesh.device_type))
+        self.boundary = Boundary(self.group, mesh, self.schedule.stages)
+        self._checked: set[int] = set()
+        self._synced_shared = False
+
+    # ---- set-up ----
+
+    def _ranges(self, split, sample) -> list[tuple[int, int]]:
+        stages = self.schedule.stages
+        if isinstance(split, str) and split not in SPLIT_METHODS:
+            raise PipelineSplitError(f"unknown split method {split!r}; use one of {SPLIT_METHODS} or a list of "
+                                     f"{stages - 1} block names")
+        if isinstance(split, str) and split != "uniform":
+            from .profile import block_costs
+            costs, pre, post = block_costs(self.module, self.layout, split, sample)
+            return assign_blocks(self.layout, stages, split, costs, pre, post)
+        return assign_blocks(self.layout, stages, split)
+
+    def _specs(self) -> list[StageSpec]:
+        S, layout, specs = len(self.ranges), self.layout, []
+        for s, (a, b) in enumerate(self.ranges):
+            units = {u.name for u in layout.blocks[a:b]}
+            if s == 0:
+                units |= {u.name for u in layout.pre}
+            if s == S - 1:
+                units |= {u.name for u in layout.post}
+            specs.append(StageSpec(s, a, b, frozenset(units), s == 0, s == S - 1,
+                                   None if s == 0 else layout.blocks[a].name))
+        return specs
+
+    def _strip_other_stages(self) -> list[tuple[torch.Tensor, list[int]]]:
+        """Tensors of units this rank does not hold become meta; returns the parameters
+        that several ranks hold (tied across stages, or glue), with their holder ranks."""
+        holders: dict[int, set[int]] = {}
+        tensors: dict[int, torch.Tensor] = {}
+        for spec in self.specs:
+            for unit in self.layout.units:
+                if unit.name in spec.units:
+                    for t in _tensors(unit.module):
+                        holders.setdefault(id(t), set()).add(self.schedule.rank_of(spec.index))
+                        tensors[id(t)] = t
+        everyone = set(range(self.pp_size))
+        for name in self.layout.glue_parameters:
+            t = self.module.get_parameter(name)
+            holders[id(t)], tensors[id(t)] = everyone, t
+        twins: dict[int, torch.Tensor] = {}
+        for sub in self.module.modules():
+            for table in (sub._parameters, sub._buffers):
+                for name, t in list(table.items()):
+                    if t is None or id(t) not in holders or self.pp_rank in holders[id(t)]:
+                        continue
+                    if id(t) not in twins:
+                        twins[id(t)] = meta_twin_of(t, t.requires_grad)
+                    table[name] = twins[id(t)]
+        shared = [(tensors[i], sorted(r)) for i, r in holders.items()
+                  if len(r) > 1 and self.pp_rank in r and isinstance(tensors[i], nn.Parameter)]
+        return self._shared_groups(holders, tensors, shared)
+
+    def _shared_groups(self, holders, tensors, shared):
+        """A process group per set of holder ranks (at this rank's other mesh coordinates).
+        Every rank creates every group, in the same order, as torch.distributed requires."""
+        sets = sorted({tuple(sorted(r)) for r in holders.values() if len(r) > 1})
+        pp = self.mesh._dim(self.pp_dim)
+        groups = {}
+        ranks = self.mesh.mesh.movedim(pp, -1).reshape(-1, self.pp_size)
+        for members in sets:
+            for row in ranks.tolist():
+                g = dist.new_group([row[m] for m in members])
+                if dist.get_rank() in row:
+                    groups[members] = g
+        return [(p, groups[tuple(r)], r) for p, r in shared]
+
+    # ---- parameters: only this rank's ----
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        for name, p in self.module.named_parameters(prefix, recurse, remove_duplicate):
+            if not is_elsewhere(p):
+                yield name, p
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        for name, b in self.module.named_buffers(prefix, recurse, remove_duplicate):
+            if not is_elsewhere(b):
+                yield name, b
+
+    def state_dict(self, *args, **kwargs):
+        sd = self.module.state_dict(*args, **kwargs)
+        return type(sd)((k, v) for k, v in sd.items() if not is_elsewhere(v))
+
+    def get_submodule(self, target: str) -> nn.Module:
+        return self.module.get_submodule(target)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a PipelineParallel model trains through step(...) (forward and backward of every "
+                           "micro-batch in the schedule's order), not through a call")
+
+    # ---- one training step ----
+
+    def step(self, *args, target=None, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor:
+        """Forward and backward of one batch through the schedule; gradients of this rank's
+        parameters are accumulated (``.grad``) as a single-device backward of the batch's
+        loss would give them. The batch (``args`` / ``kwargs``, and ``target``) is cut
+        into micro-batches along dim 0; every stage needs it (the glue runs everywhere).
+        The loss is ``loss_fn(output, target)`` on the micro-batch, else what the model
+        returns (a scalar, or an output with ``.loss``); the batch loss is the mean over
+        micro-batches weighted by their size. Returns it on every rank."""
+        if has_deferred(self.module):
+            materialize_module(self.module)
+        if not self._synced_shared:
+            self._broadcast_shared()
+        mbs = _microbatches(args, kwargs, target, self.schedule.microbatches)
+        ddp = self._data_parallel
+        sends, states, losses = [], {}, []
+        with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
+            for action in self.schedule.orders[self.pp_rank]:
+                if action.kind == "F":
+                    self._forward(action.stage, action.mb, mbs[action.mb], loss_fn, states, sends, losses)
+                elif action.kind in ("B", "I"):
+                    self._backward(action.stage, action.mb, states, sends, split=action.kind == "I")
+                else:
+                    self._backward_weight(action.stage, action.mb, states)
+            for work, _ in sends:
+                work.wait()
+        self._reduce_shared_grads()
+        if ddp is not None:
+            ddp.sync_gradients()
+        return self._batch_loss(losses)
+
+    def _forward(self, s: int, mb: int, batch, loss_fn, states, sends, losses) -> None:
+        spec = self.specs[s]
+        args, kwargs, target, weight, key = batch
+        received, leaves = None, []
+        if not spec.first:
+            positions, leaves, values = self.boundary.recv_forward(s - 1, mb, key, self.schedule.rank_of(s - 1))
+            received = (positions, values)
+        kind, a, b, dummies = self.runner.run(spec, args, kwargs, received)
+        if kind == "end":
+            outputs, works = self.boundary.send_forward(s, mb, key, self.schedule.rank_of(s + 1), a, b)
+            sends += works
+        else:
+            loss = _loss_of(a, target, loss_fn)
+            losses.append((loss.detach(), weight))
+            outputs = [loss * weight]
+        if s not in self._checked:
+            self._check_cut(spec, outputs, dummies or [])
+        states[(s, mb)] = {"outputs": outputs, "leaves": leaves}
+
+    def _check_cut(self, spec: StageSpec, outputs, dummies) -> None:
+        hit = reached_dummies([o for o in outputs if o.requires_grad], dummies)
+        if hit:
+            raise PipelineSplitError(
+                f"stage {spec.index} (from split point {spec.split_point!r}) uses the output of {hit[0]!r}, which "
+                f"runs on an earlier stage, other than through its first block's inputs: that value would have to "
+                f"cross the cut; choose split points that keep them together")
+        self._checked.add(spec.index)
+
+    def _backward(self, s: int, mb: int, states, sends, split: bool) -> None:
+        spec, state = self.specs[s], states[(s, mb)]
+        outputs = state["outputs"]
+        grads = None if spec.last else self.boundary.recv_backward(s, mb, self.schedule.rank_of(s + 1), outputs)
+        if split and not spec.first:
+            weights = self._stage_parameters(s)
+            _, state["param_groups"] = stage_backward_input(outputs, grads, state["leaves"], iter(weights))
+        else:
+            torch.autograd.backward(outputs, grads)
+            del states[(s, mb)]
+        if not spec.first:
+            sends += self.boundary.send_backward(s, mb, self.schedule.rank_of(s - 1), state["leaves"])
+
+    def _backward_weight(self, s: int, mb: int, states) -> None:
+        state = states.pop((s, mb), None)
+        if state is not None:  # the first stage ran its whole backward in I
+            stage_backward_weight(iter(self._stage_parameters(s)), state["param_groups"])
+
+    def _stage_parameters(self, s: int) -> list[nn.Parameter]:
+        if not hasattr(self, "_stage_params"):
+            self._stage_params = {}
+        if s not in self._stage_params:
+            seen, out = set(), []
+            for unit in self.layout.units:
+                if unit.name in self.specs[s].units:
+                    for p in unit.module.parameters():
+                        if p.requires_grad and id(p) not in seen:
+                            seen.add(id(p))
+                            out.append(p)
+            self._stage_params[s] = out
+        return self._stage_params[s]
+
+    # ---- parameters several ranks hold ----
+
+    def _broadcast_shared(self) -> None:
+        """Tied parameters start equal on every holder (the first holder's values)."""
+        with torch.no_grad():
+            for p, group, holders in self._shared:
+                src = dist.get_global_rank(group, 0)
+                dist.broadcast(local_of(p), src=src, group=group)
+        self._synced_shared = True
+
+    def _reduce_shared_grads(self) -> None:
+        for p, group, _ in self._shared:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(local_of(p.grad), group=group)
+
+    def _batch_loss(self, losses) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64)
+        for loss, weight in losses:
+            value = loss.full_tensor() if isinstance(loss, DTensor) else loss
+            total += value.double() * weight
+        last = self.schedule.rank_of(self.schedule.stages - 1)
+        dist.broadcast(total, src=dist.get_global_rank(self.group, last), group=self.group)
+        return total
+
+
+def _tensors(module: nn.Module):
+    for sub in module.modules():
+        for t in list(sub._parameters.values()) + list(sub._buffers.values()):
+            if t is not None:
+                yield t
+
+
+def _loss_of(output, target, loss_fn):
+    if loss_fn is not None:
+        return loss_fn(output, target)
+    if isinstance(output, torch.Tensor):
+        loss = output
+    elif getattr(output, "loss", None) is not None:
+        loss = output.loss
+    elif isinstance(output, dict) and "loss" in output:
+        loss = output["loss"]
+    else:
+        raise TypeError(f"the model returned {type(output).__name__}, not a loss: pass loss_fn=(output, target) -> "
+                        f"loss to PipelineParallel.step")
+    if loss.dim() != 0:
+        raise ValueError(f"the pipeline's loss must be a scalar, got shape {tuple(loss.shape)}")
+    return loss
+
+
+def _microbatches(args, kwargs, target, m: int) -> list[tuple]:
+    """The batch cut along dim 0 into ``m`` micro-batches: (args, kwargs, target, weight,
+    key); tensors without the batch dim go whole to each. ``key`` describes the shapes."""
+    leaves, tree = tree_flatten((args, kwargs, target))
+    sizes = [x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if not sizes:
+        raise ValueError("PipelineParallel.step needs at least one batch tensor (dim 0 = batch) to cut "
+                         "into micro-batches")
+    batch = sizes[0]
+    if batch < m:
+        raise ValueError(f"a batch of {batch} cannot be cut into {m} micro-batches; give at least {m} samples")
+    cut = [torch.tensor_split(x, m) if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch else None
+           for x in leaves]
+    out = []
+    for i in range(m):
+        mine = [c[i] if c is not None else x for c, x in zip(cut, leaves)]
+        n = next(c[i].shape[0] for c in cut if c is not None)
+        key = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in mine)
+        a, k, t = tree_unflatten(mine, tree)
+        out.append((a, k, t, n / batch, key))
+    return out

@@ -1,0 +1,174 @@
+"""Point-to-point transfer of what crosses a stage boundary, over the pipeline's group.
+
+DTensors cross as their local shards and are rebuilt with the same placements on the
+receiver's mesh (Partial values are reduced first). The receiver learns dtype, shapes and
+placements from a small header. Both ends see the same micro-batch, so they key the
+header by the micro-batch's input shapes: the first time a key occurs on a boundary the
+header is sent, later the receiver knows it and only the payload moves (sequence length
+may change between steps; each new shape costs one header). Gradients travel back with
+the shapes of the forward's local tensors, which the receiver of the gradient sent
+itself: no header.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+
+from ...dtensor import DTensor
+from ...placement_types import Partial, Replicate, Shard
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+_HEADER = 512          # int64 words; the first holds the length used
+_SLOTS = 64            # tensors per boundary (one tag each) plus the header
+_CACHE = 256           # header keys remembered per boundary (both ends evict alike)
+_FORWARD, _BACKWARD = 0, 1
+
+
+class Boundary:
+    """Sends and receives for one pipeline rank."""
+
+    def __init__(self, group, mesh, stages: int):
+        self.group, self.mesh, self.stages = group, mesh, stages
+        self._sent: dict[int, OrderedDict] = {}
+        self._known: dict[int, OrderedDict] = {}
+        self._submeshes: dict[tuple, object] = {}
+
+    # ---- forward: activations ----
+
+    def send_forward(self, stage: int, mb: int, key, dst: int, positions: list[int],
+                     tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
+        """Sends ``tensors`` (stage ``stage``'s outputs) to group rank ``dst``; returns the
+        local tensors to run the backward from and the pending sends."""
+        if len(tensors) >= _SLOTS:
+            raise ValueError(f"{len(tensors)} tensors cross the boundary after stage {stage}; at most {_SLOTS - 1}")
+        locals_, described = [], []
+        for t in tensors:
+            if isinstance(t, DTensor):
+                if any(isinstance(p, Partial) for p in t.placements):
+                    t = t.redistribute(placements=[Replicate() if isinstance(p, Partial) else p
+                                                   for p in t.placements])
+                local = t.to_local()
+                described.append((local, t))
+            else:
+                local = t
+                described.append((local, None))
+            locals_.append(local)
+        works = []
+        cache = self._sent.setdefault(stage, OrderedDict())
+        if _remember(cache, key):
+            header = self._encode(positions, described)
+            works.append((dist.isend(header, group=self.group, group_dst=dst, tag=self._tag(_FORWARD, stage, mb, 0)),
+                          header))
+        for i, local in enumerate(locals_):
+            payload = local.detach().contiguous()
+            works.append((dist.isend(payload, group=self.group, group_dst=dst,
+                                     tag=self._tag(_FORWARD, stage, mb, i + 1)), payload))
+        return locals_, works
+
+    def recv_forward(self, stage: int, mb: int, key, src: int):
+        """What stage ``stage`` sent: (positions, leaves requiring grad, values to put in)."""
+        cache = self._known.setdefault(stage, OrderedDict())
+        if _remember(cache, key):
+            header = torch.empty(_HEADER, dtype=torch.int64)
+            dist.irecv(header, group=self.group, group_src=src, tag=self._tag(_FORWARD, stage, mb, 0)).wait()
+            cache[key] = self._decode(header)
+        positions, specs = cache[key]
+        leaves, values = [], []
+        for i, (dtype, local_shape, global_shape, mesh_names, placements) in enumerate(specs):
+            buf = torch.empty(local_shape, dtype=dtype)
+            dist.irecv(buf, group=self.group, group_src=src, tag=self._tag(_FORWARD, stage, mb, i + 1)).wait()
+            if buf.is_floating_point() or buf.is_complex():
+                buf.requires_grad_()
+            leaves.append(buf)
+            if mesh_names is None:
+                values.append(buf)
+            else:
+                values.append(DTensor.from_local(buf, self._submesh(mesh_names), placements, shape=global_shape))
+        return positions, leaves, values
+
+    # ---- backward: gradients ----
+
+    def send_backward(self, stage: int, mb: int, dst: int, leaves: list[torch.Tensor]) -> list:
+        """Sends the gradients of stage ``stage``'s received inputs back to group rank ``dst``."""
+        works = []
+        for i, leaf in enumerate(leaves):
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            grad = grad.contiguous()
+            works.append((dist.isend(grad, group=self.group, group_dst=dst,
+                                     tag=self._tag(_BACKWARD, stage, mb, i + 1)), grad))
+        return works
+
+    def recv_backward(self, stage: int, mb: int, src: int, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients for stage ``stage``'s sent ``outputs`` (local tensors)."""
+        grads = []
+        for i, out in enumerate(outputs):
+            buf = torch.empty(out.shape, dtype=out.dtype)
+            dist.irecv(buf, group=self.group, group_src=src, tag=self._tag(_BACKWARD, stage + 1, mb, i + 1)).wait()
+            grads.append(buf)
+        return grads
+
+    # ---- helpers ----
+
+    def _tag(self, direction: int, stage: int, mb: int, slot: int) -> int:
+        return (((mb * self.stages + stage) * 2 + direction) * _SLOTS + slot) % (2**31 - 1)
+
+    def _submesh(self, names: tuple):
+        if names not in self._submeshes:
+            self._submeshes[names] = self.mesh[names]
+        return self._submeshes[names]
+
+    def _encode(self, positions: list[int], described: list) -> torch.Tensor:
+        words = [len(positions), *positions]
+        dim_names = list(self.mesh.mesh_dim_names or ())
+        for local, dt in described:
+            words += [_DTYPES.index(local.dtype), local.dim(), *local.shape]
+            if dt is None:
+                words.append(-1)
+                continue
+            names = dt.device_mesh.mesh_dim_names
+            if not names or any(n not in dim_names for n in names):
+                raise ValueError(f"a DTensor on mesh {dt.device_mesh} crosses a pipeline boundary; its mesh dims must "
+                                 f"be named dims of the pipeline's mesh {self.mesh}")
+            words += [len(names), *dt.shape]
+            for n, p in zip(names, dt.placements):
+                words += [dim_names.index(n), p.dim if isinstance(p, Shard) else -1]
+        if len(words) + 1 > _HEADER:
+            raise ValueError("the boundary's description does not fit the pipeline header")
+        return torch.tensor([len(words) + 1, *words] + [0] * (_HEADER - len(words) - 1), dtype=torch.int64)
+
+    def _decode(self, header: torch.Tensor) -> tuple[list[int], list]:
+        w = header.tolist()[1:header[0]]
+        n = w[0]
+        positions, w = w[1:1 + n], w[1 + n:]
+        dim_names = list(self.mesh.mesh_dim_names or ())
+        specs = []
+        for _ in range(n):
+            dtype, ndim = _DTYPES[w[0]], w[1]
+            local_shape, w = tuple(w[2:2 + ndim]), w[2 + ndim:]
+            k, w = w[0], w[1:]
+            if k == -1:
+                specs.append((dtype, local_shape, None, None, None))
+                continue
+            global_shape, w = tuple(w[:ndim]), w[ndim:]
+            names, placements = [], []
+            for _ in range(k):
+                names.append(dim_names[w[0]])
+                placements.append(Shard(w[1]) if w[1] >= 0 else Replicate())
+                w = w[2:]
+            specs.append((dtype, local_shape, global_shape, tuple(names), placements))
+        return positions, specs
+
+
+def _remember(cache: OrderedDict, key) -> bool:
+    """True when ``key`` is new (its header must travel); keeps the newest ``_CACHE`` keys."""
+    if key in cache:
+        cache.move_to_end(key)
+        return False
+    cache[key] = None
+    if len(cache) > _CACHE:
+        cache.popitem(last=False)
+    return True

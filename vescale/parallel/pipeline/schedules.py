@@ -1,0 +1,182 @@
+"""Pipeline schedules: for every pipeline rank, the order in which it runs forwards and
+backwards of its stages on the micro-batches.
+
+An order is a list of ``Action``s. ``F`` is a forward, ``B`` a whole backward, ``I`` and
+``W`` the two halves of a split backward (gradient of the stage input, then of the
+weights; zero-bubble schedules move ``W`` into what would be idle time). Orders are
+plain data, made once per (schedule, ranks, micro-batches) and checked by ``simulate``,
+which also gives the idle fraction that the benchmark compares with the measured one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str   # "F", "B", "I" or "W"
+    stage: int  # the global stage index
+    mb: int     # the micro-batch
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.stage}.{self.mb}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    ranks: int           # pipeline ranks
+    stages: int          # stages in all (ranks x virtual stages per rank)
+    microbatches: int
+    orders: tuple        # orders[rank] = tuple of Actions
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.ranks
+
+    def stages_of(self, rank: int) -> list[int]:
+        return list(range(rank, self.stages, self.ranks))
+
+    @property
+    def splits_backward(self) -> bool:
+        return any(a.kind == "I" for order in self.orders for a in order)
+
+
+def make_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The orders of schedule ``name`` for ``ranks`` pipeline ranks and ``microbatches``."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {SCHEDULES}")
+    if microbatches < 1:
+        raise ValueError(f"the number of micro-batches must be at least 1, got {microbatches}")
+    if virtual_stages != 1 and name != "interleaved_1f1b":
+        raise ValueError(f"schedule {name!r} runs one stage per rank; virtual_stages={virtual_stages} needs "
+                         f"schedule='interleaved_1f1b'")
+    if name == "interleaved_1f1b":
+        if virtual_stages < 2:
+            raise ValueError("schedule 'interleaved_1f1b' needs virtual_stages >= 2 (stages per rank); "
+                             "with one stage per rank use '1f1b'")
+        if microbatches % ranks:
+            raise ValueError(f"interleaved 1F1B runs micro-batches in rounds of the pipeline size: "
+                             f"microbatches={microbatches} must be a multiple of {ranks}")
+        orders = [_interleaved(r, ranks, microbatches, virtual_stages) for r in range(ranks)]
+    else:
+        make: Callable = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb_h1": _zb_h1}[name]
+        orders = [make(r, ranks, microbatches) for r in range(ranks)]
+    sched = Schedule(name, ranks, ranks * virtual_stages, microbatches, tuple(tuple(o) for o in orders))
+    simulate(sched)  # every order must be runnable: a wrong one would hang the ranks
+    return sched
+
+
+def _gpipe(rank: int, p: int, m: int) -> list[Action]:
+    return [Action("F", rank, i) for i in range(m)] + [Action("B", rank, i) for i in range(m)]
+
+
+def _one_f_one_b(rank: int, p: int, m: int) -> list[Action]:
+    warmup = min(p - rank - 1, m)
+    order = [Action("F", rank, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [Action("F", rank, warmup + i), Action("B", rank, i)]
+    return order + [Action("B", rank, i) for i in range(m - warmup, m)]
+
+
+def _interleaved(rank: int, p: int, m: int, v: int) -> list[Action]:
+    """Megatron's interleaved 1F1B: micro-batches in rounds of p, each round through every
+    virtual stage of the rank before the next round starts."""
+    total = m * v
+
+    def forward(k: int) -> Action:
+        return Action("F", ((k // p) % v) * p + rank, (k // (p * v)) * p + k % p)
+
+    def backward(k: int) -> Action:
+        return Action("B", (v - 1 - (k // p) % v) * p + rank, (k // (p * v)) * p + k % p)
+
+    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    order = [forward(k) for k in range(warmup)]
+    for i in range(total - warmup):
+        order += [forward(warmup + i), backward(i)]
+    return order + [backward(k) for k in range(total - warmup, total)]
+
+
+def _zb_h1(rank: int, p: int, m: int) -> list[Action]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"): 1F1B with the backward split
+    in I and W. Rank r runs 1F1B's warm-up, then F, I and the oldest waiting W in turn, but
+    holds back its first r W's (the last rank p - 1 of them): the I's, which the previous
+    rank waits for, go first, and the held-back W's fill the cool-down bubble."""
+    warmup = min(p - rank - 1, m)
+    order = [Action("F", rank, i) for i in range(warmup)]
+    next_i = next_w = 0
+    for k in range(m):  # one I per step; after the last forward, only I's (and W's)
+        if warmup + k < m:
+            order.append(Action("F", rank, warmup + k))
+        order.append(Action("I", rank, next_i))
+        next_i += 1
+        if k >= rank:
+            order.append(Action("W", rank, next_w))
+            next_w += 1
+    return order + [Action("W", rank, i) for i in range(next_w, m)]
+
+
+# ---- checking and timing ---------------------------------------------------------------------
+
+DURATIONS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+def simulate(sched: Schedule, durations: dict | None = None) -> dict:
+    """Runs the orders on an ideal clock (free communication): every rank takes its next
+    action as soon as what it depends on has finished. Raises if the orders cannot all
+    finish (they would hang) or miss an action; returns the makespan and the idle
+    fraction of the pipeline (the bubble), (p * makespan - busy) / (p * makespan)."""
+    durations = durations or DURATIONS
+    S, m = sched.stages, sched.microbatches
+    finish: dict = {}
+    pos, clock = [0] * sched.ranks, [0.0] * sched.ranks
+    busy = 0.0
+    expected = sum(len(o) for o in sched.orders)
+    while len(finish) < expected:
+        progressed = False
+        for r, order in enumerate(sched.orders):
+            while pos[r] < len(order):
+                a = order[pos[r]]
+                deps = _deps(a, S, sched.splits_backward)
+                if any(d not in finish for d in deps):
+                    break
+                start = max([clock[r]] + [finish[d] for d in deps])
+                clock[r] = finish[(a.kind, a.stage, a.mb)] = start + durations[a.kind]
+                busy += durations[a.kind]
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: order[pos[r]] for r, order in enumerate(sched.orders) if pos[r] < len(order)}
+            raise RuntimeError(f"pipeline schedule {sched.name} cannot finish: ranks wait on each other at {stuck}")
+    backward = ("I", "W") if sched.splits_backward else ("B",)
+    for s in range(S):
+        for mb in range(m):
+            for kind in ("F",) + backward:
+                if (kind, s, mb) not in finish:
+                    raise RuntimeError(f"pipeline schedule {sched.name} never runs {kind}{s}.{mb}")
+    makespan = max(clock)
+    return {"makespan": makespan, "bubble": 1.0 - busy / (sched.ranks * makespan)}
+
+
+def _deps(a: Action, stages: int, split: bool) -> list[tuple]:
+    grad = "I" if split else "B"
+    if a.kind == "F":
+        return [("F", a.stage - 1, a.mb)] if a.stage > 0 else []
+    if a.kind == "W":
+        return [("I", a.stage, a.mb)]
+    own = [("F", a.stage, a.mb)]
+    return own + ([(grad, a.stage + 1, a.mb)] if a.stage < stages - 1 else [])
+
+
+def analytic_bubble(name: str, p: int, m: int, v: int = 1) -> float:
+    """The textbook idle fraction with F = I = W (B = 2F) and free communication."""
+    if name in ("1f1b", "gpipe"):
+        return (p - 1) / (m + p - 1)
+    if name == "interleaved_1f1b":
+        return (p - 1) / (v * m + p - 1)
+    if name == "zb_h1":  # (p - 1)(F + I - W) idle per rank against 3m busy
+        return (p - 1) / (3 * m + p - 1)
+    raise ValueError(name)

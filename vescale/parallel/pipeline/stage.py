@@ -1,0 +1,245 @@
+"""Running one stage of an unmodified model: the model's own ``forward``, in which only
+the stage's units compute.
+
+Hooks on every unit decide what it does while a stage runs:
+- a unit of the stage runs as usual; at the stage's first block, the tensors received
+  from the previous stage replace those the glue computed (the *boundary*);
+- a unit of another stage before the boundary is *shadowed*: it runs on ``meta`` (its
+  parameters swapped for meta twins), and its outputs become zeros of the right shape
+  on the real device, so glue code (masks, rotary tables) keeps working. The zeros
+  require grad when the real outputs would, which marks what derives from them: those
+  are the tensors that cross the cut;
+- the next stage's first block ends the stage: its tensor inputs that require grad are
+  what the stage sends on (``StageEnd``); nothing after it runs.
+A unit of another stage that runs after the boundary, or a shadow's zeros that reach
+the stage's result, would make the result silently wrong: both raise
+``PipelineSplitError`` naming the module and the split point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from ...dtensor import DTensor
+from .split import Layout, PipelineSplitError, Unit
+
+
+@dataclass
+class StageSpec:
+    index: int
+    start: int                 # blocks [start, end)
+    end: int
+    units: frozenset           # names of the units it owns
+    first: bool
+    last: bool
+    split_point: str | None    # the block that starts it (None for the first stage)
+
+
+class StageEnd(BaseException):
+    """Raised at the next stage's first block (a BaseException, so that a model's
+    ``except Exception`` does not swallow it)."""
+
+    def __init__(self, positions: list[int], tensors: list[torch.Tensor]):
+        super().__init__()
+        self.positions, self.tensors = positions, tensors
+
+
+@dataclass
+class _Run:
+    spec: StageSpec
+    received: tuple | None           # (positions, tensors) to put in at the first block
+    inside: bool                     # past the boundary: only the stage's own units may run
+    dummies: list = field(default_factory=list)   # (zeros, unit name)
+    restores: list = field(default_factory=list)  # per open shadow: what to put back
+
+
+def boundary_positions(leaves: list) -> list[int]:
+    return [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+
+
+class StageRunner:
+    """Installs the hooks once; ``run`` executes one stage on one micro-batch."""
+
+    def __init__(self, model: nn.Module, layout: Layout, specs: list[StageSpec], local: list[int],
+                 device: torch.device):
+        self.model, self.layout, self.specs, self.device = model, layout, specs, device
+        self.local_units = frozenset().union(*(specs[s].units for s in local))
+        self._run: _Run | None = None
+        self._twins: dict[int, tuple] = {}
+        self._handles = []
+        for unit in layout.units:
+            m = unit.module
+            self._handles.append(m.register_forward_pre_hook(self._pre_hook(unit), with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post_hook(unit), with_kwargs=True, always_call=True))
+
+    def run(self, spec: StageSpec, args: tuple, kwargs: dict, received: tuple | None):
+        """The model's forward on this micro-batch as stage ``spec``: returns
+        ``("end", positions, tensors)`` for a stage that sends on, else ``("out", output)``."""
+        self._run = _Run(spec, received, inside=spec.first)
+        try:
+            output = self.model(*args, **kwargs)
+        except StageEnd as end:
+            if spec.last:
+                raise
+            return "end", end.positions, end.tensors, self._run.dummies
+        except PipelineSplitError:
+            raise
+        except Exception as e:  # noqa: BLE001  (annotated and re-raised)
+            if self._run.restores:
+                e.add_note(f"[vescale pipeline] raised while running a module of another stage on meta tensors "
+                           f"(for shapes); stage {spec.index} does not hold it")
+            raise
+        finally:
+            for restore in reversed(self._run.restores):
+                _put_back(restore)
+            self._run = None
+        if not spec.last:
+            raise PipelineSplitError(
+                f"stage {spec.index} ran the whole forward without reaching block "
+                f"{self.layout.blocks[spec.end].name!r}, where the next stage starts: the model's forward does not "
+                f"call its blocks one after the other")
+        return "out", output, None, None
+
+    # ---- hooks ----
+
+    def _pre_hook(self, unit: Unit):
+        def hook(module, args, kwargs):
+            run = self._run
+            if run is None:
+                if unit.name not in self.local_units:
+                    raise RuntimeError(f"this model is split into pipeline stages and {unit.name!r} is not on this "
+                                       f"rank; run it through the pipeline (PipelineParallel.step)")
+                return None
+            spec = run.spec
+            if unit.block is not None and unit.block == spec.end and not spec.last:
+                leaves, _ = tree_flatten((args, kwargs))
+                positions = boundary_positions(leaves)
+                raise StageEnd(positions, [leaves[i] for i in positions])
+            if unit.name in spec.units:
+                if unit.block == spec.start and not spec.first:
+                    run.inside = True
+                    return self._swap_in(run, unit, args, kwargs)
+                if not run.inside:
+                    raise PipelineSplitError(
+                        f"{unit.name!r} belongs to stage {spec.index} (it is registered after the blocks) but runs "
+                        f"before the stage's first block {spec.split_point!r}: the model's forward calls it earlier "
+                        f"than its place among the modules suggests; pass blocks= or other split points")
+                return None
+            if run.inside:
+                raise PipelineSplitError(
+                    f"{unit.name!r} runs after split point {spec.split_point!r} in stage {spec.index}, which does "
+                    f"not hold it (it sits with the {'first' if unit.before else 'last'} stage by its place among "
+                    f"the model's modules); this model cannot be cut there with {unit.name!r} on another stage")
+            return self._shadow(run, module, args, kwargs)
+        return hook
+
+    def _post_hook(self, unit: Unit):
+        def hook(module, args, kwargs, output):
+            run = self._run
+            if run is None or not run.restores or run.restores[-1][0] is not module:
+                return None
+            _put_back(run.restores.pop())
+            if output is None:  # the forward raised
+                return None
+
+            def dummy(t):
+                if isinstance(t, torch.Tensor) and t.is_meta:
+                    z = torch.zeros(t.shape, dtype=t.dtype, device=self.device)
+                    if t.requires_grad:
+                        z.requires_grad_()
+                        run.dummies.append((z, unit.name))
+                    return z
+                return t
+            return tree_map(dummy, output)
+        return hook
+
+    def _swap_in(self, run: _Run, unit: Unit, args, kwargs):
+        leaves, tree = tree_flatten((args, kwargs))
+        positions = boundary_positions(leaves)
+        got_positions, tensors = run.received
+        if positions != list(got_positions):
+            raise PipelineSplitError(
+                f"stage {run.spec.index} expects tensors at input positions {positions} of {unit.name!r} from the "
+                f"previous stage but received positions {list(got_positions)}: the stages disagree on what crosses "
+                f"split point {run.spec.split_point!r}")
+        for i, t in zip(positions, tensors):
+            leaves[i] = t
+        return tree_unflatten(leaves, tree)
+
+    def _shadow(self, run: _Run, module: nn.Module, args, kwargs):
+        restore = []
+        for sub in module.modules():
+            for table in (sub._parameters, sub._buffers):
+                for name, t in table.items():
+                    if t is not None and not t.is_meta:
+                        table[name] = self._twin(t)
+                        restore.append((table, name, t))
+        run.restores.append((module, restore))
+        return tree_map(_to_meta, (args, kwargs))
+
+    def _twin(self, t: torch.Tensor) -> torch.Tensor:
+        hit = self._twins.get(id(t))
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        twin = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        if isinstance(t, nn.Parameter):
+            twin = nn.Parameter(twin, requires_grad=t.requires_grad)
+        self._twins[id(t)] = (t, twin)
+        return twin
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def meta_twin_of(t: torch.Tensor, requires_grad: bool) -> nn.Parameter | torch.Tensor:
+    """What stays of a tensor another stage owns: a meta tensor of its (global) shape."""
+    twin = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    if isinstance(t, nn.Parameter):
+        # it keeps requires_grad: a shadow's outputs then require grad as the real ones would
+        twin = nn.Parameter(twin, requires_grad=requires_grad)
+    twin._vescale_pp_elsewhere = True
+    return twin
+
+
+def is_elsewhere(t: torch.Tensor) -> bool:
+    """A parameter or buffer that another pipeline stage holds."""
+    return getattr(t, "_vescale_pp_elsewhere", False)
+
+
+def _to_meta(x):
+    if not isinstance(x, torch.Tensor) or x.is_meta:
+        return x
+    m = torch.empty(x.shape, dtype=x.dtype, device="meta")
+    return m.requires_grad_() if x.requires_grad else m
+
+
+def _put_back(entry) -> None:
+    _, restore = entry
+    for table, name, t in restore:
+        table[name] = t
+
+
+def reached_dummies(roots: list[torch.Tensor], dummies: list) -> list[str]:
+    """Units whose shadow zeros the autograd graph of ``roots`` reaches."""
+    if not dummies:
+        return []
+    by_id = {id(z): name for z, name in dummies}
+    seen, stack, hit = set(), [t.grad_fn for t in roots if t.grad_fn is not None], []
+    for t in roots:
+        if id(t) in by_id:
+            hit.append(by_id[id(t)])
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if var is not None and id(var) in by_id:
+            hit.append(by_id[id(var)])
+        stack.extend(n for n, _ in node.next_functions)
+    return sorted(set(hit))
