@@ -10,7 +10,7 @@ JOBS ?= 2
 # The CPU wheel of this exact version lies on the build machines; a range would let
 # pip fetch a newer torch with several GB of CUDA packages.
 TORCH_PIN := torch==2.13.0
-PY_PINS := numpy==2.4.6 pytest==9.2.0 pytest-timeout==2.4.0 expecttest==0.3.0 hypothesis==6.170.15 tqdm==4.70.1 matplotlib==3.11.2 safetensors==0.8.0
+PY_PINS := numpy==2.4.6 pytest==9.2.0 pytest-timeout==2.4.0 expecttest==0.3.0 hypothesis==6.170.15 tqdm==4.70.1 matplotlib==3.11.2 safetensors==0.8.0 transformers==5.23.0
 APT_PKGS := cmake ninja-build g++ ccache libgtest-dev
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
@@ -29,7 +29,7 @@ $(STAMPS)/apt:
 	fi
 	@touch $@
 
-$(STAMPS)/venv: $(STAMPS)/apt
+$(STAMPS)/venv: $(STAMPS)/apt Makefile
 	@mkdir -p $(STAMPS)
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIN) $(PY_PINS)

@@ -91,17 +91,18 @@ class PipelineParallel(nn.Module):
         """Tensors of units this rank does not hold become meta; returns the parameters
         that several ranks hold (tied across stages, or glue), with their holder ranks."""
         holders: dict[int, set[int]] = {}
-        tensors: dict[int, torch.Tensor] = {}
+        names: dict[int, str] = {}  # by name: parallelize_module and ZeRO replace the objects later
         for spec in self.specs:
             for unit in self.layout.units:
                 if unit.name in spec.units:
-                    for t in _tensors(unit.module):
+                    for name, t in _tensors(unit):
                         holders.setdefault(id(t), set()).add(self.schedule.rank_of(spec.index))
-                        tensors[id(t)] = t
+                        names.setdefault(id(t), name)
         everyone = set(range(self.pp_size))
         for name in self.layout.glue_parameters:
             t = self.module.get_parameter(name)
-            holders[id(t)], tensors[id(t)] = everyone, t
+            holders[id(t)], names[id(t)] = everyone, name
+        params = {id(p) for p in self.module.parameters()}
         twins: dict[int, torch.Tensor] = {}
         for sub in self.module.modules():
             for table in (sub._parameters, sub._buffers):
@@ -111,11 +112,10 @@ class PipelineParallel(nn.Module):
                     if id(t) not in twins:
                         twins[id(t)] = meta_twin_of(t, t.requires_grad)
                     table[name] = twins[id(t)]
-        shared = [(tensors[i], sorted(r)) for i, r in holders.items()
-                  if len(r) > 1 and self.pp_rank in r and isinstance(tensors[i], nn.Parameter)]
-        return self._shared_groups(holders, tensors, shared)
+        shared = [(names[i], sorted(r)) for i, r in holders.items() if len(r) > 1 and self.pp_rank in r and i in params]
+        return self._shared_groups(holders, shared)
 
-    def _shared_groups(self, holders, tensors, shared):
+    def _shared_groups(self, holders, shared):
         """A process group per set of holder ranks (at this rank's other mesh coordinates).
         Every rank creates every group, in the same order, as torch.distributed requires."""
         sets = sorted({tuple(sorted(r)) for r in holders.values() if len(r) > 1})
@@ -127,7 +127,7 @@ class PipelineParallel(nn.Module):
                 g = dist.new_group([row[m] for m in members])
                 if dist.get_rank() in row:
                     groups[members] = g
-        return [(p, groups[tuple(r)], r) for p, r in shared]
+        return [(name, groups[tuple(r)]) for name, r in shared]
 
     # ---- parameters: only this rank's ----
 
@@ -249,13 +249,14 @@ class PipelineParallel(nn.Module):
     def _broadcast_shared(self) -> None:
         """Tied parameters start equal on every holder (the first holder's values)."""
         with torch.no_grad():
-            for p, group, holders in self._shared:
-                src = dist.get_global_rank(group, 0)
-                dist.broadcast(local_of(p), src=src, group=group)
+            for name, group in self._shared:
+                dist.broadcast(local_of(self.module.get_parameter(name)), src=dist.get_global_rank(group, 0),
+                               group=group)
         self._synced_shared = True
 
     def _reduce_shared_grads(self) -> None:
-        for p, group, _ in self._shared:
+        for name, group in self._shared:
+            p = self.module.get_parameter(name)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(local_of(p.grad), group=group)
@@ -270,11 +271,11 @@ class PipelineParallel(nn.Module):
         return total
 
 
-def _tensors(module: nn.Module):
-    for sub in module.modules():
-        for t in list(sub._parameters.values()) + list(sub._buffers.values()):
+def _tensors(unit):
+    for prefix, sub in unit.module.named_modules(prefix=unit.name):
+        for name, t in list(sub._parameters.items()) + list(sub._buffers.items()):
             if t is not None:
-                yield t
+                yield f"{prefix}.{name}", t
 
 
 def _loss_of(output, target, loss_fn):
