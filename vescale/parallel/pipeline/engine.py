@@ -19,7 +19,7 @@ from ..ddp import local_of
 from .p2p import Boundary
 from .schedules import Schedule, make_schedule
 from .split import Layout, PipelineSplitError, assign_blocks, find_layout
-from .stage import StageRunner, StageSpec, is_elsewhere, meta_twin_of, reached_dummies
+from .stage import StageRunner, StageSpec, is_elsewhere, meta_twin_of
 
 SPLIT_METHODS = ("uniform", "parameters", "flops", "time")
 
@@ -59,7 +59,7 @@ class PipelineParallel(nn.Module):
         self._shared = self._strip_other_stages()
         self.runner = StageRunner(model, self.layout, self.specs, self.local_stages, torch.device(mesh.device_type))
         self.boundary = Boundary(self.group, mesh, self.schedule.stages)
-        self._checked: set[int] = set()
+        self._checked = False
         self._synced_shared = False
 
     # ---- set-up ----
@@ -167,6 +167,11 @@ class PipelineParallel(nn.Module):
         if not self._synced_shared:
             self._broadcast_shared()
         mbs = _microbatches(args, kwargs, target, self.schedule.microbatches)
+        if not self._checked:  # every stage on meta once: a bad cut fails on every rank alike
+            self.runner.install_hooks()  # outermost again, around parallelize_module's
+            a, k, t = mbs[0][:3]
+            self.runner.dry_run(self.specs, a, k, lambda out: _loss_of(out, t, loss_fn))
+            self._checked = True
         ddp = self._data_parallel
         sends, states, losses = [], {}, []
         with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
@@ -191,7 +196,7 @@ class PipelineParallel(nn.Module):
         if not spec.first:
             positions, leaves, values = self.boundary.recv_forward(s - 1, mb, key, self.schedule.rank_of(s - 1))
             received = (positions, values)
-        kind, a, b, dummies = self.runner.run(spec, args, kwargs, received)
+        kind, a, b, _ = self.runner.run(spec, args, kwargs, received)
         if kind == "end":
             outputs, works = self.boundary.send_forward(s, mb, key, self.schedule.rank_of(s + 1), a, b)
             sends += works
@@ -199,18 +204,7 @@ class PipelineParallel(nn.Module):
             loss = _loss_of(a, target, loss_fn)
             losses.append((loss.detach(), weight))
             outputs = [loss * weight]
-        if s not in self._checked:
-            self._check_cut(spec, outputs, dummies or [])
         states[(s, mb)] = {"outputs": outputs, "leaves": leaves}
-
-    def _check_cut(self, spec: StageSpec, outputs, dummies) -> None:
-        hit = reached_dummies([o for o in outputs if o.requires_grad], dummies)
-        if hit:
-            raise PipelineSplitError(
-                f"stage {spec.index} (from split point {spec.split_point!r}) uses the output of {hit[0]!r}, which "
-                f"runs on an earlier stage, other than through its first block's inputs: that value would have to "
-                f"cross the cut; choose split points that keep them together")
-        self._checked.add(spec.index)
 
     def _backward(self, s: int, mb: int, states, sends, split: bool) -> None:
         spec, state = self.specs[s], states[(s, mb)]

@@ -53,6 +53,7 @@ class _Run:
     spec: StageSpec
     received: tuple | None           # (positions, tensors) to put in at the first block
     inside: bool                     # past the boundary: only the stage's own units may run
+    meta: bool = False               # a dry run: every unit on meta (see StageRunner.dry_run)
     dummies: list = field(default_factory=list)   # (zeros, unit name)
     restores: list = field(default_factory=list)  # per open shadow: what to put back
 
@@ -71,15 +72,24 @@ class StageRunner:
         self._run: _Run | None = None
         self._twins: dict[int, tuple] = {}
         self._handles = []
-        for unit in layout.units:
+        self.install_hooks()
+
+    def install_hooks(self) -> None:
+        """(Re)installs the hooks: the pre-hook first and the post-hook last of each unit's
+        hooks, around those parallelize_module adds later, which so see a shadow's meta
+        values (and leave them alone) instead of its zeros."""
+        self.remove()
+        for unit in self.layout.units:
             m = unit.module
-            self._handles.append(m.register_forward_pre_hook(self._pre_hook(unit), with_kwargs=True))
+            self._handles.append(m.register_forward_pre_hook(self._pre_hook(unit), with_kwargs=True, prepend=True))
             self._handles.append(m.register_forward_hook(self._post_hook(unit), with_kwargs=True, always_call=True))
 
-    def run(self, spec: StageSpec, args: tuple, kwargs: dict, received: tuple | None):
+    def run(self, spec: StageSpec, args: tuple, kwargs: dict, received: tuple | None, meta: bool = False):
         """The model's forward on this micro-batch as stage ``spec``: returns
-        ``("end", positions, tensors)`` for a stage that sends on, else ``("out", output)``."""
-        self._run = _Run(spec, received, inside=spec.first)
+        ``("end", positions, tensors, dummies)`` for a stage that sends on, else
+        ``("out", output, None, dummies)``. With ``meta`` every unit runs on meta tensors
+        (``dry_run``)."""
+        self._run = _Run(spec, received, inside=spec.first, meta=meta)
         try:
             output = self.model(*args, **kwargs)
         except StageEnd as end:
@@ -89,20 +99,39 @@ class StageRunner:
         except PipelineSplitError:
             raise
         except Exception as e:  # noqa: BLE001  (annotated and re-raised)
-            if self._run.restores:
+            if self._run.restores and not meta:
                 e.add_note(f"[vescale pipeline] raised while running a module of another stage on meta tensors "
                            f"(for shapes); stage {spec.index} does not hold it")
             raise
         finally:
             for restore in reversed(self._run.restores):
                 _put_back(restore)
+            self._run_dummies = self._run.dummies
             self._run = None
         if not spec.last:
             raise PipelineSplitError(
                 f"stage {spec.index} ran the whole forward without reaching block "
                 f"{self.layout.blocks[spec.end].name!r}, where the next stage starts: the model's forward does not "
                 f"call its blocks one after the other")
-        return "out", output, None, None
+        return "out", output, None, self._run_dummies
+
+    def dry_run(self, specs: list[StageSpec], args, kwargs, finish) -> None:
+        """Every stage in turn with every unit on meta (no compute in the units, no
+        communication; the glue runs on zeros): a cut that cannot work raises here, on
+        every rank alike, before any rank waits for another. ``finish(output)`` turns the
+        last stage's output into its loss."""
+        received = None
+        for spec in specs:
+            kind, a, b, dummies = self.run(spec, args, kwargs, received, meta=True)
+            outputs = [t for t in b if t.requires_grad] if kind == "end" else [finish(a)]
+            hit = reached_dummies(outputs, dummies)
+            if hit:
+                raise PipelineSplitError(
+                    f"stage {spec.index} (from split point {spec.split_point!r}) uses the output of {hit[0]!r}, "
+                    f"which runs on an earlier stage, other than through its first block's inputs: that value "
+                    f"would have to cross the cut; choose split points that keep them together")
+            if kind == "end":
+                received = (a, [torch.zeros(t.shape, dtype=t.dtype, device=self.device).requires_grad_() for t in b])
 
     # ---- hooks ----
 
@@ -122,13 +151,16 @@ class StageRunner:
             if unit.name in spec.units:
                 if unit.block == spec.start and not spec.first:
                     run.inside = True
-                    return self._swap_in(run, unit, args, kwargs)
+                    args, kwargs = self._swap_in(run, unit, args, kwargs)
+                    return self._shadow(run, module, args, kwargs, owned=True) if run.meta else (args, kwargs)
+                if run.meta:
+                    self._check_inputs(run, unit, args, kwargs)
                 if not run.inside:
                     raise PipelineSplitError(
                         f"{unit.name!r} belongs to stage {spec.index} (it is registered after the blocks) but runs "
                         f"before the stage's first block {spec.split_point!r}: the model's forward calls it earlier "
                         f"than its place among the modules suggests; pass blocks= or other split points")
-                return None
+                return self._shadow(run, module, args, kwargs, owned=True) if run.meta else None
             if run.inside:
                 raise PipelineSplitError(
                     f"{unit.name!r} runs after split point {spec.split_point!r} in stage {spec.index}, which does "
@@ -142,20 +174,31 @@ class StageRunner:
             run = self._run
             if run is None or not run.restores or run.restores[-1][0] is not module:
                 return None
+            _, _, owned = run.restores[-1]
             _put_back(run.restores.pop())
             if output is None:  # the forward raised
                 return None
 
-            def dummy(t):
+            def zeros(t):  # meta -> zeros on the device; another stage's are marked
                 if isinstance(t, torch.Tensor) and t.is_meta:
                     z = torch.zeros(t.shape, dtype=t.dtype, device=self.device)
                     if t.requires_grad:
                         z.requires_grad_()
-                        run.dummies.append((z, unit.name))
+                        if not owned:
+                            run.dummies.append((z, unit.name))
                     return z
                 return t
-            return tree_map(dummy, output)
+            return tree_map(zeros, output)
         return hook
+
+    def _check_inputs(self, run: _Run, unit: Unit, args, kwargs) -> None:
+        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        hit = reached_dummies(leaves, run.dummies)
+        if hit:
+            raise PipelineSplitError(
+                f"{unit.name!r} in stage {run.spec.index} (from split point {run.spec.split_point!r}) takes a value "
+                f"computed by {hit[0]!r} on an earlier stage that does not come through the stage's first block: it "
+                f"would have to cross the cut; choose split points that keep them together")
 
     def _swap_in(self, run: _Run, unit: Unit, args, kwargs):
         leaves, tree = tree_flatten((args, kwargs))
@@ -170,7 +213,7 @@ class StageRunner:
             leaves[i] = t
         return tree_unflatten(leaves, tree)
 
-    def _shadow(self, run: _Run, module: nn.Module, args, kwargs):
+    def _shadow(self, run: _Run, module: nn.Module, args, kwargs, owned: bool = False):
         restore = []
         for sub in module.modules():
             for table in (sub._parameters, sub._buffers):
@@ -178,7 +221,7 @@ class StageRunner:
                     if t is not None and not t.is_meta:
                         table[name] = self._twin(t)
                         restore.append((table, name, t))
-        run.restores.append((module, restore))
+        run.restores.append((module, restore, owned))
         return tree_map(_to_meta, (args, kwargs))
 
     def _twin(self, t: torch.Tensor) -> torch.Tensor:
@@ -194,6 +237,7 @@ class StageRunner:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+        self._handles = []
 
 
 def meta_twin_of(t: torch.Tensor, requires_grad: bool) -> nn.Parameter | torch.Tensor:
@@ -219,7 +263,7 @@ def _to_meta(x):
 
 
 def _put_back(entry) -> None:
-    _, restore = entry
+    _, restore, _ = entry
     for table, name, t in restore:
         table[name] = t
 

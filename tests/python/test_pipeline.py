@@ -1,0 +1,193 @@
+"""Pipeline parallelism of unmodified models against single-device training.
+
+Every case trains the same model from the same initial values on one device and under
+a pipeline layout (PP alone, PP x TP with and without sequence parallelism, PP x DP
+with DDP and ZeRO), with every schedule: losses of each AdamW step (rtol 1e-5) and the
+first step's gradients (max error <= 1e-5 of the tensor's largest element) must agree.
+Adam-updated parameters are not compared tightly (see dist_utils)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import vescale
+from vescale.parallel import DDP, DistributedOptimizer, PipelineParallel, PipelineSplitError, parallelize_module
+from vescale.parallel.pipeline import analytic_bubble, make_schedule, simulate
+from vescale.parallel.plans import gpt_plan, llama_plan
+
+from dist_utils import full_grads, mismatch, mismatch_to_max
+from tests.models.gpt import GPT, GPTConfig
+from tests.models.llama import LlamaConfig, LlamaForCausalLM
+
+LR = 1e-2
+_meshes: dict = {}
+
+
+def _mesh(shape, names) -> vescale.DeviceMesh:
+    key = (tuple(shape), tuple(names))
+    if key not in _meshes:
+        _meshes[key] = vescale.DeviceMesh("cpu", torch.arange(4).reshape(shape), mesh_dim_names=names)
+    return _meshes[key]
+
+
+# ---- models ----------------------------------------------------------------------------------
+
+def _gpt(layers: int = 4):
+    return GPT(GPTConfig(n_layer=layers, dropout=0.0, bias=False))
+
+
+def _llama(layers: int = 4):
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers))
+
+
+def _hf(kind: str, layers: int):
+    import transformers as tf
+    if kind == "qwen3":  # tied embeddings
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True))
+    if kind == "gpt2":  # tied embeddings, Conv1D layers
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=layers, n_head=4,
+                                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    if kind == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64))
+    if kind == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64))
+    raise ValueError(kind)
+
+
+_HF_TP = {"parameter": {r".*(q|k|v)_proj\.weight": [vescale.Shard(0)], r".*o_proj\.weight": [vescale.Shard(1)],
+                        r".*(gate|up)_proj\.weight": [vescale.Shard(0)], r".*down_proj\.weight": [vescale.Shard(1)]}}
+
+
+def _build(kind: str, layers: int):
+    torch.manual_seed(0)
+    if kind == "gpt":
+        return _gpt(layers)
+    if kind == "llama":
+        return _llama(layers)
+    return _hf(kind.removeprefix("hf_"), layers)
+
+
+def _batches(steps: int, batch: int = 8, seqs=(16,)):
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for i in range(steps):
+        d = torch.randint(0, 64, (batch, seqs[i % len(seqs)] + 1), generator=g)
+        out.append((d[:, :-1].contiguous(), d[:, 1:].contiguous()))
+    return out
+
+
+def _loss(model, kind, x, y):
+    if kind.startswith("hf_"):
+        return model(input_ids=x, labels=x, use_cache=False).loss
+    return model(x, y)
+
+
+def _reference(kind: str, layers: int, batches):
+    model = _build(kind, layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads = [], None
+    for x, y in batches:
+        opt.zero_grad()
+        loss = _loss(model, kind, x, y)
+        loss.backward()
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads
+
+
+# ---- one parity case -------------------------------------------------------------------------
+
+def _case(kind: str, layers: int, shape, names, schedule: str, microbatches: int, virtual: int = 1,
+          split="uniform", tp: str | None = None, zero: int | None = None, seqs=(16,), steps: int = 3):
+    m = _mesh(shape, names)
+    batches = _batches(steps, seqs=seqs)
+    model = _build(kind, layers)
+    pipe = PipelineParallel(model, m, split=split, schedule=schedule, microbatches=microbatches,
+                            virtual_stages=virtual)
+    if tp is not None:
+        plan = {"gpt": gpt_plan, "llama": llama_plan}[kind](sequence_parallel=tp == "sp") if kind in ("gpt", "llama") \
+            else _HF_TP
+        parallelize_module(model, m["TP"], plan)
+    wrapped = pipe
+    if "DP" in names:
+        wrapped = DDP(pipe, m["DP"])
+    if zero is not None:
+        opt = DistributedOptimizer(torch.optim.AdamW, [wrapped], zero_stage=zero, lr=LR)
+    else:
+        opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    losses, grads = [], None
+    dp = m.size("DP") if "DP" in names else 1
+    for x, y in batches:
+        if dp > 1:  # each DP rank trains its slice of the batch
+            r = m.get_local_rank("DP")
+            x, y = x.chunk(dp)[r], y.chunk(dp)[r]
+        opt.zero_grad()
+        if kind.startswith("hf_"):
+            loss = pipe.step(input_ids=x, labels=x, use_cache=False)
+        else:
+            loss = pipe.step(x, y)
+        if grads is None:
+            grads = full_grads(wrapped)
+        opt.step()
+        if dp > 1:  # the batch loss: the mean of the DP ranks' losses
+            loss = loss.clone()
+            torch.distributed.all_reduce(loss, group=m.get_group("DP"))
+            loss /= dp
+        losses.append(loss.item())
+    ref_losses, ref_grads = _reference(kind, layers, batches)
+    failures = []
+    err = mismatch(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    if err:
+        failures.append(f"losses {losses} vs {ref_losses}: {err}")
+    for name, g in grads.items():
+        err = mismatch_to_max(g, ref_grads[name])
+        if err:
+            failures.append(f"first-step gradient of {name}: {err}")
+    owned = {n for n, _ in pipe.named_parameters()}
+    if not owned or owned == set(ref_grads):
+        failures.append(f"this rank holds {len(owned)} of {len(ref_grads)} parameters; a stage holds a part")
+    for name, p in model.named_parameters():
+        if name not in owned and not p.is_meta:
+            failures.append(f"{name} belongs to another stage but is materialised here")
+    return failures
+
+
+CASES = {
+    # name: (model, layers, mesh shape, names, schedule, micro-batches, virtual stages, extra)
+    "gpt-pp4-1f1b": ("gpt", 4, (4,), ("PP",), "1f1b", 4, 1, {}),
+    "gpt-pp4-gpipe": ("gpt", 4, (4,), ("PP",), "gpipe", 4, 1, {}),
+    "gpt-pp4-zb_h1": ("gpt", 4, (4,), ("PP",), "zb_h1", 8, 1, {}),
+    "gpt-pp2x2-dp2-interleaved": ("gpt", 4, (2, 2), ("PP", "DP"), "interleaved_1f1b", 4, 2, {}),
+    "gpt-pp2-dp2-1f1b": ("gpt", 4, (2, 2), ("PP", "DP"), "1f1b", 2, 1, {}),
+    "gpt-pp2-dp2-zero1": ("gpt", 4, (2, 2), ("PP", "DP"), "1f1b", 2, 1, {"zero": 1}),
+    "gpt-pp2-dp2-zero2-zb": ("gpt", 4, (2, 2), ("PP", "DP"), "zb_h1", 2, 1, {"zero": 2}),
+    "gpt-pp2-tp2-1f1b": ("gpt", 4, (2, 2), ("PP", "TP"), "1f1b", 4, 1, {"tp": "tp"}),
+    "llama-pp2-tp2-sp-1f1b": ("llama", 4, (2, 2), ("PP", "TP"), "1f1b", 4, 1, {"tp": "sp"}),
+    "llama-pp2-tp2-sp-interleaved": ("llama", 4, (2, 2), ("PP", "TP"), "interleaved_1f1b", 4, 2, {"tp": "sp"}),
+    "llama-pp4-seqlen": ("llama", 4, (4,), ("PP",), "1f1b", 4, 1, {"seqs": (16, 9, 16, 5)}),
+    # Hugging Face models built from configs, uneven splits
+    "hf_qwen3-pp2-tp2-uneven": ("hf_qwen3", 5, (2, 2), ("PP", "TP"), "1f1b", 4, 1, {"tp": "tp"}),
+    "hf_qwen3-pp2-tp2-interleaved": ("hf_qwen3", 6, (2, 2), ("PP", "TP"), "interleaved_1f1b", 4, 2,
+                                     {"tp": "tp", "split": ["model.layers.1", "model.layers.3", "model.layers.4"]}),
+    "hf_gpt2-pp4-uneven": ("hf_gpt2", 5, (4,), ("PP",), "1f1b", 4, 1, {}),
+    "hf_llama-pp2-dp2-params": ("hf_llama", 5, (2, 2), ("PP", "DP"), "1f1b", 2, 1, {"split": "parameters"}),
+    "hf_qwen2-pp4-zb": ("hf_qwen2", 4, (4,), ("PP",), "zb_h1", 4, 1, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pipeline_matches_single_device(pool4, name):
+    kind, layers, shape, names, schedule, m, v, extra = CASES[name]
+    for failures in pool4.run(_case, kind, layers, shape, names, schedule, m, v, **extra):
+        assert failures == []
