@@ -191,3 +191,154 @@ def test_pipeline_matches_single_device(pool4, name):
     kind, layers, shape, names, schedule, m, v, extra = CASES[name]
     for failures in pool4.run(_case, kind, layers, shape, names, schedule, m, v, **extra):
         assert failures == []
+
+
+# ---- split methods ---------------------------------------------------------------------------
+
+def _case_split_methods():
+    """'flops' and 'time' measure a 6-layer GPT (no stage ever materialises the rest) and
+    cut where the costs balance; every rank cuts alike; training still matches."""
+    m = _mesh((4,), ("PP",))
+    x, y = _batches(1)[0]
+    out = {}
+    for method in ("parameters", "flops", "time"):
+        model = _build("gpt", 6)
+        pipe = PipelineParallel(model, m, split=method, schedule="1f1b", microbatches=4,
+                                sample=((x[:2], y[:2]), {}))
+        ranges = pipe.ranges
+        everyone = [None] * 4
+        torch.distributed.all_gather_object(everyone, ranges)
+        assert all(r == ranges for r in everyone), f"{method}: ranks cut differently: {everyone}"
+        assert all(b > a for a, b in ranges) and ranges[0][0] == 0 and ranges[-1][1] == 6
+        loss = pipe.step(x, y)
+        ref = _build("gpt", 6)
+        expected = ref(x, y)
+        assert mismatch(loss.float(), expected.detach(), rtol=1e-5, atol=1e-6) is None, (method, loss, expected)
+        out[method] = ranges
+    # the first and last stages carry the embedding / head: they get fewer blocks than uniform
+    assert out["parameters"][0][1] - out["parameters"][0][0] <= 2
+    return out
+
+
+def test_split_methods(pool4):
+    results = pool4.run(_case_split_methods)
+    assert all(r == results[0] for r in results)
+
+
+# ---- schedules -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3),
+                                    ("zb_h1", 1)])
+def test_schedule_orders_run_and_match_the_analytic_bubble(name, v):
+    for p in (2, 3, 4):
+        for m in range(1, 13):
+            if name == "interleaved_1f1b" and m % p:
+                with pytest.raises(ValueError, match="multiple"):
+                    make_schedule(name, p, m, v)
+                continue
+            sched = make_schedule(name, p, m, v)  # simulate() inside: every order finishes
+            bubble = simulate(sched)["bubble"]
+            if m >= p:
+                assert bubble == pytest.approx(analytic_bubble(name, p, m, v), abs=1e-9), (name, p, m)
+    if name == "zb_h1":  # zero bubble: about a third of 1F1B's
+        assert simulate(make_schedule("zb_h1", 4, 8))["bubble"] <= simulate(make_schedule("1f1b", 4, 8))["bubble"] / 2
+
+
+def test_schedule_errors():
+    with pytest.raises(ValueError, match="unknown pipeline schedule"):
+        make_schedule("2f2b", 2, 4)
+    with pytest.raises(ValueError, match="virtual_stages"):
+        make_schedule("1f1b", 2, 4, 2)
+    with pytest.raises(ValueError, match="at least 1"):
+        make_schedule("1f1b", 2, 0)
+
+
+# ---- bad splits: clear errors, the same on every rank, nobody left waiting --------------------
+
+class _SkipToHead(nn.Module):
+    """The embedding's output is used again after the blocks: it would have to cross every cut."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, x, y):
+        e = self.emb(x)
+        h = e
+        for b in self.blocks:
+            h = torch.tanh(b(h))
+        return F.cross_entropy(self.head(h + e).flatten(0, 1), y.flatten())
+
+
+class _SideInput(nn.Module):
+    """Every block also takes the embedding's output: it crosses the cut into the first
+    block (which is fine) but later blocks take it from outside the boundary."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.blocks = nn.ModuleList([nn.Linear(32, 16) for _ in range(4)])
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, x, y):
+        e = self.emb(x)
+        h = e
+        for b in self.blocks:
+            h = torch.tanh(b(torch.cat([h, e], -1)))
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def _case_errors():
+    m = _mesh((4,), ("PP",))
+    x, y = _batches(1)[0]
+    seen = {}
+
+    def expect(key, fn, error=PipelineSplitError):
+        try:
+            fn()
+        except error as e:
+            seen[key] = str(e)
+            return
+        raise AssertionError(f"{key}: no {error.__name__}")
+
+    expect("unknown block", lambda: PipelineParallel(_build("gpt", 4), m, split=["h.1", "h.2", "h.3"]))
+    expect("empty stage", lambda: PipelineParallel(_build("gpt", 4), m,
+                                                   split=["transformer.h.1", "transformer.h.1", "transformer.h.3"]))
+    expect("too many stages", lambda: PipelineParallel(_build("gpt", 3), m))
+    expect("wrong count", lambda: PipelineParallel(_build("gpt", 4), m, split=["transformer.h.2"]))
+    expect("unknown method", lambda: PipelineParallel(_build("gpt", 4), m, split="even"))
+    expect("no sample", lambda: PipelineParallel(_build("gpt", 4), m, split="flops"))
+    expect("no blocks", lambda: PipelineParallel(nn.Linear(4, 4), m))
+    torch.manual_seed(0)
+    expect("skip to head", lambda: PipelineParallel(_SkipToHead(), m).step(x, y))
+    torch.manual_seed(0)
+    expect("side input", lambda: PipelineParallel(_SideInput(), m).step(x, y))
+    pipe = PipelineParallel(_build("gpt", 4), m, microbatches=2)
+    expect("call", lambda: pipe(x, y), RuntimeError)
+    expect("model call", lambda: pipe.module(x, y), RuntimeError)
+    expect("small batch", lambda: pipe.step(x[:1], y[:1]), ValueError)
+    # after all that, the ranks still work together
+    loss = pipe.step(x, y)
+    assert torch.isfinite(loss)
+    return seen
+
+
+def test_bad_splits_raise_clear_errors(pool4):
+    results = pool4.run(_case_errors)
+    for r in results:  # alike on every rank (bar calling the model, which names a module the rank lacks)
+        assert {k: v for k, v in r.items() if k != "model call"} == \
+            {k: v for k, v in results[0].items() if k != "model call"}
+    seen = results[0]
+    print("\n".join(f"{k}: {v}" for k, v in seen.items()))
+    assert "transformer.h.2" in seen["unknown block"]  # names a real block as the example
+    assert "no blocks" in seen["empty stage"]
+    assert "at most 3 stages" in seen["too many stages"]
+    assert "need 3 split points" in seen["wrong count"]
+    assert "uniform" in seen["unknown method"]
+    assert "sample=" in seen["no sample"]
+    assert "nn.ModuleList" in seen["no blocks"]
+    assert "'emb'" in seen["skip to head"] and "split point 'blocks.3'" in seen["skip to head"]
+    assert "'emb'" in seen["side input"] and "blocks.1" in seen["side input"]
+    assert "step(" in seen["call"] and "step" in seen["model call"]

@@ -46,7 +46,7 @@ def block_costs(model: nn.Module, layout: Layout, method: str, sample) -> tuple[
 def _meta_run(model, layout: Layout, args, kwargs) -> tuple[dict, dict]:
     """One forward on meta: forward FLOPs per unit and the (args, kwargs) each received."""
     state = {}
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         m = torch.empty(t.shape, dtype=t.dtype, device="meta")
         state[name] = m.requires_grad_(t.requires_grad)
     flops: dict[str, float] = {}
