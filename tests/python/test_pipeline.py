@@ -172,6 +172,7 @@ CASES = {
     "gpt-pp2-dp2-1f1b": ("gpt", 4, (2, 2), ("PP", "DP"), "1f1b", 2, 1, {}),
     "gpt-pp2-dp2-zero1": ("gpt", 4, (2, 2), ("PP", "DP"), "1f1b", 2, 1, {"zero": 1}),
     "gpt-pp2-dp2-zero2-zb": ("gpt", 4, (2, 2), ("PP", "DP"), "zb_h1", 2, 1, {"zero": 2}),
+    "gpt-pp2-dp2-zero3": ("gpt", 4, (2, 2), ("PP", "DP"), "1f1b", 2, 1, {"zero": 3}),
     "gpt-pp2-tp2-1f1b": ("gpt", 4, (2, 2), ("PP", "TP"), "1f1b", 4, 1, {"tp": "tp"}),
     "llama-pp2-tp2-sp-1f1b": ("llama", 4, (2, 2), ("PP", "TP"), "1f1b", 4, 1, {"tp": "sp"}),
     "llama-pp2-tp2-sp-interleaved": ("llama", 4, (2, 2), ("PP", "TP"), "interleaved_1f1b", 4, 2, {"tp": "sp"}),

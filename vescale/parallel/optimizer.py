@@ -111,6 +111,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.sharded is not None:
             for o in self.owned:  # the next forward gathers them
                 self.sharded.slice_of(o.param).copy_(o.master.detach())
+            # a whole copy still held (a pipeline stage's forward ends before its root
+            # module's does, so that unit is never released) is stale now
+            self.sharded.release(list(self.sharded.sharded.values()))
         else:
             self._gather_parameters()
         return loss

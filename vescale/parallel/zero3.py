@@ -123,7 +123,10 @@ class ShardedParameters:
 
 def _units(root: nn.Module) -> list[nn.Module]:
     """Blocks first (members of every ModuleList), the root last: a parameter belongs
-    to the first unit that contains it."""
+    to the first unit that contains it. A pipeline's root is the model it runs (the
+    stages call the model, never the PipelineParallel wrapper)."""
+    if hasattr(root, "_data_parallel"):  # PipelineParallel
+        root = root.module
     blocks = [m for mod in root.modules() if isinstance(mod, nn.ModuleList) for m in mod]
     return blocks + [root]
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ...deferred import has_deferred, materialize_module
+from ...deferred import has_deferred, is_deferred, materialize_module
 from ...device_mesh import DeviceMesh
 from ...dtensor import DTensor
 from ..ddp import local_of
@@ -60,7 +60,7 @@ class PipelineParallel(nn.Module):
         self.runner = StageRunner(model, self.layout, self.specs, self.local_stages, torch.device(mesh.device_type))
         self.boundary = Boundary(self.group, mesh, self.schedule.stages)
         self._checked = False
-        self._synced_shared = False
+        self._broadcast_shared()
 
     # ---- set-up ----
 
@@ -164,8 +164,6 @@ class PipelineParallel(nn.Module):
         micro-batches weighted by their size. Returns it on every rank."""
         if has_deferred(self.module):
             materialize_module(self.module)
-        if not self._synced_shared:
-            self._broadcast_shared()
         mbs = _microbatches(args, kwargs, target, self.schedule.microbatches)
         if not self._checked:  # every stage on meta once: a bad cut fails on every rank alike
             self.runner.install_hooks()  # outermost again, around parallelize_module's
@@ -241,12 +239,14 @@ class PipelineParallel(nn.Module):
     # ---- parameters several ranks hold ----
 
     def _broadcast_shared(self) -> None:
-        """Tied parameters start equal on every holder (the first holder's values)."""
+        """Tied parameters start equal on every holder (the first holder's values), before
+        tensor parallelism or ZeRO split them. A deferred one needs nothing: every rank
+        materialises the same values."""
         with torch.no_grad():
             for name, group in self._shared:
-                dist.broadcast(local_of(self.module.get_parameter(name)), src=dist.get_global_rank(group, 0),
-                               group=group)
-        self._synced_shared = True
+                p = self.module.get_parameter(name)
+                if not is_deferred(p):
+                    dist.broadcast(local_of(p), src=dist.get_global_rank(group, 0), group=group)
 
     def _reduce_shared_grads(self) -> None:
         for name, group in self._shared:
