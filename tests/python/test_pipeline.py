@@ -154,6 +154,10 @@ def _case(kind: str, layers: int, shape, names, schedule: str, microbatches: int
         err = mismatch_to_max(g, ref_grads[name])
         if err:
             failures.append(f"first-step gradient of {name}: {err}")
+    if pipe.local_stages == [0] and virtual == 1:  # one header per micro-batch shape, then payloads only
+        shapes = {tuple(c.shape) for x, _ in batches for c in torch.tensor_split(x.chunk(dp)[0], microbatches)}
+        if pipe.boundary.headers_sent != len(shapes):
+            failures.append(f"{pipe.boundary.headers_sent} headers sent for {len(shapes)} micro-batch shapes")
     owned = {n for n, _ in pipe.named_parameters()}
     if not owned or owned == set(ref_grads):
         failures.append(f"this rank holds {len(owned)} of {len(ref_grads)} parameters; a stage holds a part")

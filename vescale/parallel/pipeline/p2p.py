@@ -36,6 +36,7 @@ class Boundary:
         self._sent: dict[int, OrderedDict] = {}
         self._known: dict[int, OrderedDict] = {}
         self._submeshes: dict[tuple, object] = {}
+        self.headers_sent = 0
 
     # ---- forward: activations ----
 
@@ -61,6 +62,7 @@ class Boundary:
         cache = self._sent.setdefault(stage, OrderedDict())
         if _remember(cache, key):
             header = self._encode(positions, described)
+            self.headers_sent += 1
             works.append((dist.isend(header, group=self.group, group_dst=dst, tag=self._tag(_FORWARD, stage, mb, 0)),
                           header))
         for i, local in enumerate(locals_):
