@@ -3,22 +3,28 @@
     vescale.save("ckpt/step100", {"model": model, "optimizer": opt, "lr_scheduler": sched})
     vescale.load("ckpt/step100", {"model": model, "optimizer": opt, "lr_scheduler": sched})
 
-Saving: every rank lists the boxes it holds; boxes held by several ranks (replicated
-data) are written once, by the holder that has written least so far, so the writing
-spreads over the ranks. Each rank writes one data file into a temporary directory;
-rank 0 writes the non-tensor state (scheduler state, hyperparameters, RNG state, the
-user's Python values) as ``objects.json`` with its tensors in ``objects.bin`` (never a
-pickle: see values.py), and ``manifest.json`` (per tensor: global shape, dtype, saved
-boxes with file offsets and CRC32s, and the placements it was saved from; every file's
-size; the CRC32 of objects.json; a CRC32 of the manifest itself). The directory is
-renamed into place only when everything is on disk: a crash mid-save leaves the
-previous checkpoint as it was, and the next save removes the crashed one's directory.
+Saving: every rank lists the boxes it holds (the ranks of a pipeline hold different
+tensors: the manifest lists all of them); boxes held by several ranks (replicated
+data, a weight tied across pipeline stages) are written once, by the holder that has
+written least so far, so the writing spreads over the ranks. Each rank writes one
+data file into a temporary directory; rank 0 writes the non-tensor state (scheduler
+state, hyperparameters, RNG state, the user's Python values; what only some ranks
+have, or each rank a part of, gathered) as ``objects.json`` with its tensors in
+``objects.bin`` (never a pickle: see values.py), and ``manifest.json`` (per tensor:
+global shape, dtype, saved boxes with file offsets and CRC32s, and the placements it
+was saved from; every file's size; the CRC32 of objects.json; a CRC32 of the manifest
+itself). The directory is renamed into place only when everything is on disk: a
+crash mid-save leaves the previous checkpoint as it was, and the next save removes
+the crashed one's directory.
 
 Loading is all or nothing: every rank reads the manifest, checks it against its own
 state (missing or unexpected keys, shapes, dtypes), and verifies the checksum of every
 block it will read, through a memory map of only the byte ranges of saved boxes that
 overlap the boxes it holds now; then the ranks agree in one collective, and either all
-load or all raise the same error, naming the rank that found it.
+load or all raise the same error, naming the rank that found it. A pipeline stage loads
+its own tensors and leaves the other stages' keys to them.
+
+Without torch.distributed (no process group), a single process saves and loads alone.
 """
 
 from __future__ import annotations
@@ -79,28 +85,34 @@ def wait() -> None:
 
 def save(path: str, state: dict, *, async_save: bool = False) -> None:
     """Saves ``state`` (modules, optimizers, schedulers, tensors, Python values) to the
-    directory ``path``. Every rank of the default process group must call it. With
+    directory ``path``. Every rank of the default process group must call it (without
+    torch.distributed, the process saves alone). With
     ``async_save`` the local data is snapshotted to host memory and written by a
     background thread; training goes on, and the next save waits for this one.
     Raises TypeError, on every rank and before writing anything, for a value that a
     checkpoint cannot store without pickle (see vescale.checkpoint.values.SUPPORTED)."""
     _pending.wait()  # also what keeps the stale-directory sweep (_remove_stale) off a save in progress
     group = _checkpoint_group()
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank, world = _rank_world(group)
     layout = build(state)
     layout.objects[_RNG_KEY] = torch.get_rng_state()
     values = _encode_agreed(group, layout.objects)
     holdings = [(item.key, piece.box.to_json(), piece.tensor.numel() * piece.tensor.element_size())
                 for item in layout.items.values() for piece in item.pieces]
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, holdings, group=group)
-    mine = _assign_writers(everyone)[rank]
+    meta = {k: dict(shape=list(i.shape), dtype=_dtype_name(i.dtype), saved_from=i.source,
+                    optional=i.optional) for k, i in layout.items.items()}
+    # the ranks may hold different tensors (pipeline stages): the manifest lists them all
+    everyone = _all_gather((holdings, meta, layout.aliases, sorted(layout.objects)), group)
+    meta, aliases = _merged_meta(everyone)  # raises the same error on every rank, before anything is written
+    mine = _assign_writers([e[0] for e in everyone])[rank]
     chunks = [(item.key, piece.box, piece.tensor) for item in layout.items.values() for piece in item.pieces
               if (item.key, piece.box) in mine]
     tmp = [f"{path}.tmp-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
-    dist.broadcast_object_list(tmp, src=dist.get_global_rank(group, 0), group=group)
-    meta = {k: dict(shape=list(i.shape), dtype=_dtype_name(i.dtype), saved_from=i.source,
-                    optional=i.optional) for k, i in layout.items.items()}
+    if group is not None:
+        dist.broadcast_object_list(tmp, src=dist.get_global_rank(group, 0), group=group)
+    objects = _gathered_objects(group, layout, [set(e[3]) for e in everyone])
+    if objects is not None and objects is not layout.objects:
+        values = encode(objects)  # each value passed its own rank's _encode_agreed
     values = values if rank == 0 else None  # rank 0 writes the objects
     if async_save:
         chunks = [(k, b, t.detach().clone()) for k, b, t in chunks]  # the snapshot training may then change
@@ -109,23 +121,87 @@ def save(path: str, state: dict, *, async_save: bool = False) -> None:
 
         def background():
             try:
-                _write(path, tmp[0], chunks, meta, values, layout.aliases, group, rank, world)
+                _write(path, tmp[0], chunks, meta, values, aliases, group, rank, world)
             except BaseException as e:  # noqa: BLE001  (reported by the next wait)
                 _pending.error = e
 
         _pending.thread = threading.Thread(target=background, name="vescale-async-save", daemon=True)
         _pending.thread.start()
     else:
-        _write(path, tmp[0], chunks, meta, values, layout.aliases, group, rank, world)
+        _write(path, tmp[0], chunks, meta, values, aliases, group, rank, world)
+
+
+def _merged_meta(everyone: list) -> tuple[dict, dict]:
+    """The manifest's tensors (shape, dtype, ...) and aliases from every rank's: the
+    ranks of a pipeline hold different ones. A key that ranks describe differently, or
+    that is a tensor on one rank and an alias on another, is an error (on every rank:
+    each computes it from the same gathered lists)."""
+    meta, aliases, where = {}, {}, {}
+    for rank, (_, theirs, their_aliases, _) in enumerate(everyone):
+        for k, m in theirs.items():
+            if k not in meta:
+                meta[k], where[k] = m, rank
+            elif (m["shape"], m["dtype"]) != (meta[k]["shape"], meta[k]["dtype"]):
+                raise ValueError(f"cannot save '{k}': rank {where[k]} holds it as {meta[k]['dtype']} of shape "
+                                 f"{meta[k]['shape']}, rank {rank} as {m['dtype']} of shape {m['shape']}")
+        for alias, first in their_aliases.items():
+            aliases.setdefault(alias, first)
+    for alias, first in aliases.items():
+        if alias in meta or first not in meta:
+            raise ValueError(f"cannot save '{alias}': the ranks disagree whether it is the same tensor as '{first}' "
+                             f"(tied parameters must be tied on every rank that holds them)")
+    return meta, aliases
+
+
+def _gathered_objects(group, layout: Layout, keys: list[set]) -> dict | None:
+    """On rank 0, the objects to save: its own, those only other ranks have (a pipeline
+    stage's optimizer state), and those the ranks have each a part of, combined
+    (``Layout.merge``: optimizer parameter groups). None on the other ranks."""
+    rank, world = _rank_world(group)
+    if world == 1:
+        return layout.objects
+    extra = set().union(*keys[1:]) - keys[0]
+    send = {k: v for k, v in layout.objects.items() if k in extra or k in layout.merge}
+    received = [None] * world if rank == 0 else None
+    dist.gather_object(send, received, dst=dist.get_global_rank(group, 0), group=group)
+    if rank != 0:
+        return None
+    objects = dict(layout.objects)
+    for k in sorted(extra):
+        objects[k] = next(r[k] for r in received if k in r)
+    for k, merge in layout.merge.items():
+        objects[k] = merge([r[k] for r in received if k in r])
+    return objects
 
 
 def _checkpoint_group():
+    """The checkpoint's process group; None in a process without torch.distributed,
+    which then saves and loads alone."""
     global _group
+    if not dist.is_initialized():
+        return None
     if _group is None:
         from ..device_mesh import collective_timeout  # torch's default would be 30 minutes
 
         _group = dist.new_group(backend="gloo", timeout=collective_timeout())
     return _group
+
+
+def _rank_world(group) -> tuple[int, int]:
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
+def _all_gather(obj, group) -> list:
+    if group is None:
+        return [obj]
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _barrier(group) -> None:
+    if group is not None:
+        dist.barrier(group=group)
 
 
 def _encode_agreed(group, objects: dict) -> tuple[dict, list[torch.Tensor]]:
@@ -148,8 +224,7 @@ def _agree(group, error: Exception | None, outcome: str) -> None:
     """One collective in which the ranks tell each other what went wrong: then all go on,
     or all raise the same error, naming the first rank that found one (a rank going on
     alone would change its state while the others do not, or wait for them forever)."""
-    reports: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, None if error is None else (type(error).__name__, str(error)), group=group)
+    reports = _all_gather(None if error is None else (type(error).__name__, str(error)), group)
     failed = [r for r, report in enumerate(reports) if report is not None]
     if not failed:
         return
@@ -183,10 +258,9 @@ def _write(path, tmp, chunks, meta, values, aliases, group, rank, world) -> None
     if rank == 0:
         _remove_stale(path)
         os.makedirs(tmp, exist_ok=False)
-    dist.barrier(group=group)
+    _barrier(group)
     records = write_file(os.path.join(tmp, f"data_{rank:05d}.bin"), chunks)
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, records, group=group)
+    gathered = _all_gather(records, group)
     if rank == 0:
         tensors = {k: dict(m, chunks=[]) for k, m in meta.items()}
         for recs in gathered:
@@ -197,7 +271,7 @@ def _write(path, tmp, chunks, meta, values, aliases, group, rank, world) -> None
         manifest = dict(format=FORMAT, world_size=world, tensors=tensors, aliases=aliases, files=files)
         _write_bytes(os.path.join(tmp, MANIFEST), json.dumps(dict(manifest, crc32=_crc_of(manifest))).encode())
         _replace(tmp, path)
-    dist.barrier(group=group)
+    _barrier(group)
 
 
 def _entry(records: list[dict]) -> dict:
@@ -379,8 +453,11 @@ def _check(layout: Layout, saved: dict, objects: dict, strict: bool, root: str) 
     theirs = {k for k, v in saved.items() if not v.get("optional")}
     if strict:
         missing = sorted(mine - set(saved))
-        unexpected = sorted(theirs - set(layout.items) - set(layout.aliases))
-        unexpected += sorted(k for k in objects if k not in layout.restore and k != _RNG_KEY)
+        # keys of other pipeline stages' tensors are theirs to load
+        unexpected = sorted(k for k in theirs - set(layout.items) - set(layout.aliases)
+                            if not layout.held_elsewhere(k))
+        unexpected += sorted(k for k in objects if k not in layout.restore and k != _RNG_KEY
+                             and not layout.held_elsewhere(k))
         if missing:
             problems.append(f"missing in the checkpoint: {_some(missing)}")
         if unexpected:

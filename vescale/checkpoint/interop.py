@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..boxes import Box
-from .layout import build
+from .layout import Item, build
 from .storage import inside
 
 INDEX = "model.safetensors.index.json"
@@ -59,14 +59,23 @@ def export_hf(directory: str, model: nn.Module, *, max_shard_size: int | str = "
     limit = _bytes(max_shard_size)
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = build({"model": model, **({"optimizer": optimizer} if optimizer is not None else {})})
-    items = [(k[len("model."):], i) for k, i in layout.items.items() if k.startswith("model.")]
+    mine = {k[len("model."):]: i for k, i in layout.items.items() if k.startswith("model.")}
+    # every rank's tensors with their boxes: who sends what (pipeline stages hold different tensors)
+    held: list = [None] * world
+    dist.all_gather_object(held, {n: (i.shape, i.dtype, [p.box.to_json() for p in i.pieces])
+                                  for n, i in mine.items()})
+    items, listed = [], set()
+    for theirs in held:
+        for n, (shape, dtype, _) in theirs.items():
+            if n not in listed:
+                listed.add(n)
+                items.append((n, mine.get(n, Item(f"model.{n}", shape, dtype))))  # no pieces on this rank
+    boxes = [[theirs[n][2] if n in theirs else [] for n, _ in items] for theirs in held]
     sizes = [math.prod(i.shape) * i.dtype.itemsize for _, i in items]
     file_of = _files(sizes, limit)
     count = file_of[-1] + 1 if items else 0
     names = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors"
                                                       for i in range(count)]
-    boxes: list = [None] * world  # every rank's boxes of every tensor: who sends what
-    dist.all_gather_object(boxes, [[p.box.to_json() for p in i.pieces] for _, i in items])
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
     from safetensors.torch import save_file
@@ -162,7 +171,7 @@ def _fill_model(model, optimizer, available: set, shape_of, read, strict: bool, 
     aliases = {a[len("model."):] for a in layout.aliases}
     problems = []
     missing = sorted(set(wanted) - available)
-    unexpected = sorted(available - set(wanted) - aliases)
+    unexpected = sorted(k for k in available - set(wanted) - aliases if not layout.held_elsewhere(f"model.{k}"))
     if strict and missing:
         problems.append(f"missing in {where}: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
     if strict and unexpected:

@@ -4,7 +4,9 @@ tensors, of which this rank holds some boxes) and objects (everything else).
 Keys are stable across meshes, world sizes and ZeRO stages, which is what makes a
 checkpoint reshardable: ``model.<param fqn>``, ``optimizer.state.<param key>.<state>``
 (the same for a plain torch optimizer and a DistributedOptimizer), and
-``optimizer.master.<param key>`` for ZeRO's fp32 master weights.
+``optimizer.master.<param key>`` for ZeRO's fp32 master weights. A PipelineParallel
+model has its model's own names (no ``module.`` prefix); each rank holds its stages'
+tensors, and the other stages' keys are in ``Layout.elsewhere``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,25 @@ class Layout:
     # optimizer state made for a load (the optimizer has not stepped yet), put in place only
     # once every rank has verified the checkpoint: callables
     installs: list = field(default_factory=list)
+    # objects that differ by rank and are saved combined: key -> callable(list of the ranks' values)
+    merge: dict[str, object] = field(default_factory=dict)
+    # keys of tensors that other pipeline stages hold (meta here): neither saved nor loaded by this rank
+    elsewhere: set[str] = field(default_factory=set)
+    optimizers: list[str] = field(default_factory=list)  # keys of the optimizers in the state
+
+    def held_elsewhere(self, key: str) -> bool:
+        """Whether ``key`` (a checkpoint key) belongs to another pipeline stage's tensor:
+        the tensor itself, or its optimizer state or ZeRO master weight."""
+        if not self.elsewhere:
+            return False
+        if key in self.elsewhere:
+            return True
+        for opt in self.optimizers:
+            if key.startswith(f"{opt}.state.") and key[len(opt) + 7:].rpartition(".")[0] in self.elsewhere:
+                return True
+            if key.startswith(f"{opt}.master.") and key[len(opt) + 8:] in self.elsewhere:
+                return True
+        return False
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -105,8 +126,10 @@ def build(state: dict, saved: dict | None = None) -> Layout:
         if isinstance(value, nn.Module):
             _module(layout, key, unwrap(value), zero3)
         elif isinstance(value, DistributedOptimizer):
+            layout.optimizers.append(key)
             _zero_optimizer(layout, key, value, fqn_of, saved)
         elif isinstance(value, torch.optim.Optimizer):
+            layout.optimizers.append(key)
             _optimizer(layout, key, value, fqn_of, saved)
         elif isinstance(value, torch.Tensor):
             _tensor(layout, key, value)
@@ -126,6 +149,12 @@ def _tensor(layout: Layout, key: str, t: torch.Tensor, *, optional: bool = False
 
 
 def _module(layout: Layout, key: str, module: nn.Module, zero3: dict) -> None:
+    if _is_pipeline(module):  # the other stages' tensors: their holders save and load them
+        from ..parallel.pipeline.stage import is_elsewhere
+
+        inner = module.module
+        named = list(inner.named_parameters(remove_duplicate=False)) + list(inner.named_buffers(remove_duplicate=False))
+        layout.elsewhere.update(f"{key}.{n}" for n, t in named if is_elsewhere(t))
     seen: dict[int, str] = {}
     named = list(module.named_parameters(remove_duplicate=False))
     named += [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if _persistent(module, n)]
@@ -175,6 +204,23 @@ def _param_groups(layout: Layout, key: str, opt: torch.optim.Optimizer, key_of) 
     layout.objects[name] = _groups(opt.param_groups, key_of)
     layout.validate[name] = validate
     layout.restore[name] = restore
+    layout.merge[name] = _merge_groups
+
+
+def _merge_groups(per_rank: list[list[dict]]) -> list[dict]:
+    """The parameter groups of the whole model from every rank's (a pipeline stage or a
+    ZeRO rank optimizes some parameters only): the first rank's hyperparameters, and per
+    group the keys of every rank's parameters, each once, in rank order."""
+    merged = []
+    for i, first in enumerate(per_rank[0]):
+        params, seen = [], set()
+        for groups in per_rank:
+            for k in groups[i]["params"] if i < len(groups) else []:
+                if k not in seen:
+                    seen.add(k)
+                    params.append(k)
+        merged.append(dict(first, params=params))
+    return merged
 
 
 def _state_tensor(shape, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
