@@ -67,8 +67,29 @@ _HF_TP = {"parameter": {r".*(q|k|v)_proj\.weight": [vescale.Shard(0)], r".*o_pro
                         r".*(gate|up)_proj\.weight": [vescale.Shard(0)], r".*down_proj\.weight": [vescale.Shard(1)]}}
 
 
+class _GlueParams(nn.Module):
+    """Parameters held by the model itself, used by its forward's own code before and after
+    the blocks: every stage holds them and their gradients are summed."""
+
+    def __init__(self, layers: int):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.pos = nn.Parameter(torch.randn(32, 16) * 0.1)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(layers)])
+        self.scale = nn.Parameter(torch.ones(16))
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, x, y):
+        h = self.emb(x) + self.pos[: x.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.head(h * self.scale).flatten(0, 1), y.flatten())
+
+
 def _build(kind: str, layers: int):
     torch.manual_seed(0)
+    if kind == "glue":
+        return _GlueParams(layers)
     if kind == "gpt":
         return _gpt(layers)
     if kind == "llama":
@@ -180,6 +201,8 @@ CASES = {
     "gpt-pp2-tp2-1f1b": ("gpt", 4, (2, 2), ("PP", "TP"), "1f1b", 4, 1, {"tp": "tp"}),
     "llama-pp2-tp2-sp-1f1b": ("llama", 4, (2, 2), ("PP", "TP"), "1f1b", 4, 1, {"tp": "sp"}),
     "llama-pp2-tp2-sp-interleaved": ("llama", 4, (2, 2), ("PP", "TP"), "interleaved_1f1b", 4, 2, {"tp": "sp"}),
+    "glue-pp4-zb": ("glue", 4, (4,), ("PP",), "zb_h1", 4, 1, {}),
+    "glue-pp2-dp2-interleaved": ("glue", 4, (2, 2), ("PP", "DP"), "interleaved_1f1b", 2, 2, {}),
     "llama-pp4-seqlen": ("llama", 4, (4,), ("PP",), "1f1b", 4, 1, {"seqs": (16, 9, 16, 5)}),
     # Hugging Face models built from configs, uneven splits
     "hf_qwen3-pp2-tp2-uneven": ("hf_qwen3", 5, (2, 2), ("PP", "TP"), "1f1b", 4, 1, {"tp": "tp"}),

@@ -9,7 +9,6 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...deferred import has_deferred, is_deferred, materialize_module
@@ -180,6 +179,7 @@ class PipelineParallel(nn.Module):
                     self._backward(action.stage, action.mb, states, sends, split=action.kind == "I")
                 else:
                     self._backward_weight(action.stage, action.mb, states)
+                sends[:] = [w for w in sends if not w[0].is_completed()]  # sent buffers go as they are done
             for work, _ in sends:
                 work.wait()
         self._reduce_shared_grads()
@@ -209,6 +209,8 @@ class PipelineParallel(nn.Module):
         outputs = state["outputs"]
         grads = None if spec.last else self.boundary.recv_backward(s, mb, self.schedule.rank_of(s + 1), outputs)
         if split and not spec.first:
+            # torch's split of the autograd graph into input- and weight-gradient parts
+            from torch.distributed.pipelining._backward import stage_backward_input
             weights = self._stage_parameters(s)
             _, state["param_groups"] = stage_backward_input(outputs, grads, state["leaves"], iter(weights))
         else:
@@ -220,21 +222,21 @@ class PipelineParallel(nn.Module):
     def _backward_weight(self, s: int, mb: int, states) -> None:
         state = states.pop((s, mb), None)
         if state is not None:  # the first stage ran its whole backward in I
+            from torch.distributed.pipelining._backward import stage_backward_weight
             stage_backward_weight(iter(self._stage_parameters(s)), state["param_groups"])
 
     def _stage_parameters(self, s: int) -> list[nn.Parameter]:
-        if not hasattr(self, "_stage_params"):
-            self._stage_params = {}
-        if s not in self._stage_params:
-            seen, out = set(), []
-            for unit in self.layout.units:
-                if unit.name in self.specs[s].units:
-                    for p in unit.module.parameters():
-                        if p.requires_grad and id(p) not in seen:
-                            seen.add(id(p))
-                            out.append(p)
-            self._stage_params[s] = out
-        return self._stage_params[s]
+        """What the weight-gradient half of a split backward differentiates: the stage's
+        units' parameters and the glue parameters (looked up at each call: tensor
+        parallelism and ZeRO replace parameter objects)."""
+        seen, out = set(), []
+        units = [u.module for u in self.layout.units if u.name in self.specs[s].units]
+        glue = [self.module.get_parameter(n) for n in self.layout.glue_parameters]
+        for p in [p for m in units for p in m.parameters()] + glue:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
 
     # ---- parameters several ranks hold ----
 
