@@ -37,6 +37,8 @@ class Boundary:
         self._known: dict[int, OrderedDict] = {}
         self._submeshes: dict[tuple, object] = {}
         self.headers_sent = 0
+        self.me = dist.get_rank(group)
+        self._local: dict = {}  # hand-overs between two stages of this rank (the turn of a V)
 
     # ---- forward: activations ----
 
@@ -58,6 +60,9 @@ class Boundary:
                 local = t
                 described.append((local, None))
             locals_.append(local)
+        if dst == self.me:
+            self._local[(_FORWARD, stage, mb)] = (positions, described)
+            return locals_, []
         works = []
         cache = self._sent.setdefault(stage, OrderedDict())
         if _remember(cache, key):
@@ -73,6 +78,8 @@ class Boundary:
 
     def recv_forward(self, stage: int, mb: int, key, src: int):
         """What stage ``stage`` sent: (positions, leaves requiring grad, values to put in)."""
+        if src == self.me:
+            return self._take_local(stage, mb)
         cache = self._known.setdefault(stage, OrderedDict())
         if _remember(cache, key):
             header = torch.empty(_HEADER, dtype=torch.int64)
@@ -96,16 +103,20 @@ class Boundary:
 
     def send_backward(self, stage: int, mb: int, dst: int, leaves: list[torch.Tensor]) -> list:
         """Sends the gradients of stage ``stage``'s received inputs back to group rank ``dst``."""
+        if dst == self.me:
+            self._local[(_BACKWARD, stage, mb)] = [_grad_of(leaf) for leaf in leaves]
+            return []
         works = []
         for i, leaf in enumerate(leaves):
-            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            grad = grad.contiguous()
+            grad = _grad_of(leaf).contiguous()
             works.append((dist.isend(grad, group=self.group, group_dst=dst,
                                      tag=self._tag(_BACKWARD, stage, mb, i + 1)), grad))
         return works
 
     def recv_backward(self, stage: int, mb: int, src: int, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The gradients for stage ``stage``'s sent ``outputs`` (local tensors)."""
+        if src == self.me:
+            return self._local.pop((_BACKWARD, stage + 1, mb))
         grads = []
         for i, out in enumerate(outputs):
             buf = torch.empty(out.shape, dtype=out.dtype)
@@ -114,6 +125,19 @@ class Boundary:
         return grads
 
     # ---- helpers ----
+
+    def _take_local(self, stage: int, mb: int):
+        """A hand-over within this rank: new leaves over the same values (no copy)."""
+        positions, described = self._local.pop((_FORWARD, stage, mb))
+        leaves, values = [], []
+        for local, dt in described:
+            leaf = local.detach()
+            if leaf.is_floating_point() or leaf.is_complex():
+                leaf.requires_grad_()
+            leaves.append(leaf)
+            values.append(leaf if dt is None else DTensor.from_local(leaf, dt.device_mesh, dt.placements,
+                                                                     shape=dt.shape, stride=dt.stride()))
+        return positions, leaves, values
 
     def _tag(self, direction: int, stage: int, mb: int, slot: int) -> int:
         return (((mb * self.stages + stage) * 2 + direction) * _SLOTS + slot) % (2**31 - 1)
@@ -163,6 +187,10 @@ class Boundary:
                 w = w[2:]
             specs.append((dtype, local_shape, global_shape, tuple(names), placements))
         return positions, specs
+
+
+def _grad_of(leaf: torch.Tensor) -> torch.Tensor:
+    return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
 
 
 def _remember(cache: OrderedDict, key) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 
 
 @dataclass(frozen=True)
@@ -33,12 +33,13 @@ class Schedule:
     stages: int          # stages in all (ranks x virtual stages per rank)
     microbatches: int
     orders: tuple        # orders[rank] = tuple of Actions
+    placement: tuple     # placement[stage] = the rank that runs it
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.ranks
+        return self.placement[stage]
 
     def stages_of(self, rank: int) -> list[int]:
-        return list(range(rank, self.stages, self.ranks))
+        return [s for s, r in enumerate(self.placement) if r == rank]
 
     @property
     def splits_backward(self) -> bool:
@@ -51,6 +52,13 @@ def make_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int 
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {SCHEDULES}")
     if microbatches < 1:
         raise ValueError(f"the number of micro-batches must be at least 1, got {microbatches}")
+    if name == "zbv":
+        if virtual_stages not in (1, 2):
+            raise ValueError("schedule 'zbv' runs two stages per rank (virtual_stages=2)")
+        placement = tuple(list(range(ranks)) + list(range(ranks - 1, -1, -1)))
+        sched = Schedule(name, ranks, 2 * ranks, microbatches, _zbv(ranks, microbatches), placement)
+        simulate(sched)
+        return sched
     if virtual_stages != 1 and name != "interleaved_1f1b":
         raise ValueError(f"schedule {name!r} runs one stage per rank; virtual_stages={virtual_stages} needs "
                          f"schedule='interleaved_1f1b'")
@@ -65,7 +73,9 @@ def make_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int 
     else:
         make: Callable = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb_h1": _zb_h1}[name]
         orders = [make(r, ranks, microbatches) for r in range(ranks)]
-    sched = Schedule(name, ranks, ranks * virtual_stages, microbatches, tuple(tuple(o) for o in orders))
+    stages = ranks * virtual_stages
+    sched = Schedule(name, ranks, stages, microbatches, tuple(tuple(o) for o in orders),
+                     tuple(s % ranks for s in range(stages)))
     simulate(sched)  # every order must be runnable: a wrong one would hang the ranks
     return sched
 
@@ -117,6 +127,46 @@ def _zb_h1(rank: int, p: int, m: int) -> list[Action]:
             order.append(Action("W", rank, next_w))
             next_w += 1
     return order + [Action("W", rank, i) for i in range(next_w, m)]
+
+
+def _zbv(p: int, m: int) -> tuple:
+    """ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory"): two stages per
+    rank in a V, stage s on rank s for s < p and on rank 2p - 1 - s after, so the first and
+    the last stage (embedding and head, often tied) share rank 0, with the backward split
+    in I and W. Built on a unit-time clock: each rank takes an I when one is ready (the
+    stage before waits for it), else an F (the second stage of the V first: it leads to
+    the loss) while it holds at most 2p micro-batch stages, as 1F1B's first rank does,
+    else a W, which fills what would be idle time."""
+    S = 2 * p
+    rank = list(range(p)) + list(range(p - 1, -1, -1))
+    done: set = set()
+    nf, ni, nw = [0] * S, [0] * S, [0] * S
+    orders: list[list[Action]] = [[] for _ in range(p)]
+    while any(nw[s] < m for s in range(S)):
+        chosen = []
+        for r in range(p):
+            mine = [s for s in range(S) if rank[s] == r]
+            held = sum(nf[s] - nw[s] for s in mine)
+            i_ready = [s for s in mine if ni[s] < nf[s] and (s == S - 1 or ("I", s + 1, ni[s]) in done)]
+            f_ready = [s for s in mine if nf[s] < m and (s == 0 or ("F", s - 1, nf[s]) in done)]
+            w_ready = [s for s in mine if nw[s] < ni[s]]
+            if i_ready:
+                s = min(i_ready, key=lambda s: (ni[s], -s))
+                kind = "I"
+            elif f_ready and held < 2 * p:
+                s, kind = max(f_ready), "F"
+            elif w_ready:
+                s = min(w_ready, key=lambda s: (nw[s], -s))
+                kind = "W"
+            else:
+                continue
+            counter = {"F": nf, "I": ni, "W": nw}[kind]
+            chosen.append((kind, s, counter[s], r))
+            counter[s] += 1
+        for kind, s, mb, r in chosen:  # finish together: visible at the next tick
+            done.add((kind, s, mb))
+            orders[r].append(Action(kind, s, mb))
+    return tuple(tuple(o) for o in orders)
 
 
 # ---- checking and timing ---------------------------------------------------------------------
