@@ -146,6 +146,20 @@ def mismatch_to_max(actual: torch.Tensor | None, expected: torch.Tensor | None, 
     return f"largest error {err:.3g} is {err / scale if scale else float('inf'):.3g} of the largest |value| {scale:.3g} (up to {tol} allowed)"
 
 
+def training_mismatches(losses, ref_losses, grads: dict, ref_grads: dict) -> list[str]:
+    """Losses of every step (rtol 1e-5) and first-step gradients (``mismatch_to_max``)
+    against single-device training; one line per disagreement."""
+    failures = []
+    err = mismatch(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    if err:
+        failures.append(f"losses {losses} vs {ref_losses}: {err}")
+    for name, g in grads.items():
+        err = mismatch_to_max(g, ref_grads[name])
+        if err:
+            failures.append(f"first-step gradient of {name}: {err}")
+    return failures
+
+
 def adam_mismatch(actual: torch.Tensor, expected: torch.Tensor, *, lr: float, steps: int,
                   atol=1e-6) -> str | None:
     """None when every element is within 2 * lr * steps (+ atol) of the reference.

@@ -15,7 +15,7 @@ import vescale
 from vescale.parallel import DDP, DistributedOptimizer, parallelize_module
 from vescale.parallel.plans import gpt_plan, llama_plan
 
-from dist_utils import adam_mismatch, full_grads, mesh, mismatch, mismatch_to_max
+from dist_utils import adam_mismatch, full_grads, mesh, mismatch_to_max, training_mismatches
 from tests.models.gpt import GPT, GPTConfig
 from tests.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -128,13 +128,7 @@ def _case_train(model_name: str, layout: str, accumulate: int = 1, optim: str = 
     failures = []
     if vescale.fallback_counts():
         failures.append(f"fallbacks: {vescale.fallback_counts()}")
-    err = mismatch(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    if err:
-        failures.append(f"losses {losses} vs {ref_losses}: {err}")
-    for name, g in grads.items():
-        err = mismatch_to_max(g, ref_grads[name])
-        if err:
-            failures.append(f"first-step gradient of {name}: {err}")
+    failures += training_mismatches(losses, ref_losses, grads, ref_grads)
     inner = model.module if isinstance(model, DDP) else model
     with opt.full_parameters() if zero else torch.no_grad():
         for name, p in inner.named_parameters():

@@ -18,7 +18,7 @@ from vescale.parallel import DDP, DistributedOptimizer, PipelineParallel, Pipeli
 from vescale.parallel.pipeline import analytic_bubble, make_schedule, simulate
 from vescale.parallel.plans import gpt_plan, llama_plan
 
-from dist_utils import full_grads, mismatch, mismatch_to_max
+from dist_utils import full_grads, mismatch, training_mismatches
 from tests.models.gpt import GPT, GPTConfig
 from tests.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -168,13 +168,7 @@ def _case(kind: str, layers: int, shape, names, schedule: str, microbatches: int
         losses.append(loss.item())
     ref_losses, ref_grads = _reference(kind, layers, batches)
     failures = []
-    err = mismatch(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    if err:
-        failures.append(f"losses {losses} vs {ref_losses}: {err}")
-    for name, g in grads.items():
-        err = mismatch_to_max(g, ref_grads[name])
-        if err:
-            failures.append(f"first-step gradient of {name}: {err}")
+    failures += training_mismatches(losses, ref_losses, grads, ref_grads)
     if pipe.local_stages == [0] and virtual == 1:  # one header per micro-batch shape, then payloads only
         shapes = {tuple(c.shape) for x, _ in batches for c in torch.tensor_split(x.chunk(dp)[0], microbatches)}
         if pipe.boundary.headers_sent != len(shapes):
