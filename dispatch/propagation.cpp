@@ -78,6 +78,12 @@ bool run_meta(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRef<c
   } catch (const c10::Error& e) {
     why = std::string("no meta kernel: ") + e.what_without_backtrace();
     return false;
+  } catch (const std::exception& e) {
+    // A meta kernel written in Python raises a Python exception (nonzero's, reached by
+    // x[mask] with a bool mask: its result's shape depends on the data).
+    const std::string what = e.what();  // its first line (a Python traceback follows)
+    why = "no meta kernel: " + what.substr(0, what.find('\n'));
+    return false;
   }
   map_results(stack, 0, info, [&](const at::Tensor& t, int) {
     TensorArg a;

@@ -116,47 +116,128 @@ ShardingChoice repeat_rule(const OpCall& call) {
   return choose_cheapest(call, s);
 }
 
-// x[i0, i1, ...] with None for untouched dims: when the indexed dims are adjacent, the
-// indexed view keeps the untouched dims in place and puts the index dims where the
-// indexed block was. Yields (dim of x, dim of the indexed view) for the untouched dims.
-std::vector<std::pair<int64_t, int64_t>> untouched_dims(const OpCall& call, int64_t view_ndim) {
-  const auto indices = call.arg(1).toListRef();
-  std::vector<int64_t> indexed;
-  for (size_t i = 0; i < indices.size(); ++i)
-    if (!indices[i].isNone()) indexed.push_back(static_cast<int64_t>(i));
-  std::vector<std::pair<int64_t, int64_t>> out;
-  const bool adjacent = !indexed.empty() && indexed.back() - indexed.front() + 1 == static_cast<int64_t>(indexed.size());
-  if (!adjacent) return out;
-  const int64_t ndim = call.inputs[0].ndim();
-  const int64_t shift = view_ndim - ndim;  // index dims minus indexed dims
-  for (int64_t d = 0; d < ndim; ++d)
-    if (!contains(indexed, d)) out.emplace_back(d, d < indexed.front() ? d : d + shift);
-  return out;
+// x[i0, i1, ...] (index.Tensor, index_put) with None for untouched dims. An integer
+// index takes one dim of x; a bool (or uint8) mask takes as many dims as it has and
+// stands for the one dim of its nonzero positions. The index tensors broadcast together
+// into the index dims of the indexed view; when the indexed dims are adjacent, the view
+// keeps the untouched dims in place and puts the index dims where the indexed block
+// was, otherwise the index dims come first and the untouched dims follow in order.
+struct IndexedView {
+  bool ok = false;  // false: a layout these rules do not map (only Replicate is offered)
+  int64_t ndim = 0;  // of the indexed view
+  std::vector<std::pair<int64_t, int64_t>> untouched;  // (dim of x, dim of the view)
+  std::vector<int64_t> view_shape;  // -1 on the index dims (a mask's length depends on data)
+  // Set when the only index is one bool mask: the dims of x it covers, [mask_first,
+  // mask_first + mask_ndim), and the view dim of its nonzero positions.
+  int64_t mask_first = -1, mask_ndim = 0, mask_view_dim = -1;
+};
+
+bool is_mask(const TensorArg& t) { return t.dtype == c10::ScalarType::Bool || t.dtype == c10::ScalarType::Byte; }
+
+IndexedView indexed_view(const OpCall& call) {
+  IndexedView v;
+  const auto& self = call.inputs[0];
+  const int64_t ndim = self.ndim();
+  const size_t n_indices = call.arg(1).toListRef().size();
+  int64_t d = 0, index_ndim = 0, first = -1, last = -1, n_defined = 0;
+  bool adjacent = true;
+  std::vector<bool> indexed(static_cast<size_t>(ndim), false);
+  for (size_t j = 0; j < n_indices; ++j) {
+    const auto& idx = call.inputs[1 + j];  // None entries are undefined slots
+    if (!idx.defined) {
+      ++d;
+      continue;
+    }
+    const int64_t takes = is_mask(idx) ? idx.ndim() : 1;
+    if (takes == 0) return v;  // x[True]: a new unit dim; not mapped
+    if (d + takes > ndim) return v;  // torch rejects it; let the local op say so
+    if (first < 0) first = d;
+    else if (last != d - 1) adjacent = false;
+    for (int64_t k = d; k < d + takes; ++k) indexed[static_cast<size_t>(k)] = true;
+    index_ndim = std::max(index_ndim, is_mask(idx) ? int64_t{1} : idx.ndim());
+    if (is_mask(idx)) {
+      v.mask_first = d;
+      v.mask_ndim = takes;
+    }
+    last = d + takes - 1;
+    d += takes;
+    ++n_defined;
+  }
+  if (n_defined == 0) return v;
+  if (n_defined != 1 || v.mask_first < 0) v.mask_first = -1, v.mask_ndim = 0;
+  v.ndim = ndim - std::count(indexed.begin(), indexed.end(), true) + index_ndim;
+  v.view_shape.assign(static_cast<size_t>(v.ndim), -1);
+  int64_t next = adjacent ? 0 : index_ndim;  // the view dim of the next untouched dim
+  for (int64_t k = 0; k < ndim; ++k) {
+    if (indexed[static_cast<size_t>(k)]) {
+      if (adjacent && k == first) {
+        if (v.mask_first >= 0) v.mask_view_dim = next;
+        next += index_ndim;
+      }
+      continue;
+    }
+    v.untouched.emplace_back(k, next);
+    v.view_shape[static_cast<size_t>(next)] = self.shape[static_cast<size_t>(k)];
+    ++next;
+  }
+  v.ok = true;
+  return v;
 }
 
 // index.Tensor(self, indices): untouched dims may stay split; indices replicated.
 ShardingChoice index_rule(const OpCall& call) {
   const size_t n_in = call.inputs.size();
   DimStrategies s = {{Placements(n_in, R), {R}}};
-  for (const auto& [d, v] : untouched_dims(call, call.outputs[0].ndim())) {
-    Placements in(n_in, R);
-    in[0] = S(d);
-    s.push_back({in, {S(v)}});
+  const auto view = indexed_view(call);
+  if (view.ok && view.ndim == call.outputs[0].ndim()) {
+    for (const auto& [d, v] : view.untouched) {
+      Placements in(n_in, R);
+      in[0] = S(d);
+      s.push_back({in, {S(v)}});
+    }
   }
   return choose_cheapest(call, s);
 }
 
-// index_put(self, indices, values, accumulate) and its in-place forms: self and values
-// (shaped like the indexed view) split alike on the untouched dims.
+// index_put(self, indices, values, accumulate) and its in-place forms. The values
+// broadcast to the indexed view (they may be 0-d, have fewer dims, or unit dims):
+//  - self split on an untouched dim, the values split on the matching view dim where
+//    they have its full size (replicated where they broadcast), indices replicated;
+//  - with a single bool mask as the index and values that broadcast along its nonzero
+//    positions (x[x > 0] = 0, x[mask] = row): self and the mask split alike on a masked
+//    dim, the values replicated; each rank writes its own selected elements.
 ShardingChoice index_put_rule(const OpCall& call) {
   const size_t n_in = call.inputs.size();
-  const size_t values = n_in - 1;  // self, the defined indices, values
-  DimStrategies s = {{Placements(n_in, R), Placements(call.outputs.size(), R)}};
-  for (const auto& [d, v] : untouched_dims(call, call.inputs[values].ndim())) {
+  const size_t n_out = call.outputs.size();
+  const size_t values = n_in - 1;  // self, one slot per index (None: undefined), values
+  const auto& vals = call.inputs[values];
+  DimStrategies s = {{Placements(n_in, R), Placements(n_out, R)}};
+  const auto view = indexed_view(call);
+  if (!view.ok || vals.ndim() > view.ndim) return choose_cheapest(call, s);
+  for (const auto& [d, v] : view.untouched) {
     Placements in(n_in, R);
     in[0] = S(d);
-    in[values] = S(v);
-    s.push_back({in, Placements(call.outputs.size(), S(d))});
+    in[values] = broadcast_input_placement(S(v), view.view_shape, vals);
+    s.push_back({in, Placements(n_out, S(d))});
+  }
+  if (view.mask_first >= 0) {
+    const int64_t at = view.mask_view_dim - (view.ndim - vals.ndim());  // the values' dim there
+    const bool broadcast = at < 0 || vals.shape[static_cast<size_t>(at)] == 1;
+    size_t mask = 1;
+    while (!call.inputs[mask].defined) ++mask;
+    // (A mask of another shape is an error, which every rank must raise alike: whole.)
+    const auto& mask_shape = call.inputs[mask].shape;
+    const auto& self_shape = call.inputs[0].shape;
+    bool fits = true;
+    for (int64_t k = 0; k < view.mask_ndim; ++k)
+      fits &= mask_shape[static_cast<size_t>(k)] == self_shape[static_cast<size_t>(view.mask_first + k)];
+    if (broadcast && fits)
+      for (int64_t k = 0; k < view.mask_ndim; ++k) {
+        Placements in(n_in, R);
+        in[0] = S(view.mask_first + k);
+        in[mask] = S(k);
+        s.push_back({in, Placements(n_out, S(view.mask_first + k))});
+      }
   }
   return choose_cheapest(call, s);
 }

@@ -344,10 +344,29 @@ ShardingChoice as_strided_rule(const OpCall& call) {
 // ---- joining -------------------------------------------------------------------------
 
 // cat(tensors, dim) / stack(tensors, dim): every input alike; the joined dim whole.
+// cat skips 1-d empty inputs, as torch does (a legacy rule: torch.cat([torch.tensor([]),
+// x], dim) is x whatever x's rank; Hugging Face's KV cache starts that way): they take
+// no part in the choice, keep their placements (their shards are empty too) and the dim
+// wraps by the first input that is not skipped.
+bool skipped_by_cat(const TensorArg& t) {
+  return t.ndim() == 1 && t.shape[0] == 0;
+}
+
 ShardingChoice join_rule(const OpCall& call, bool stacking) {
-  const int64_t in_ndim = call.inputs.empty() ? 0 : call.inputs[0].ndim();
-  const int64_t dim = at::maybe_wrap_dim(call.int_arg(1), stacking ? in_ndim + 1 : std::max<int64_t>(in_ndim, 1));
   const size_t n = call.inputs.size();
+  OpCall joined = call;
+  const TensorArg* first = nullptr;
+  for (auto& in : joined.inputs) {
+    if (!stacking && skipped_by_cat(in)) in.defined = false;  // choose_cheapest ignores it
+    else if (first == nullptr) first = &in;
+  }
+  if (first == nullptr && !stacking) {  // all skipped: the result is an empty 1-d tensor
+    auto c = replicate_all(call);
+    for (size_t i = 0; i < n; ++i) c.inputs[i] = call.inputs[i].placements;
+    return c;
+  }
+  const int64_t in_ndim = first == nullptr ? 0 : first->ndim();
+  const int64_t dim = at::maybe_wrap_dim(call.int_arg(1), stacking ? in_ndim + 1 : std::max<int64_t>(in_ndim, 1));
   DimStrategies s;
   auto all = [&](Placement in, Placement out) { s.push_back({Placements(n, in), {out}}); };
   all(Placement::replicate(), Placement::replicate());
@@ -356,7 +375,10 @@ ShardingChoice join_rule(const OpCall& call, bool stacking) {
     all(Placement::shard(d), Placement::shard(stacking && d >= dim ? d + 1 : d));
   }
   for (const ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) all(Placement::partial(op), Placement::partial(op));
-  return choose_cheapest(call, s);
+  auto c = choose_cheapest(joined, s);
+  for (size_t i = 0; i < n; ++i)
+    if (!joined.inputs[i].defined) c.inputs[i] = call.inputs[i].placements;
+  return c;
 }
 
 }  // namespace

@@ -269,6 +269,65 @@ TEST_F(RuleFamilies, IndexingKeepsTheIndexedDimWhole) {
   EXPECT_NE(topk.decide().inputs[0], Placements{S(1)});
 }
 
+// An index list of n entries (the rules read only its length; the tensors are inputs).
+c10::IValue index_list(size_t n) {
+  c10::List<std::optional<at::Tensor>> list;
+  for (size_t i = 0; i < n; ++i) list.push_back(std::nullopt);
+  return list;
+}
+
+TEST_F(RuleFamilies, CatSkipsLegacyEmptyInputs) {
+  // torch.cat([torch.tensor([]), k], dim=-2) as Hugging Face's KV cache does: the dim
+  // wraps by k's rank, the empty input keeps its placement and moves nothing.
+  Call cat("aten::cat", "", {c10::IValue(), -2},
+           {tensor({0}, {R}), tensor({2, 4, 16, 8}, {S(1)}), tensor({0}, {S(0)})}, {result({2, 4, 16, 8})}, m4);
+  const auto c = cat.decide();
+  EXPECT_EQ(c.inputs[0], Placements{R});
+  EXPECT_EQ(c.inputs[1], Placements{S(1)});
+  EXPECT_EQ(c.inputs[2], Placements{S(0)});
+  EXPECT_EQ(c.outputs[0], Placements{S(1)});
+  // split along the cat dim (2 once wrapped by k's rank): that dim is made whole
+  Call along("aten::cat", "", {c10::IValue(), -2}, {tensor({0}, {R}), tensor({2, 4, 16, 8}, {S(2)})},
+             {result({2, 4, 16, 8})}, m4);
+  EXPECT_NE(along.decide().inputs[1], Placements{S(2)});
+  Call none_left("aten::cat", "", {c10::IValue(), -2}, {tensor({0}, {S(0)}), tensor({0}, {P})}, {result({0})}, m4);
+  const auto e = none_left.decide();
+  EXPECT_EQ(e.inputs[0], Placements{S(0)});
+  EXPECT_EQ(e.inputs[1], Placements{P});
+  EXPECT_EQ(e.outputs[0], Placements{R});
+}
+
+TEST_F(RuleFamilies, IndexPutTakesBroadcastValues) {
+  // x[x > 0] = 0.0: a bool mask and 0-d values; x and the mask split alike, no gather.
+  Call mask("aten::index_put_", "", {c10::IValue(), index_list(1), c10::IValue(), false},
+            {tensor({4, 6}, {S(1)}), tensor({4, 6}, {S(1)}, at::kBool), tensor({}, {R})}, {result({4, 6})}, m4);
+  auto c = mask.decide();
+  EXPECT_EQ(c.inputs[0], Placements{S(1)});
+  EXPECT_EQ(c.inputs[1], Placements{S(1)});
+  EXPECT_EQ(c.inputs[2], Placements{R});
+  EXPECT_EQ(c.outputs[0], Placements{S(1)});
+  // x[[0, 2]] = row (values of fewer dims), x split on the untouched dim: the row splits too
+  Call row("aten::index_put_", "", {c10::IValue(), index_list(1), c10::IValue(), false},
+           {tensor({4, 6}, {S(1)}), tensor({2}, {R}, at::kLong), tensor({6}, {R})}, {result({4, 6})}, m4);
+  c = row.decide();
+  EXPECT_EQ(c.inputs[0], Placements{S(1)});
+  EXPECT_EQ(c.inputs[2], Placements{S(0)});
+  // ... and a unit dim of the values broadcasts: they stay whole there
+  Call unit("aten::index_put", "", {c10::IValue(), index_list(2), c10::IValue(), true},
+            {tensor({3, 4, 6}, {S(2)}), TensorArg{}, tensor({2}, {R}, at::kLong), tensor({1, 1}, {R})},
+            {result({3, 4, 6})}, m4);
+  c = unit.decide();
+  EXPECT_EQ(c.inputs[0], Placements{S(2)});
+  EXPECT_EQ(c.inputs[3], Placements{R});
+  EXPECT_EQ(c.outputs[0], Placements{S(2)});
+  // values with a row per selected element can't follow a split mask: gathered
+  Call rows("aten::index_put_", "", {c10::IValue(), index_list(1), c10::IValue(), false},
+            {tensor({4, 6}, {S(0)}), tensor({4}, {S(0)}, at::kBool), tensor({3, 6}, {R})}, {result({4, 6})}, m4);
+  c = rows.decide();
+  EXPECT_NE(c.inputs[1], Placements{S(0)});
+  EXPECT_NE(c.inputs[0], Placements{S(0)});
+}
+
 TEST_F(RuleFamilies, CostsPreferLocalWorkOverCommunication) {
   // Cutting a replicated operand locally is cheaper than any collective.
   const auto local = plan_redistribution(*m4, {R}, {S(0)}, {1024, 1024}, at::kFloat).cost;

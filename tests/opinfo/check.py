@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 
 import vescale  # noqa: E402
 from dist_utils import mesh as named_mesh, placement_options  # noqa: E402
+from .extra_samples import extra_samples  # noqa: E402
 from vescale import Replicate  # noqa: E402
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -152,7 +153,8 @@ def _samples(op, dtype, limit: int) -> list:
     for seed in (torch.manual_seed, random.seed, np.random.seed):
         seed(0)  # sample values are random: every rank must draw the same
     grad = op.supports_autograd and dtype.is_floating_point
-    return list(itertools.islice(op.sample_inputs("cpu", dtype, requires_grad=grad), limit))
+    samples = list(itertools.islice(op.sample_inputs("cpu", dtype, requires_grad=grad), limit))
+    return samples + extra_samples(op_key(op), dtype, grad)  # forms op_db lacks (extra_samples.py)
 
 
 def _same_on_all_ranks(samples) -> bool:

@@ -109,3 +109,45 @@ def _case_model(name: str):
 def test_model_training_matches_single_device(pool4, name):
     for failures in pool4.run(_case_model, name):
         assert failures == []
+
+
+def _sample_top_k(model, idx, steps: int, top_k: int):
+    """nanoGPT's generate(temperature=0.8, top_k=...): the probabilities of every step and
+    the tokens drawn from them (on plain tensors, with one seeded generator per step)."""
+    probs_seen = []
+    for step in range(steps):
+        logits = model(idx)[:, -1, :] / 0.8
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits[logits < v[:, [-1]]] = -float("Inf")  # index_put_ with a bool mask and a 0-d value
+        probs = torch.softmax(logits, dim=-1)
+        probs = probs.full_tensor() if isinstance(probs, vescale.DTensor) else probs
+        probs_seen.append(probs)
+        idx_next = torch.multinomial(probs, num_samples=1, generator=torch.Generator().manual_seed(step))
+        idx = torch.cat((idx, idx_next), dim=1)
+    return probs_seen, idx
+
+
+def _case_generate(name: str):
+    factory, plan = MODELS[name]
+    m = mesh("2d")
+    torch.manual_seed(0)
+    ref = factory().eval()
+    torch.manual_seed(0)
+    model = factory().eval()
+    _distribute(model, m, plan)
+    start = torch.randint(0, 64, (2, 3), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        probs, tokens = _sample_top_k(model, start, steps=6, top_k=5)
+        ref_probs, ref_tokens = _sample_top_k(ref, start, steps=6, top_k=5)
+    failures = [f"step {k}: {e}" for k, (p, q) in enumerate(zip(probs, ref_probs))
+                if (e := mismatch(p, q, rtol=1e-5, atol=1e-6))]
+    if not torch.equal(tokens, ref_tokens):
+        failures.append(f"tokens {tokens.tolist()} vs {ref_tokens.tolist()}")
+    return failures
+
+
+def test_gpt_generate_top_k_matches_single_device(pool4):
+    """nanoGPT's sampling loop on the tensor-parallel GPT (vocabulary-parallel logits):
+    once a crash in index_put with a 0-d value."""
+    for failures in pool4.run(_case_generate, "gpt"):
+        assert failures == []

@@ -146,7 +146,85 @@ def _cases() -> list[Case]:
     ]
 
 
-CASES = {c.name: c for c in _cases()}
+# ---- writes through indexing (index_put) with broadcast values, and cat's legacy rule ----
+# torch accepts values of fewer dims, unit dims or 0-d in x[idx] = v (nanoGPT's top-k
+# sampling, Hugging Face's generate), and cat skips 1-d empty inputs (Hugging Face's KV
+# cache starts from torch.tensor([])). Index tensors are fixed plain tensors without
+# duplicate positions unless the written values are the same at every position.
+
+def _set(x, index, value):
+    y = x.clone()
+    y[index] = value
+    return y
+
+
+def _set_by(x, index_of, value):
+    """y[index_of(y)] = value: the mask comes from the DTensor itself."""
+    y = x.clone()
+    y[index_of(y)] = value
+    return y
+
+
+def _top_k_fill(logits):
+    """nanoGPT's generate(top_k=3): logits[logits < v[:, [-1]]] = -inf, then softmax."""
+    v, _ = torch.topk(logits, 3)
+    logits = logits.clone()
+    logits[logits < v[:, [-1]]] = -float("Inf")
+    return torch.softmax(logits, dim=-1)
+
+
+def _empty(x):
+    return torch.tensor([], dtype=x.dtype)
+
+
+def _write_cases() -> list[Case]:
+    x356, x56, x6 = Arg((3, 5, 6)), Arg((5, 6)), Arg((6,))
+    ij = (torch.tensor([0, 2]), slice(None), torch.tensor([1, 5]))  # not adjacent: view (2, 5)
+    return [
+        Case("setitem_mask_scalar", lambda x: _set_by(x, lambda y: y > 0, 0.0), [x356]),
+        Case("setitem_int_scalar", lambda x: _set(x, torch.tensor([0, 2]), 0.5), [x356]),
+        Case("setitem_int0d_scalar", lambda x: _set(x, (slice(None), torch.tensor(3)), -1.0), [x356]),
+        Case("setitem_row_broadcast", lambda x, v: _set(x, (slice(None), torch.tensor([4, 0, 2])), v), [x356, x6]),
+        Case("setitem_unit_dims", lambda x, v: _set(x, torch.tensor([1]), v), [x356, Arg((1, 1, 6))]),
+        Case("setitem_full_values", lambda x, v: _set(x, (slice(None), torch.tensor([4, 0])), v), [x356, Arg((3, 2, 6))]),
+        Case("setitem_0d_value", lambda x, v: _set(x, torch.tensor([2, 0]), v), [x356, Arg(())]),
+        Case("setitem_not_adjacent", lambda x, v: _set(x, ij, v), [x356, Arg((5,))]),
+        Case("setitem_not_adjacent_full", lambda x, v: _set(x, ij, v), [x356, Arg((2, 5))]),
+        Case("setitem_mask_leading", lambda x: _set_by(x, lambda y: y[..., 0] > 0, 2.0), [x356]),
+        Case("setitem_mask_trailing", lambda x: _set_by(x, lambda y: (slice(None), y[0] > 0), 3.0), [x356]),
+        Case("top_k_fill", _top_k_fill, [x56]),
+        Case("index_put_broadcast", lambda x, v: torch.index_put(x, (torch.tensor([3, 1]),), v), [x56, x6]),
+        Case("index_put_accumulate", lambda x, i, v: torch.index_put(x, (i,), v, accumulate=True),
+             [x56, Arg((7,), "index:5"), Arg((1, 6))]),
+        Case("index_put_accumulate_0d", lambda x, i, v: torch.ops.aten.index_put(x, [None, i], v, True),
+             [x356, Arg((4,), "index:5", grad=False), Arg(())]),
+        Case("index_put_accumulate_mask", lambda x, v: torch.index_put(x, (x.detach() > 0,), v, accumulate=True),
+             [x56, Arg((), grad=False)]),
+        Case("index_put_inplace_unit", lambda x, v: x.clone().index_put_((torch.tensor([0, 4]), torch.tensor([5])), v),
+             [x56, Arg((1,))]),
+        # index, index_select, gather, masked_fill, where with 0-d or broadcast operands
+        Case("index_0d_index", lambda x: x[:, torch.tensor(2)], [x356]),
+        Case("index_not_adjacent", lambda x: x[ij], [x356]),
+        Case("index_select_0d", lambda x, i: x.index_select(1, i), [x356, Arg((), "index:5")]),
+        Case("gather_0d", lambda x, i: x.gather(0, i), [Arg(()), Arg((), "index:1")]),
+        Case("scatter_0d", lambda x, i, s: x.scatter(0, i, s), [Arg(()), Arg((), "index:1"), Arg(())]),
+        # (its gradient for v needs masked_select: see test_data_dependent_indexing_matches)
+        Case("masked_fill_0d_value", lambda x, v: x.masked_fill(x.detach() > 0, v), [x56, Arg((), grad=False)]),
+        Case("masked_fill_bcast_mask", lambda x, m: x.masked_fill(m > 0, 1.5), [x356, Arg((5, 1), grad=False)]),
+        Case("where_scalar", lambda x: torch.where(x > 0, x, 0.0), [x356]),
+        Case("where_0d_bcast", lambda x, y, c: torch.where(c > 0, x, y), [x56, Arg(()), Arg((6,), grad=False)]),
+        # cat's 1-d empty inputs: first, middle, last; plain or a DTensor; every one empty
+        Case("cat_empty_first", lambda x: torch.cat([_empty(x), x], dim=-2), [x356]),
+        Case("cat_empty_middle_last", lambda x, y: torch.cat([x, _empty(x), y, _empty(x)], dim=1), [x356, x356]),
+        Case("cat_empty_dtensor", lambda x, e: torch.cat([e, x, e], dim=0), [x356, Arg((0,))]),
+        Case("cat_empty_dtensor_first", lambda e, x: torch.cat([e, x], dim=-1), [Arg((0,)), x356]),
+        Case("cat_all_empty", lambda e, f: torch.cat([e, f], dim=-2), [Arg((0,)), Arg((0,))]),
+        Case("cat_empty_dtype", lambda x: torch.cat([_empty(x).float(), x, _empty(x)], dim=2), [x356]),
+        Case("stack_empty", lambda e, f: torch.stack([e, f], dim=0), [Arg((0,)), Arg((0,))]),
+    ]
+
+
+CASES = {c.name: c for c in _cases() + _write_cases()}
 
 
 def _options(arg: Arg, mesh_ndim: int, first: bool, partial: bool):
@@ -226,3 +304,96 @@ def test_op_1d_4ranks(pool4, name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_op_2d(pool4, name):
     assert pool4.run(_case_op, name, "2d")[0] == []
+
+
+# ---- data-dependent shapes: correct through the replicate fallback ---------------------------
+
+def _grads_match(fn, fulls, dts) -> list[str]:
+    """fn on DTensors against fn on plain tensors: the output and every input gradient."""
+    refs = [f.clone().requires_grad_(True) for f in fulls]
+    want = fn(*refs)
+    want.backward(rand(want.shape, seed=7))
+    got = fn(*dts)
+    got.backward(make_dtensor(rand(want.shape, seed=7), got.device_mesh, [Replicate()] * got.device_mesh.ndim))
+    errs = [mismatch(got.full_tensor(), want.detach())]
+    errs += [mismatch(d.grad.full_tensor(), r.grad) for d, r in zip(dts, refs)]
+    return [e for e in errs if e]
+
+
+def _data_dependent(mesh_name: str) -> list[str]:
+    """x[mask] reads, masked_select and masked_scatter have shapes that depend on the data
+    (the meta kernel of nonzero refuses them): they run on replicated inputs, and so do the
+    backward passes of writes whose values need x[mask] (index_put with a mask, masked_fill
+    with a tensor value)."""
+    from vescale import Partial, Shard
+    m = mesh(mesh_name)
+    x, v0, row = rand((3, 5, 6), 1), rand((), 2), rand((6,), 3)
+    failures = []
+    cases = {
+        "x[mask]": (lambda a: a[a.detach() > 0] * 2, [x]),
+        "x[:, mask2d]": (lambda a: a[:, a.detach()[0] > 0], [x]),
+        "masked_select": (lambda a: a.masked_select(a.detach()[0, 0] > 0), [x]),
+        "masked_scatter": (lambda a, s: a.masked_scatter(a.detach() > 0, s.expand(3, 5, 6) * 1), [x, row]),
+        "setitem_mask_value_grad": (lambda a, s: _set(a, a.detach() > 0.5, s), [x, v0]),
+        "setitem_mask_row_grad": (lambda a, s: _set(a, a.detach()[..., 0] > 0, s), [x, row]),
+        "masked_fill_value_grad": (lambda a, s: a.masked_fill(a.detach() < 0, s), [x, v0]),
+    }
+    # (x's placement, the other input's) per mesh dim
+    options = [(Replicate(), Partial()), (Shard(0), Replicate()), (Shard(2), Shard(0)), (Partial(), Replicate())]
+    for name, (fn, fulls) in cases.items():
+        for k in range(len(options)):
+            ps = [[options[(k + md) % 4][0] for md in range(m.ndim)]]
+            ps += [[options[(k + md) % 4][1] for md in range(m.ndim)] for _ in fulls[1:]]
+            ps = [[Replicate() if q.is_shard() and f.dim() == 0 else q for q in p] for f, p in zip(fulls, ps)]
+            dts = [make_dtensor(f, m, q, seed=4, requires_grad=True) for f, q in zip(fulls, ps)]
+            failures += [f"{name} {ps}: {e}" for e in _grads_match(fn, fulls, dts)]
+    return failures
+
+
+@pytest.mark.parametrize("mesh_name", ["1d2", "2d"])
+def test_data_dependent_indexing_matches(pool2, pool4, mesh_name):
+    pool = pool2 if mesh_name == "1d2" else pool4
+    for failures in pool.run(_data_dependent, mesh_name):
+        assert failures == []
+
+
+def _collectives(fn) -> list[str]:
+    """The collectives that fn issues (the profiler sees the engine's calls too)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sorted({e.name for e in prof.events() if e.name.startswith(("_c10d_functional::", "c10d::"))})
+
+
+def _local_writes() -> dict:
+    """Writes that every rank can do on its own shard issue no collective: a mask (or a
+    scalar, or broadcast values) needs no gathered tensor. Also cat's skipped empty inputs."""
+    from vescale import Shard
+    m = mesh("1d2")
+    x, row = rand((4, 6, 8), 1), rand((8,), 2)
+    empty = torch.tensor([], dtype=x.dtype)
+    out = {}
+
+    def run(name, placements, fn):
+        t = make_dtensor(x, m, placements)
+        ref = x.clone()
+        out[name] = _collectives(lambda: fn(t))
+        fn(ref)
+        err = mismatch(t.full_tensor(), ref)
+        if err:
+            out[name].append(f"wrong values: {err}")
+
+    run("t[t > 0] = 0 (Shard(1))", [Shard(1)], lambda t: t.__setitem__(t > 0, 0.0))
+    run("t[t < t[:, :1]] = -inf (Shard(2))", [Shard(2)], lambda t: t.__setitem__(t < t[:, :1], -float("inf")))
+    run("t[[0, 1]] = 1 (Shard(2))", [Shard(2)], lambda t: t.__setitem__(torch.tensor([0, 1]), 1.0))
+    run("t[:, [0, 1]] = row (Shard(2))", [Shard(2)],
+        lambda t: t.__setitem__((slice(None), torch.tensor([0, 1])), make_dtensor(row, m, [Shard(0)])
+                                if isinstance(t, vescale.DTensor) else row))
+    t = make_dtensor(x, m, [Shard(2)])
+    out["cat([empty, t], -2) (Shard(2))"] = _collectives(lambda: torch.cat([empty, t, empty], dim=-2))
+    return out
+
+
+def test_local_writes_need_no_collectives(pool2):
+    for issued in pool2.run(_local_writes):
+        assert issued == dict.fromkeys(issued, [])
