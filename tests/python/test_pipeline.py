@@ -155,7 +155,7 @@ def _case(kind: str, layers: int, shape, names, schedule: str, microbatches: int
             x, y = x.chunk(dp)[r], y.chunk(dp)[r]
         opt.zero_grad()
         if kind.startswith("hf_"):
-            loss = pipe.step(input_ids=x, labels=x, use_cache=False)
+            loss = pipe.step(input_ids=x, labels=x)  # use_cache left at its default (True)
         else:
             loss = pipe.step(x, y)
         if grads is None:
