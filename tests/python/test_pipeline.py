@@ -8,6 +8,8 @@ Adam-updated parameters are not compared tightly (see dist_utils)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -112,25 +114,29 @@ def _loss(model, kind, x, y):
     return model(x, y)
 
 
-def _reference(kind: str, layers: int, batches):
+def _reference(kind: str, layers: int, batches, accumulate: int = 1):
     model = _build(kind, layers)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads = [], None
     for x, y in batches:
         opt.zero_grad()
-        loss = _loss(model, kind, x, y)
-        loss.backward()
+        loss = 0.0
+        for xa, ya in zip(x.chunk(accumulate), y.chunk(accumulate)):
+            part = _loss(model, kind, xa, ya)
+            part.backward()
+            loss += part.item() / accumulate
         if grads is None:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
-        losses.append(loss.item())
+        losses.append(loss)
     return losses, grads
 
 
 # ---- one parity case -------------------------------------------------------------------------
 
 def _case(kind: str, layers: int, shape, names, schedule: str, microbatches: int, virtual: int = 1,
-          split="uniform", tp: str | None = None, zero: int | None = None, seqs=(16,), steps: int = 3):
+          split="uniform", tp: str | None = None, zero: int | None = None, seqs=(16,), steps: int = 5,
+          accumulate: int = 1):
     m = _mesh(shape, names)
     batches = _batches(steps, seqs=seqs)
     model = _build(kind, layers)
@@ -154,23 +160,26 @@ def _case(kind: str, layers: int, shape, names, schedule: str, microbatches: int
             r = m.get_local_rank("DP")
             x, y = x.chunk(dp)[r], y.chunk(dp)[r]
         opt.zero_grad()
-        if kind.startswith("hf_"):
-            loss = pipe.step(input_ids=x, labels=x)  # use_cache left at its default (True)
-        else:
-            loss = pipe.step(x, y)
+        loss = torch.zeros((), dtype=torch.float64)
+        for i, (xa, ya) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
+            # gradient accumulation: DDP reduces at the last step only
+            with wrapped.no_sync() if i < accumulate - 1 and wrapped is not pipe else contextlib.nullcontext():
+                if kind.startswith("hf_"):
+                    loss += pipe.step(input_ids=xa, labels=xa) / accumulate  # use_cache at its default (True)
+                else:
+                    loss += pipe.step(xa, ya) / accumulate
         if grads is None:
             grads = full_grads(wrapped)
         opt.step()
         if dp > 1:  # the batch loss: the mean of the DP ranks' losses
-            loss = loss.clone()
             torch.distributed.all_reduce(loss, group=m.get_group("DP"))
             loss /= dp
         losses.append(loss.item())
-    ref_losses, ref_grads = _reference(kind, layers, batches)
+    ref_losses, ref_grads = _reference(kind, layers, batches, accumulate)
     failures = []
     failures += training_mismatches(losses, ref_losses, grads, ref_grads)
     if pipe.local_stages == [0] and virtual == 1:  # one header per micro-batch shape, then payloads only
-        shapes = {tuple(c.shape) for x, _ in batches for c in torch.tensor_split(x.chunk(dp)[0], microbatches)}
+        shapes = {tuple(c.shape) for x, _ in batches for c in torch.tensor_split(x.chunk(dp)[0].chunk(accumulate)[0], microbatches)}
         if pipe.boundary.headers_sent != len(shapes):
             failures.append(f"{pipe.boundary.headers_sent} headers sent for {len(shapes)} micro-batch shapes")
     owned = {n for n, _ in pipe.named_parameters()}
@@ -195,6 +204,8 @@ CASES = {
     "gpt-pp2-tp2-1f1b": ("gpt", 4, (2, 2), ("PP", "TP"), "1f1b", 4, 1, {"tp": "tp"}),
     "llama-pp2-tp2-sp-1f1b": ("llama", 4, (2, 2), ("PP", "TP"), "1f1b", 4, 1, {"tp": "sp"}),
     "llama-pp2-tp2-sp-interleaved": ("llama", 4, (2, 2), ("PP", "TP"), "interleaved_1f1b", 4, 2, {"tp": "sp"}),
+    "gpt-pp2-dp2-accumulate": ("gpt", 4, (2, 2), ("PP", "DP"), "1f1b", 2, 1, {"accumulate": 2}),
+    "glue-pp4-accumulate": ("glue", 4, (4,), ("PP",), "1f1b", 2, 1, {"accumulate": 2}),
     "glue-pp4-zb": ("glue", 4, (4,), ("PP",), "zb_h1", 4, 1, {}),
     "glue-pp2-dp2-interleaved": ("glue", 4, (2, 2), ("PP", "DP"), "interleaved_1f1b", 2, 2, {}),
     "llama-pp4-seqlen": ("llama", 4, (4,), ("PP",), "1f1b", 4, 1, {"seqs": (16, 9, 16, 5)}),

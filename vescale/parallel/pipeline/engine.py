@@ -170,6 +170,11 @@ class PipelineParallel(nn.Module):
             self.runner.dry_run(self.specs, a, k, lambda out: _loss_of(out, t, loss_fn))
             self._checked = True
         ddp = self._data_parallel
+        sync = ddp is not None and ddp._sync  # False inside the user's ddp.no_sync(): accumulate
+        # gradients accumulated by earlier steps must not be summed among the holders again
+        earlier = {name: self.module.get_parameter(name).grad for name, _ in self._shared}
+        for name, _ in self._shared:
+            self.module.get_parameter(name).grad = None
         sends, states, losses = [], {}, []
         with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
             for action in self.schedule.orders[self.pp_rank]:
@@ -182,8 +187,8 @@ class PipelineParallel(nn.Module):
                 sends[:] = [w for w in sends if not w[0].is_completed()]  # sent buffers go as they are done
             for work, _ in sends:
                 work.wait()
-        self._reduce_shared_grads()
-        if ddp is not None:
+        self._reduce_shared_grads(earlier)
+        if sync:
             ddp.sync_gradients()
         return self._batch_loss(losses)
 
@@ -250,12 +255,16 @@ class PipelineParallel(nn.Module):
                 if not is_deferred(p):
                     dist.broadcast(local_of(p), src=dist.get_global_rank(group, 0), group=group)
 
-    def _reduce_shared_grads(self) -> None:
+    def _reduce_shared_grads(self, earlier: dict) -> None:
+        """Sums this step's gradients of parameters several ranks hold; adds back what
+        earlier steps accumulated (summed already)."""
         for name, group in self._shared:
             p = self.module.get_parameter(name)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(local_of(p.grad), group=group)
+            if earlier[name] is not None:
+                p.grad = p.grad + earlier[name]
 
     def _batch_loss(self, losses) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64)
