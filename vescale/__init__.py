@@ -14,6 +14,7 @@ from .placement_types import Partial, Placement, Replicate, Shard
 from .parallel import DDP, DistributedOptimizer, parallelize_module
 from .checkpoint import load, save
 from .deferred import deferred_init, materialize_module
+from .plan import Plan, PlanError
 
 _install()
 
@@ -24,4 +25,5 @@ __all__ = [
     "fallback_counts", "reset_fallback_counts", "debug_mode",
     "parallelize_module", "DDP", "DistributedOptimizer",
     "save", "load", "deferred_init", "materialize_module",
+    "Plan", "PlanError",
 ]
