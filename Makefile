@@ -72,6 +72,7 @@ bench: build
 	$(PY) bench/train_step.py
 	$(PY) bench/checkpoint.py
 	$(PY) bench/deferred_init.py
+	$(PY) bench/pipeline.py
 
 clean:
 	rm -rf build $(STAMPS) vescale/_C*.so
