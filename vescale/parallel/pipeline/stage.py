@@ -18,6 +18,7 @@ the stage's result, would make the result silently wrong: both raise
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +72,7 @@ class StageRunner:
         self.local_units = frozenset().union(*(specs[s].units for s in local))
         self._run: _Run | None = None
         self._twins: dict[int, tuple] = {}
+        self._shadow_outputs: dict = {}
         self._handles = []
         self.install_hooks()
 
@@ -81,6 +83,8 @@ class StageRunner:
         self.remove()
         for unit in self.layout.units:
             m = unit.module
+            if "forward" not in m.__dict__:  # once: see _forward
+                m.forward = functools.partial(self._forward, unit, m.forward)
             self._handles.append(m.register_forward_pre_hook(self._pre_hook(unit), with_kwargs=True, prepend=True))
             self._handles.append(m.register_forward_hook(self._post_hook(unit), with_kwargs=True, always_call=True))
 
@@ -181,7 +185,9 @@ class StageRunner:
 
             def zeros(t):  # meta -> zeros on the device; another stage's are marked
                 if isinstance(t, torch.Tensor) and t.is_meta:
-                    z = torch.zeros(t.shape, dtype=t.dtype, device=self.device)
+                    # one zero seen through stride-0 dims: no memory, no fill (ops on it
+                    # allocate their results; in-place ops on it fail as on any leaf)
+                    z = torch.zeros((), dtype=t.dtype, device=self.device).expand(t.shape)
                     if t.requires_grad:
                         z.requires_grad_()
                         if not owned:
@@ -190,6 +196,26 @@ class StageRunner:
                 return t
             return tree_map(zeros, output)
         return hook
+
+    def _forward(self, unit: Unit, original, *args, **kwargs):
+        """A unit's forward. A shadow (another stage's unit, on meta) with inputs of shapes
+        seen before returns meta outputs of the shapes it gave then, without running:
+        meta kernels are Python decompositions, and running every earlier stage's blocks
+        on meta for every micro-batch cost more than the stage's own work."""
+        run = self._run
+        if run is None or not run.restores or run.restores[-1][0] is not unit.module or run.restores[-1][2]:
+            return original(*args, **kwargs)
+        key = _signature(unit.name, args, kwargs)
+        if key is not None and key in self._shadow_outputs:
+            leaves, tree = self._shadow_outputs[key]
+            return tree_unflatten([_meta_of(x) for x in leaves], tree)
+        out = original(*args, **kwargs)
+        leaves, tree = tree_flatten(out)
+        if key is not None and all(_cacheable(x) for x in leaves):
+            if len(self._shadow_outputs) >= _SHADOW_CACHE:
+                self._shadow_outputs.pop(next(iter(self._shadow_outputs)))
+            self._shadow_outputs[key] = ([_spec_of(x) for x in leaves], tree)
+        return out
 
     def _check_inputs(self, run: _Run, unit: Unit, args, kwargs) -> None:
         leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -253,6 +279,45 @@ def meta_twin_of(t: torch.Tensor, requires_grad: bool) -> nn.Parameter | torch.T
 def is_elsewhere(t: torch.Tensor) -> bool:
     """A parameter or buffer that another pipeline stage holds."""
     return getattr(t, "_vescale_pp_elsewhere", False)
+
+
+_SHADOW_CACHE = 4096
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+class _MetaSpec(tuple):
+    """(shape, dtype, requires_grad) of a meta output."""
+
+
+def _cacheable(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_meta or isinstance(x, _PLAIN)
+
+
+def _spec_of(x):
+    return _MetaSpec((tuple(x.shape), x.dtype, x.requires_grad)) if isinstance(x, torch.Tensor) else x
+
+
+def _meta_of(x):
+    if isinstance(x, _MetaSpec):
+        shape, dtype, grad = x
+        t = torch.empty(shape, dtype=dtype, device="meta")
+        return t.requires_grad_() if grad else t
+    return x
+
+
+def _signature(name: str, args, kwargs):
+    """What a shadow's output shapes can depend on, or None when an argument is an object
+    whose state might (a KV cache, say): such calls always run."""
+    leaves, tree = tree_flatten((args, kwargs))
+    key = [name, str(tree)]
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            key.append((tuple(x.shape), x.dtype, x.requires_grad))
+        elif isinstance(x, _PLAIN):
+            key.append(x)
+        else:
+            return None
+    return tuple(key)
 
 
 def _to_meta(x):
