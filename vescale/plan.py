@@ -23,14 +23,14 @@ import math
 import re
 from typing import Any
 
+from .parallel.pipeline.engine import SPLIT_METHODS
+from .parallel.pipeline.schedules import SCHEDULES, make_schedule
 from .placement_types import Partial, Placement, Replicate, Shard
 
 VERSION = 1
 
 # section -> key -> (default, check). A check returns None when the value is fine, else
 # what was expected.
-_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
-_SPLIT_METHODS = ("uniform", "parameters", "flops", "time")
 
 
 def _is(types, what: str):
@@ -68,8 +68,8 @@ SCHEMA: dict[str, dict[str, tuple[Any, Any]]] = {
     },
     "pipeline_parallel": {
         "split_points": (None, _optional(_str_list)),
-        "split_method": ("uniform", _one_of(_SPLIT_METHODS)),
-        "schedule": ("1f1b", _one_of(_SCHEDULES)),
+        "split_method": ("uniform", _one_of(SPLIT_METHODS)),
+        "schedule": ("1f1b", _one_of(SCHEDULES)),
         "microbatches": (1, _int_at_least(1)),
         "virtual_stages": (1, _int_at_least(1)),
         "dim": ("PP", _is((str,), "a mesh dim name")),
@@ -220,7 +220,6 @@ class Plan:
         pp = self._values["pipeline_parallel"]
         pp_size = mesh.get(pp["dim"], 1)
         if pp_size > 1:
-            from .parallel.pipeline.schedules import make_schedule
             try:
                 make_schedule(pp["schedule"], pp_size, pp["microbatches"], pp["virtual_stages"])
             except ValueError as e:
@@ -287,24 +286,12 @@ class _Section:
 # ---- helpers ----
 
 def _copy(value):
-    return json.loads(json.dumps(value, default=str)) if not _has_placements(value) else _deep_copy(value)
-
-
-def _has_placements(value) -> bool:
-    if isinstance(value, Placement):
-        return True
+    """A copy of plain data, tuples as lists (as they come back from JSON); placements,
+    immutable, are shared."""
     if isinstance(value, dict):
-        return any(_has_placements(v) for v in value.values())
+        return {k: _copy(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return any(_has_placements(v) for v in value)
-    return False
-
-
-def _deep_copy(value):
-    if isinstance(value, dict):
-        return {k: _deep_copy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_deep_copy(v) for v in value]
+        return [_copy(v) for v in value]
     return value
 
 

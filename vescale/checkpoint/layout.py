@@ -21,6 +21,8 @@ from ..dtensor import DTensor
 from ..placement_types import to_c
 from ..parallel.ddp import DDP, local_of
 from ..parallel.optimizer import DistributedOptimizer
+from ..parallel.pipeline.engine import is_pipeline  # names without its "module." prefix
+from ..parallel.pipeline.stage import is_elsewhere
 from ..boxes import Box, flat_range, whole
 
 
@@ -75,10 +77,6 @@ class Layout:
 
 def unwrap(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DDP) else module
-
-
-def _is_pipeline(module: nn.Module) -> bool:
-    return hasattr(module, "_data_parallel")  # PipelineParallel: names without its "module." prefix
 
 
 def local_box(t: torch.Tensor) -> Box:
@@ -149,9 +147,7 @@ def _tensor(layout: Layout, key: str, t: torch.Tensor, *, optional: bool = False
 
 
 def _module(layout: Layout, key: str, module: nn.Module, zero3: dict) -> None:
-    if _is_pipeline(module):  # the other stages' tensors: their holders save and load them
-        from ..parallel.pipeline.stage import is_elsewhere
-
+    if is_pipeline(module):  # the other stages' tensors: their holders save and load them
         inner = module.module
         named = list(inner.named_parameters(remove_duplicate=False)) + list(inner.named_buffers(remove_duplicate=False))
         layout.elsewhere.update(f"{key}.{n}" for n, t in named if is_elsewhere(t))
@@ -174,7 +170,7 @@ def _module(layout: Layout, key: str, module: nn.Module, zero3: dict) -> None:
 
 def _persistent(module: nn.Module, name: str) -> bool:
     owner, _, leaf = name.rpartition(".")
-    sub = module.get_submodule(owner) if owner else getattr(module, "module", module) if _is_pipeline(module) else module
+    sub = module.get_submodule(owner)  # a pipeline's "" is the model it runs
     return leaf not in sub._non_persistent_buffers_set
 
 

@@ -79,7 +79,8 @@ class DDP(nn.Module):
         self._sync = True
         self._callback_queued = False
         self.buckets = self._make_buckets(bucket_cap_mb)
-        if hasattr(module, "_data_parallel"):  # a PipelineParallel: it reduces once per step, after its schedule
+        from .pipeline.engine import is_pipeline  # (the pipeline imports this module)
+        if is_pipeline(module):  # it reduces once per step, after its schedule
             module._data_parallel = self
         # deferred tensors get the same values on every rank when materialised: no broadcast,
         # and ZeRO-3 (DistributedOptimizer) materialises only each rank's slices

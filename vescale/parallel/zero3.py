@@ -125,7 +125,8 @@ def _units(root: nn.Module) -> list[nn.Module]:
     """Blocks first (members of every ModuleList), the root last: a parameter belongs
     to the first unit that contains it. A pipeline's root is the model it runs (the
     stages call the model, never the PipelineParallel wrapper)."""
-    if hasattr(root, "_data_parallel"):  # PipelineParallel
+    from .pipeline.engine import is_pipeline  # (the pipeline imports DDP, which imports this module)
+    if is_pipeline(root):
         root = root.module
     blocks = [m for mod in root.modules() if isinstance(mod, nn.ModuleList) for m in mod]
     return blocks + [root]

@@ -86,9 +86,10 @@ class PipelineParallel(nn.Module):
                                    None if s == 0 else layout.blocks[a].name))
         return specs
 
-    def _strip_other_stages(self) -> list[tuple[torch.Tensor, list[int]]]:
+    def _strip_other_stages(self) -> list[tuple[str, dist.ProcessGroup]]:
         """Tensors of units this rank does not hold become meta; returns the parameters
-        that several ranks hold (tied across stages, or glue), with their holder ranks."""
+        that several ranks hold (tied across stages, or glue) by name, each with the
+        group of its holders."""
         holders: dict[int, set[int]] = {}
         names: dict[int, str] = {}  # by name: parallelize_module and ZeRO replace the objects later
         for spec in self.specs:
@@ -109,7 +110,7 @@ class PipelineParallel(nn.Module):
                     if t is None or id(t) not in holders or self.pp_rank in holders[id(t)]:
                         continue
                     if id(t) not in twins:
-                        twins[id(t)] = meta_twin_of(t, t.requires_grad)
+                        twins[id(t)] = meta_twin_of(t)
                     table[name] = twins[id(t)]
         shared = [(names[i], sorted(r)) for i, r in holders.items() if len(r) > 1 and self.pp_rank in r and i in params]
         return self._shared_groups(holders, shared)
@@ -274,6 +275,10 @@ class PipelineParallel(nn.Module):
         last = self.schedule.rank_of(self.schedule.stages - 1)
         dist.broadcast(total, src=dist.get_global_rank(self.group, last), group=self.group)
         return total
+
+
+def is_pipeline(module: nn.Module) -> bool:
+    return isinstance(module, PipelineParallel)
 
 
 def _tensors(unit):

@@ -86,18 +86,13 @@ class Boundary:
             dist.irecv(header, group=self.group, group_src=src, tag=self._tag(_FORWARD, stage, mb, 0)).wait()
             cache[key] = self._decode(header)
         positions, specs = cache[key]
-        leaves, values = [], []
+        received = []
         for i, (dtype, local_shape, global_shape, mesh_names, placements) in enumerate(specs):
             buf = torch.empty(local_shape, dtype=dtype)
             dist.irecv(buf, group=self.group, group_src=src, tag=self._tag(_FORWARD, stage, mb, i + 1)).wait()
-            if buf.is_floating_point() or buf.is_complex():
-                buf.requires_grad_()
-            leaves.append(buf)
-            if mesh_names is None:
-                values.append(buf)
-            else:
-                values.append(DTensor.from_local(buf, self._submesh(mesh_names), placements, shape=global_shape))
-        return positions, leaves, values
+            mesh = None if mesh_names is None else self._submesh(mesh_names)
+            received.append(_leaf_and_value(buf, mesh, placements, global_shape))
+        return positions, [leaf for leaf, _ in received], [value for _, value in received]
 
     # ---- backward: gradients ----
 
@@ -129,15 +124,11 @@ class Boundary:
     def _take_local(self, stage: int, mb: int):
         """A hand-over within this rank: new leaves over the same values (no copy)."""
         positions, described = self._local.pop((_FORWARD, stage, mb))
-        leaves, values = [], []
+        received = []
         for local, dt in described:
-            leaf = local.detach()
-            if leaf.is_floating_point() or leaf.is_complex():
-                leaf.requires_grad_()
-            leaves.append(leaf)
-            values.append(leaf if dt is None else DTensor.from_local(leaf, dt.device_mesh, dt.placements,
-                                                                     shape=dt.shape, stride=dt.stride()))
-        return positions, leaves, values
+            mesh, placements, shape = (None, None, None) if dt is None else (dt.device_mesh, dt.placements, dt.shape)
+            received.append(_leaf_and_value(local.detach(), mesh, placements, shape))
+        return positions, [leaf for leaf, _ in received], [value for _, value in received]
 
     def _tag(self, direction: int, stage: int, mb: int, slot: int) -> int:
         return (((mb * self.stages + stage) * 2 + direction) * _SLOTS + slot) % (2**31 - 1)
@@ -187,6 +178,16 @@ class Boundary:
                 w = w[2:]
             specs.append((dtype, local_shape, global_shape, tuple(names), placements))
         return positions, specs
+
+
+def _leaf_and_value(local: torch.Tensor, mesh, placements, global_shape):
+    """A received local tensor as the leaf whose gradient goes back (floating point
+    requires grad) and the value the stage puts in: the leaf, or a DTensor over it."""
+    if local.is_floating_point() or local.is_complex():
+        local.requires_grad_()
+    if mesh is None:
+        return local, local
+    return local, DTensor.from_local(local, mesh, placements, shape=global_shape)
 
 
 def _grad_of(leaf: torch.Tensor) -> torch.Tensor:

@@ -93,31 +93,30 @@ class StageRunner:
         ``("end", positions, tensors, dummies)`` for a stage that sends on, else
         ``("out", output, None, dummies)``. With ``meta`` every unit runs on meta tensors
         (``dry_run``)."""
-        self._run = _Run(spec, received, inside=spec.first, meta=meta)
+        run = self._run = _Run(spec, received, inside=spec.first, meta=meta)
         try:
             output = self.model(*args, **kwargs)
         except StageEnd as end:
             if spec.last:
                 raise
-            return "end", end.positions, end.tensors, self._run.dummies
+            return "end", end.positions, end.tensors, run.dummies
         except PipelineSplitError:
             raise
         except Exception as e:  # noqa: BLE001  (annotated and re-raised)
-            if self._run.restores and not meta:
+            if run.restores and not meta:
                 e.add_note(f"[vescale pipeline] raised while running a module of another stage on meta tensors "
                            f"(for shapes); stage {spec.index} does not hold it")
             raise
         finally:
-            for restore in reversed(self._run.restores):
+            for restore in reversed(run.restores):
                 _put_back(restore)
-            self._run_dummies = self._run.dummies
             self._run = None
         if not spec.last:
             raise PipelineSplitError(
                 f"stage {spec.index} ran the whole forward without reaching block "
                 f"{self.layout.blocks[spec.end].name!r}, where the next stage starts: the model's forward does not "
                 f"call its blocks one after the other")
-        return "out", output, None, self._run_dummies
+        return "out", output, None, run.dummies
 
     def dry_run(self, specs: list[StageSpec], args, kwargs, finish) -> None:
         """Every stage in turn with every unit on meta (no compute in the units, no
@@ -254,9 +253,7 @@ class StageRunner:
         hit = self._twins.get(id(t))
         if hit is not None and hit[0] is t:
             return hit[1]
-        twin = torch.empty(t.shape, dtype=t.dtype, device="meta")
-        if isinstance(t, nn.Parameter):
-            twin = nn.Parameter(twin, requires_grad=t.requires_grad)
+        twin = _meta_copy(t)
         self._twins[id(t)] = (t, twin)
         return twin
 
@@ -266,12 +263,16 @@ class StageRunner:
         self._handles = []
 
 
-def meta_twin_of(t: torch.Tensor, requires_grad: bool) -> nn.Parameter | torch.Tensor:
-    """What stays of a tensor another stage owns: a meta tensor of its (global) shape."""
+def _meta_copy(t: torch.Tensor) -> nn.Parameter | torch.Tensor:
+    """A meta tensor of ``t``'s (global) shape and dtype; a parameter stays a parameter and
+    keeps requires_grad, so a shadow's outputs require grad as the real ones would."""
     twin = torch.empty(t.shape, dtype=t.dtype, device="meta")
-    if isinstance(t, nn.Parameter):
-        # it keeps requires_grad: a shadow's outputs then require grad as the real ones would
-        twin = nn.Parameter(twin, requires_grad=requires_grad)
+    return nn.Parameter(twin, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else twin
+
+
+def meta_twin_of(t: torch.Tensor) -> nn.Parameter | torch.Tensor:
+    """What stays of a tensor another stage owns: its meta copy, marked (``is_elsewhere``)."""
+    twin = _meta_copy(t)
     twin._vescale_pp_elsewhere = True
     return twin
 
