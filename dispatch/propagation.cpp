@@ -172,8 +172,11 @@ std::unique_ptr<Decision> decide(const c10::OperatorHandle& op, const OpInfo& in
   const bool returns_tensors = std::any_of(info.returns.begin(), info.returns.end(),
                                            [](ReturnKind k) { return k != ReturnKind::Other; });
   std::string why;
-  if (returns_tensors && !run_meta(op, info, args, scan, call.inputs, call.outputs, why))
-    return fallback(call, scan, mesh, info.name, why);
+  if (returns_tensors && !run_meta(op, info, args, scan, call.inputs, call.outputs, why)) {
+    const ShapeFn* shapes = rules().find_shape_fn(info.name);
+    if (shapes == nullptr) return fallback(call, scan, mesh, info.name, why);
+    call.outputs = (*shapes)(call);  // a meta kernel stricter than the CPU kernel
+  }
   return from_choice(call, scan, mesh, (*rule)(call));
 }
 

@@ -10,6 +10,18 @@
 //
 // bmm adds a batch dim that may be split on all three; mv and dot are the same with
 // fewer dims. linear, matmul and einsum decompose into these above autograd.
+//
+// _grouped_mm(a, b, offs) runs one matmul per group, the groups cut by the global
+// positions in `offs` along one dim, which therefore stays whole (and offs replicated):
+//
+//   a          b           result        offs cut
+//   (M, K)     (K, N)      (G, M, N)     K          a S(0) -> S(1); b S(1) -> S(2)
+//   (M, K)     (G, K, N)   (M, N)        M          b S(2) -> S(1); K split -> Partial
+//   (G, M, K)  (K, N)      (M, N)        N          a S(1) -> S(0); K split -> Partial
+//   (G, M, K)  (G, K, N)   (G, M, N)     -          as bmm
+//
+// The CPU and CUDA kernels want row strides that are multiples of 16 bytes, so a matrix
+// dim is split only where every rank's part keeps that alignment (and is not empty).
 
 #include "sharding_rules/rule.h"
 
@@ -76,9 +88,88 @@ ShardingChoice baddbmm_rule(const OpCall& call) {
   return choose_cheapest(call, with_bias(call, matmul_strategies(1)));
 }
 
+// Whether splitting a dim of `size` over every rank keeps each part a multiple of 16
+// bytes of `dtype` (and no part empty or uneven).
+bool splits_aligned(const OpCall& call, int64_t size, c10::ScalarType dtype) {
+  int64_t ranks = 1;
+  for (auto n : call.mesh.shape) ranks *= n;
+  const int64_t align = std::max<int64_t>(1, 16 / static_cast<int64_t>(c10::elementSize(dtype)));
+  return size > 0 && size % (ranks * align) == 0;
+}
+
+ShardingChoice grouped_mm_rule(const OpCall& call) {
+  const auto& a = call.inputs[0];
+  const auto& b = call.inputs[1];
+  if (call.inputs.size() > 3 && call.inputs[3].defined) return replicate_all(call);  // a bias: kept simple
+  const size_t n_in = call.inputs.size();
+  DimStrategies s;
+  auto add = [&](Placement pa, Placement pb, Placement out) {
+    Placements in(n_in, R);
+    in[0] = pa;
+    in[1] = pb;
+    s.push_back({in, {out}});
+  };
+  auto ok = [&](const TensorArg& t, int64_t d) { return splits_aligned(call, t.shape[static_cast<size_t>(d)], t.dtype); };
+  const Placement P = Placement::partial();
+  add(R, R, R);
+  // (Every split dim is checked: an operand may be a transposed view, autograd's a.T
+  // among them, whose row stride is the size of its first matrix dim.)
+  if (a.ndim() == 2 && b.ndim() == 2) {  // groups along K
+    if (ok(a, 0)) add(S(0), R, S(1));
+    if (ok(b, 1)) add(R, S(1), S(2));
+  } else if (a.ndim() == 2 && b.ndim() == 3) {  // groups along a's rows
+    if (ok(b, 2)) add(R, S(2), S(1));
+    if (ok(a, 1)) add(S(1), S(1), P);
+  } else if (a.ndim() == 3 && b.ndim() == 2) {  // groups along b's columns
+    if (ok(a, 1)) add(S(1), R, S(0));
+    if (ok(a, 2)) add(S(2), S(0), P);
+  } else if (a.ndim() == 3 && b.ndim() == 3) {  // a batch of groups
+    add(S(0), S(0), S(0));
+    if (ok(a, 1)) add(S(1), R, S(1));
+    if (ok(b, 2)) add(R, S(2), S(2));
+    if (ok(a, 2)) add(S(2), S(1), P);
+  } else {
+    return replicate_all(call);
+  }
+  for (const ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
+    const Placement p = Placement::partial(op);
+    add(p, R, p);
+    add(R, p, p);
+  }
+  return choose_cheapest(call, s);
+}
+
+// _grouped_mm's result metadata (its meta kernel accepts bf16 only).
+std::vector<TensorArg> grouped_mm_shapes(const OpCall& call) {
+  const auto& a = call.inputs[0];
+  const auto& b = call.inputs[1];
+  const auto& offs = call.inputs[2];
+  TensorArg out;
+  out.defined = true;
+  const bool grouped = a.ndim() == 2 || b.ndim() == 2;
+  TORCH_CHECK(grouped == offs.defined, "_grouped_mm: offs must be given exactly when mat_a or mat_b is 2-d");
+  TORCH_CHECK(!offs.defined || offs.ndim() == 1, "_grouped_mm: offs must be 1-d");
+  if (a.ndim() == 2 && b.ndim() == 2) out.shape = {offs.shape[0], a.shape[0], b.shape[1]};
+  else if (a.ndim() == 2 && b.ndim() == 3) out.shape = {a.shape[0], b.shape[2]};
+  else if (a.ndim() == 3 && b.ndim() == 2) out.shape = {a.shape[1], b.shape[1]};
+  else if (a.ndim() == 3 && b.ndim() == 3) out.shape = {a.shape[0], a.shape[1], b.shape[2]};
+  else TORCH_CHECK(false, "_grouped_mm: mat_a and mat_b must be 2-d or 3-d, got ", a.ndim(), "-d and ", b.ndim(), "-d");
+  out.stride.resize(out.shape.size());
+  int64_t step = 1;
+  for (size_t d = out.shape.size(); d-- > 0;) {
+    out.stride[d] = step;
+    step *= std::max<int64_t>(out.shape[d], 1);
+  }
+  const auto* out_dtype = call.find_arg("out_dtype");
+  out.dtype = out_dtype && !out_dtype->isNone() ? out_dtype->toScalarType() : a.dtype;
+  return {out};
+}
+
 }  // namespace
 
 VESCALE_RULES(matmul) {
+  rules.add("aten::_grouped_mm", grouped_mm_rule);
+  rules.add_shape_fn("aten::_grouped_mm", grouped_mm_shapes);
   rules.add("aten::mm", mm_rule);
   rules.add("aten::bmm", bmm_rule);
   rules.add("aten::addmm", addmm_rule);

@@ -8,6 +8,8 @@
 //   linear in k   f is linear in arg k alone (mul, div numerator, activation
 //                 backward in the gradient): arg k Partial, the others Replicate;
 //   nonlinear     Partial inputs are reduced first.
+//
+// isin(elements, test_elements) is pointwise in `elements`; the test set stays whole.
 
 #include "sharding_rules/pointwise.h"
 
@@ -71,6 +73,17 @@ DimStrategies pointwise_strategies(const OpCall& call, const Linearity& lin) {
   return s;
 }
 
+namespace {
+
+ShardingChoice isin_rule(const OpCall& call) {
+  const Placement R = Placement::replicate();
+  DimStrategies s = {{{R, R}, {R}}};
+  for (int32_t d = 0; d < call.outputs[0].ndim(); ++d) s.push_back({{Placement::shard(d), R}, {Placement::shard(d)}});
+  return choose_cheapest(call, s);
+}
+
+}  // namespace
+
 RuleFn pointwise(Linearity lin) {
   return [lin](const OpCall& call) { return choose_cheapest(call, pointwise_strategies(call, lin)); };
 }
@@ -99,6 +112,8 @@ VESCALE_RULES(pointwise) {
   for (const char* op : {"aten::lerp.Scalar", "aten::lerp_.Scalar", "aten::lerp.Tensor", "aten::lerp_.Tensor"})
     rules.add(op, pointwise(Linearity{true, {0, 1}}));
   rules.add("aten::where.self", pointwise(Linearity{true, {1, 2}}));
+  rules.add("aten::isin.Tensor_Tensor", isin_rule);
+  rules.add("aten::isin.Tensor_Scalar", pointwise(nonlinear));
 
   for (const char* op : {"aten::mul.Tensor", "aten::mul_.Tensor", "aten::mul.out"})
     rules.add(op, pointwise(linear_in_either));

@@ -18,6 +18,9 @@
 //   max.dim, min.dim, argmax, argmin, var, std, logsumexp, any, all, prod,
 //   median, mode, kthvalue, aminmax, count_nonzero    reduced dims whole
 //   cumsum, cumprod, logcumsumexp, cummax, cummin     scanned dim whole
+//   histc(bins, min, max) with min < max              any split -> Partial(sum) (the
+//                                                     counts add up); min == max takes
+//                                                     the data's range: input whole
 //
 // mean over a split dim: every rank computes sum(block) / N with N the global count,
 // exact when blocks differ in size or are empty.
@@ -204,9 +207,21 @@ void foreach_norm_composed(const c10::OperatorHandle& op, torch::jit::Stack* sta
   torch::jit::push(*stack, std::move(out));
 }
 
+ShardingChoice histc_rule(const OpCall& call) {
+  const auto& x = call.inputs[0];
+  DimStrategies s = {{{Placement::replicate()}, {Placement::replicate()}}};
+  const double lo = call.arg(2).toScalar().toDouble();
+  const double hi = call.arg(3).toScalar().toDouble();
+  if (lo < hi)
+    for (int32_t d = 0; d < x.ndim(); ++d) s.push_back({{Placement::shard(d)}, {Placement::partial()}});
+  return choose_cheapest(call, s);
+}
+
 }  // namespace
 
 VESCALE_RULES(reduction) {
+  rules.add("aten::histc", histc_rule);
+  rules.key_on_scalar_values("aten::histc");
   const Family sum{ReduceOp::Sum, {ReduceOp::Sum, ReduceOp::Avg}};
   const Family max{ReduceOp::Max, {ReduceOp::Max}};
   const Family min{ReduceOp::Min, {ReduceOp::Min}};

@@ -191,6 +191,23 @@ bool RuleTable::keyed_on_scalar_values(const std::string& op_name) const {
   return std::find(scalar_keyed_.begin(), scalar_keyed_.end(), base) != scalar_keyed_.end();
 }
 
+namespace {
+ska::flat_hash_map<std::string, ShapeFn>& shape_fns() {
+  static ska::flat_hash_map<std::string, ShapeFn> t;
+  return t;
+}
+}  // namespace
+
+void RuleTable::add_shape_fn(const std::string& op_name, ShapeFn fn) {
+  const bool inserted = shape_fns().emplace(op_name, std::move(fn)).second;
+  TORCH_INTERNAL_ASSERT(inserted, "two shape functions registered for ", op_name);
+}
+
+const ShapeFn* RuleTable::find_shape_fn(const std::string& op_name) const {
+  auto it = shape_fns().find(op_name);
+  return it == shape_fns().end() ? nullptr : &it->second;
+}
+
 const RuleFn* RuleTable::find(const std::string& op_name) const {
   auto it = table().find(op_name);
   return it == table().end() ? nullptr : &it->second;

@@ -116,6 +116,12 @@ struct ShardingChoice {
 
 using RuleFn = std::function<ShardingChoice(const OpCall&)>;
 
+// The global results' metadata (shape, stride, dtype) computed from the inputs, for the
+// few ops whose meta kernel refuses calls their CPU kernel runs (_grouped_mm's meta
+// kernel wants bf16; its CPU kernel takes fp32 too). Used only when the meta kernel
+// raises; it raises itself (TORCH_CHECK) on calls the op cannot run.
+using ShapeFn = std::function<std::vector<TensorArg>(const OpCall&)>;
+
 // Combines per-mesh-dim strategies over the whole mesh and returns the cheapest
 // combination (ties go to the earlier strategy). Inputs the op writes keep their
 // placements when any combination allows it.
@@ -148,6 +154,8 @@ class RuleTable {
   // that this torch build has, out= variants included.
   void add_overloads(const std::string& base, const RuleFn& fn);
   const RuleFn* find(const std::string& op_name) const;
+  void add_shape_fn(const std::string& op_name, ShapeFn fn);
+  const ShapeFn* find_shape_fn(const std::string& op_name) const;
   std::vector<std::string> names() const;
   // Names given to add/add_overloads that match no operator in this torch build.
   const std::vector<std::string>& missing() const { return missing_; }

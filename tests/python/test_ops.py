@@ -24,7 +24,7 @@ from dist_utils import combos, describe, make_dtensor, mesh, mismatch, placement
 @dataclass
 class Arg:
     shape: tuple
-    kind: str = "float"      # float | positive | index:<n> | target:<n>
+    kind: str = "float"      # float | float32 | positive | index:<n> | target:<n>
     grad: bool = True
 
     def make(self, seed: int) -> torch.Tensor:
@@ -35,6 +35,8 @@ class Arg:
                 t.view(-1)[1] = -100  # an ignored target
             return t
         t = rand(self.shape, seed)
+        if self.kind == "float32":  # for kernels without float64
+            return t.float()
         return t.abs() + 0.5 if self.kind == "positive" else t
 
     @property
@@ -48,6 +50,8 @@ class Case:
     fn: Callable
     args: list = field(default_factory=list)
     partial: bool = True  # offer Partial inputs
+    rtol: float = 1e-7    # float32 cases: rounding of float32 sums in another order
+    atol: float = 1e-9
 
 
 def _cases() -> list[Case]:
@@ -143,7 +147,25 @@ def _cases() -> list[Case]:
              [Arg((2, 4, 6, 8)), Arg((2, 4, 6, 8)), Arg((2, 4, 6, 8)), Arg((1, 4, 6, 6), grad=False)], partial=False),
         Case("sdpa_causal", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
              [Arg((2, 4, 6, 8)), Arg((2, 4, 6, 8)), Arg((2, 4, 6, 8))], partial=False),
+        # grouped matmuls (Hugging Face's MoE experts; float32 only, rows of 16 bytes), the
+        # expert histogram and generate's stopping check
+        Case("grouped_mm_2d_3d", lambda a, b: torch._grouped_mm(a, b, offs=_offs(2, 2, 5)),
+             [Arg((5, 16), "float32"), Arg((3, 16, 16), "float32")], rtol=1e-5, atol=1e-5),
+        Case("grouped_mm_2d_2d", lambda a, b: torch._grouped_mm(a, b, offs=_offs(4, 4, 16)),
+             [Arg((16, 16), "float32"), Arg((16, 16), "float32")], rtol=1e-5, atol=1e-5),
+        Case("grouped_mm_3d_2d", lambda a, b: torch._grouped_mm(a, b, offs=_offs(4, 8, 16)),
+             [Arg((3, 16, 16), "float32"), Arg((16, 16), "float32")], rtol=1e-5, atol=1e-5),
+        Case("grouped_mm_3d_3d", torch._grouped_mm,
+             [Arg((3, 16, 16), "float32"), Arg((3, 16, 16), "float32")], rtol=1e-5, atol=1e-5),
+        Case("histc", lambda x: torch.histc(x, bins=4, min=-1, max=1), [Arg((5, 6), grad=False)]),
+        Case("histc_data_range", lambda x: torch.histc(x, bins=4), [Arg((5, 6), grad=False)]),
+        Case("isin", torch.isin, [Arg((5, 6), "index:6"), Arg((3,), "index:6")]),
+        Case("isin_scalar", lambda e: torch.isin(e, 3), [Arg((5, 6), "index:6")]),
     ]
+
+
+def _offs(*ends):
+    return torch.tensor(ends, dtype=torch.int32)
 
 
 # ---- writes through indexing (index_put) with broadcast values, and cat's legacy rule ----
@@ -260,7 +282,7 @@ def _case_op(name: str, mesh_name: str):
                 else:
                     inputs.append(make_dtensor(full, m, p, seed=3, requires_grad=arg.differentiable))
             out = case.fn(*inputs)
-            err = mismatch(out.full_tensor(), ref_out.detach())
+            err = mismatch(out.full_tensor(), ref_out.detach(), rtol=case.rtol, atol=case.atol)
             if err:
                 failures.append(f"{label}: forward {err}")
                 continue
@@ -274,7 +296,7 @@ def _case_op(name: str, mesh_name: str):
                 if t.grad is None:
                     failures.append(f"{label}: no grad for input {k}")
                     continue
-                err = mismatch(t.grad.full_tensor(), ref_grads[k])
+                err = mismatch(t.grad.full_tensor(), ref_grads[k], rtol=case.rtol, atol=case.atol)
                 if err:
                     failures.append(f"{label}: grad of input {k} {err}")
                 want = [Replicate() if q.is_partial() else q for q in p]
