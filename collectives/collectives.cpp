@@ -5,6 +5,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
+#include <atomic>
+
 namespace vescale::collectives {
 
 namespace {
@@ -28,6 +30,16 @@ class WithoutStashedPythonObjects {
  private:
   at::impl::ThreadLocalPythonObjects saved_;
 };
+
+enum Kind : size_t { kAllGather, kAllReduce, kReduceScatter, kAllToAll, kBroadcast, kKinds };
+constexpr const char* kKindNames[kKinds] = {"all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast"};
+std::atomic<uint64_t> calls[kKinds];
+std::atomic<uint64_t> bytes[kKinds];
+
+void count(Kind kind, const at::Tensor& x) {
+  calls[kind].fetch_add(1, std::memory_order_relaxed);
+  bytes[kind].fetch_add(static_cast<uint64_t>(x.numel()) * x.element_size(), std::memory_order_relaxed);
+}
 
 // Boxed call: the group_name argument is typed `Any`, which typed calls can't express.
 // Below autograd: torch registers Python autograd kernels for these ops, and the
@@ -63,10 +75,25 @@ at::Tensor pad_dim0(const at::Tensor& x, int64_t rows) {
   return at::cat({x, at::zeros(pad_shape, x.options())}, 0);
 }
 
+// An interleaved split along dim 0 of `x`, seen as [groups, k, piece, ...] (the
+// global order) or [k, groups, piece, ...] (the order of rank-major pieces that
+// collectives exchange): swaps the first two.
+at::Tensor swap_groups_and_ranks(const at::Tensor& x, int64_t first, int64_t second) {
+  auto shape = x.sizes().vec();
+  shape[0] = x.size(0) / (first * second);
+  shape.insert(shape.begin(), {first, second});
+  auto out_shape = x.sizes().vec();
+  return x.reshape(shape).transpose(0, 1).reshape(out_shape);
+}
+
 at::Tensor gather_step(const RedistStep& s, const Mesh& mesh, c10::ArrayRef<int64_t> shape,
                        const at::Tensor& local) {
   const auto m = static_cast<size_t>(s.mesh_dim);
   const int64_t k = mesh.shape[m];
+  if (s.groups > 1) {  // even pieces: rank-major after the gather, group-major wanted
+    auto gathered = all_gather_dim0(local.movedim(s.dim, 0).contiguous(), k, mesh.group_names[m]);
+    return swap_groups_and_ranks(gathered, k, s.groups).movedim(0, s.dim);
+  }
   const int64_t extent = parent_extent(mesh, shape, s.before, s.mesh_dim, s.dim);
   const int64_t full = (extent + k - 1) / k;
   if (extent == 0) return local.clone();
@@ -86,6 +113,10 @@ at::Tensor gather_step(const RedistStep& s, const Mesh& mesh, c10::ArrayRef<int6
 at::Tensor reduce_scatter_step(const RedistStep& s, const Mesh& mesh, const at::Tensor& local) {
   const auto m = static_cast<size_t>(s.mesh_dim);
   const int64_t k = mesh.shape[m];
+  if (s.groups > 1) {  // rank j's pieces of every group side by side, then scatter
+    auto x = swap_groups_and_ranks(local.movedim(s.dim, 0), s.groups, k).contiguous();
+    return reduce_scatter_dim0(x, s.op, k, mesh.group_names[m]).movedim(0, s.dim);
+  }
   const int64_t extent = local.size(s.dim);
   const int64_t full = (extent + k - 1) / k;
   const int64_t mine = chunk_size(extent, k, mesh.coordinate[m]);
@@ -113,6 +144,15 @@ at::Tensor chunk_step(const RedistStep& s, const Mesh& mesh, const at::Tensor& l
   const int64_t k = mesh.shape[m];
   const int64_t extent = local.size(s.dim);
   const int64_t c = mesh.coordinate[m];
+  if (s.groups > 1) {  // piece c of every group
+    auto x = local.movedim(s.dim, 0);
+    auto shape = x.sizes().vec();
+    auto out_shape = shape;
+    out_shape[0] = extent / k;
+    shape[0] = extent / (s.groups * k);
+    shape.insert(shape.begin(), {s.groups, k});
+    return x.reshape(shape).select(1, c).reshape(out_shape).clone().movedim(0, s.dim);
+  }
   return local.narrow(s.dim, chunk_offset(extent, k, c), chunk_size(extent, k, c)).clone();
 }
 
@@ -125,29 +165,48 @@ at::Tensor to_partial_step(const RedistStep& s, const Mesh& mesh, const at::Tens
 
 }  // namespace
 
+std::vector<CollectiveCount> collective_counts() {
+  std::vector<CollectiveCount> out;
+  for (size_t k = 0; k < kKinds; ++k)
+    out.push_back({kKindNames[k], calls[k].load(std::memory_order_relaxed), bytes[k].load(std::memory_order_relaxed)});
+  return out;
+}
+
+void reset_collective_counts() {
+  for (size_t k = 0; k < kKinds; ++k) {
+    calls[k] = 0;
+    bytes[k] = 0;
+  }
+}
+
 at::Tensor all_gather_dim0(const at::Tensor& x, int64_t k, const std::string& group) {
   static const auto op = functional_op("_c10d_functional::all_gather_into_tensor");
+  count(kAllGather, x);
   return call_and_wait(op, {x, k, group});
 }
 
 at::Tensor all_reduce(const at::Tensor& x, ReduceOp op, const std::string& group) {
   static const auto fn = functional_op("_c10d_functional::all_reduce");
+  count(kAllReduce, x);
   return call_and_wait(fn, {x.contiguous(), reduce_name(op), group});
 }
 
 at::Tensor reduce_scatter_dim0(const at::Tensor& x, ReduceOp op, int64_t k, const std::string& group) {
   static const auto fn = functional_op("_c10d_functional::reduce_scatter_tensor");
+  count(kReduceScatter, x);
   return call_and_wait(fn, {x, reduce_name(op), k, group});
 }
 
 at::Tensor all_to_all_dim0(const at::Tensor& x, int64_t k, const std::string& group) {
   static const auto fn = functional_op("_c10d_functional::all_to_all_single");
+  count(kAllToAll, x);
   std::vector<int64_t> splits(static_cast<size_t>(k), x.size(0) / k);
   return call_and_wait(fn, {x, c10::IValue(splits), c10::IValue(splits), group});
 }
 
 at::Tensor broadcast(const at::Tensor& x, int64_t src, const std::string& group) {
   static const auto fn = functional_op("_c10d_functional::broadcast");
+  count(kBroadcast, x);
   return call_and_wait(fn, {x.contiguous(), src, group});
 }
 

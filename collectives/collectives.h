@@ -20,6 +20,16 @@ at::Tensor all_to_all_dim0(const at::Tensor& x, int64_t k, const std::string& gr
 // `src` is the source's index within the group.
 at::Tensor broadcast(const at::Tensor& x, int64_t src, const std::string& group);
 
+// How many collectives of each kind this process has issued, and their input bytes,
+// since start-up or the last reset: for tests and tools that check what a step sends.
+struct CollectiveCount {
+  std::string kind;  // "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast"
+  uint64_t calls = 0;
+  uint64_t bytes = 0;
+};
+std::vector<CollectiveCount> collective_counts();
+void reset_collective_counts();
+
 // True on every rank of the mesh when `value` is true on every rank: for decisions
 // that depend on per-rank state but must be taken alike everywhere.
 bool all_ranks(const Mesh& mesh, bool value);

@@ -18,6 +18,7 @@ std::string RedistStep::str() const {
     case Kind::Chunk: os << "chunk(dim=" << dim; break;
     case Kind::ToPartial: os << "to_partial(" << reduce_op_name(op); break;
   }
+  if (groups > 1) os << ", groups=" << groups;
   os << ", mesh_dim=" << mesh_dim << ")";
   return os.str();
 }
@@ -65,16 +66,16 @@ class Planner {
   // Phase 1: take the shard on mesh dim i away when it changes, or when an outer
   // mesh dim changes how the same tensor dim is sharded.
   void unshard(int32_t i) {
-    if (!cur_[i].is_shard()) return;
+    if (!cur_[i].splits()) return;
     const int32_t d = cur_[i].dim;
     bool must = cur_[i] != dst_[i];
     for (int32_t j = 0; j < i && !must; ++j)
-      must = cur_[j] != dst_[j] && (cur_[j].is_shard(d) || dst_[j].is_shard(d));
+      must = cur_[j] != dst_[j] && (cur_[j].splits(d) || dst_[j].splits(d));
     if (!must) return;
-    if (dst_[i].is_shard() && can_all_to_all(i, d, dst_[i].dim)) {
+    if (cur_[i].is_shard() && dst_[i].is_shard() && can_all_to_all(i, d, dst_[i].dim)) {
       emit(RedistStep::Kind::AllToAll, i, d, dst_[i].dim, ReduceOp::Sum, dst_[i]);
     } else {
-      emit(RedistStep::Kind::AllGather, i, d, -1, ReduceOp::Sum, Placement::replicate());
+      emit(RedistStep::Kind::AllGather, i, d, -1, ReduceOp::Sum, Placement::replicate(), cur_[i].groups);
     }
   }
 
@@ -96,7 +97,7 @@ class Planner {
     for (size_t j = 0; j < cur_.size(); ++j) {
       if (static_cast<int32_t>(j) == i) continue;
       for (const auto& p : {cur_[j], dst_[j]})
-        if (p.is_shard(from) || p.is_shard(to)) return false;
+        if (p.splits(from) || p.splits(to)) return false;
     }
     const int64_t k = mesh_.shape[static_cast<size_t>(i)];
     return shape_[static_cast<size_t>(from)] % k == 0 && shape_[static_cast<size_t>(to)] % k == 0;
@@ -107,15 +108,15 @@ class Planner {
     const Placement from = cur_[i];
     const Placement to = dst_[i];
     if (from == to) return;
-    TORCH_INTERNAL_ASSERT(!from.is_shard(), "planner left a shard in place: ", from.str());
+    TORCH_INTERNAL_ASSERT(!from.splits(), "planner left a shard in place: ", from.str());
     using K = RedistStep::Kind;
     if (from.is_replicate()) {
-      if (to.is_shard()) emit(K::Chunk, i, to.dim, -1, ReduceOp::Sum, to);
+      if (to.splits()) emit(K::Chunk, i, to.dim, -1, ReduceOp::Sum, to, to.groups);
       else emit(K::ToPartial, i, -1, -1, to.op, to);
       return;
     }
-    if (to.is_shard()) {
-      emit(K::ReduceScatter, i, to.dim, -1, from.op, to);
+    if (to.splits()) {
+      emit(K::ReduceScatter, i, to.dim, -1, from.op, to, to.groups);
     } else {
       emit(K::AllReduce, i, -1, -1, from.op, Placement::replicate());
       if (to.is_partial()) emit(K::ToPartial, i, -1, -1, to.op, to);
@@ -126,15 +127,15 @@ class Planner {
   double local_bytes() const {
     double b = bytes_;
     for (size_t j = 0; j < cur_.size(); ++j)
-      if (cur_[j].is_shard()) b /= static_cast<double>(mesh_.shape[j]);
+      if (cur_[j].splits()) b /= static_cast<double>(mesh_.shape[j]);
     return b;
   }
 
   void emit(RedistStep::Kind kind, int32_t i, int32_t dim, int32_t to_dim, ReduceOp op,
-            Placement after) {
+            Placement after, int32_t groups = 1) {
     const int64_t k = mesh_.shape[static_cast<size_t>(i)];
     const double before_bytes = local_bytes();
-    plan_.steps.push_back(RedistStep{kind, i, dim, to_dim, op, cur_});
+    plan_.steps.push_back(RedistStep{kind, i, dim, to_dim, op, groups, cur_});
     plan_.cost += kStepCost;
     cur_[i] = after;
     const double after_bytes = local_bytes();
@@ -170,9 +171,11 @@ RedistPlan plan_redistribution(
                     "redistribute: need one placement per mesh dim (mesh has ", mesh.ndim(),
                     " dims), got ", to_string(dst));
   for (const auto& p : dst)
-    TORCH_CHECK_INDEX(!p.is_shard() || (p.dim >= 0 && p.dim < static_cast<int64_t>(shape.size())),
+    TORCH_CHECK_INDEX(!p.splits() || (p.dim >= 0 && p.dim < static_cast<int64_t>(shape.size())),
                       "redistribute: target ", p.str(), " is out of range for a tensor with ",
                       shape.size(), " dims");
+  const auto problem = interleaved_problem(shape, dst, mesh.shape);
+  TORCH_CHECK_VALUE(problem.empty(), "redistribute: ", problem);
   return Planner(mesh, src, dst, shape, dtype).run();
 }
 

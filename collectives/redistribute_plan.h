@@ -23,11 +23,11 @@ namespace vescale {
 
 struct RedistStep {
   enum class Kind : uint8_t {
-    AllGather,      // Shard(dim) -> Replicate
+    AllGather,      // Shard(dim) or InterleavedShard(dim, groups) -> Replicate
     AllToAll,       // Shard(dim) -> Shard(to_dim)
     AllReduce,      // Partial(op) -> Replicate
-    ReduceScatter,  // Partial(op) -> Shard(dim)
-    Chunk,          // Replicate -> Shard(dim), local
+    ReduceScatter,  // Partial(op) -> Shard(dim) or InterleavedShard(dim, groups)
+    Chunk,          // Replicate -> Shard(dim) or InterleavedShard(dim, groups), local
     ToPartial,      // Replicate -> Partial(op), local
   };
   Kind kind;
@@ -35,6 +35,7 @@ struct RedistStep {
   int32_t dim = -1;
   int32_t to_dim = -1;
   ReduceOp op = ReduceOp::Sum;
+  int32_t groups = 1;  // > 1: the split is interleaved (InterleavedShard)
   Placements before;  // the tensor's placements just before this step
 
   std::string str() const;

@@ -1,6 +1,7 @@
 // vescale._C: the thin binding layer the Python package calls into. Placements cross
-// the boundary as tuples: ("R",), ("S", dim), ("P", "sum").
+// the boundary as tuples: ("R",), ("S", dim), ("P", "sum"), ("I", dim, groups).
 
+#include "collectives/collectives.h"
 #include "collectives/redistribute_plan.h"
 #include "dispatch/api.h"
 #include "dispatch/dtensor_impl.h"
@@ -24,6 +25,7 @@ Placements to_placements(const py::sequence& seq) {
     if (kind == "R") out.push_back(Placement::replicate());
     else if (kind == "S") out.push_back(Placement::shard(t[1].cast<int32_t>()));
     else if (kind == "P") out.push_back(Placement::partial(parse_reduce_op(t[1].cast<std::string>())));
+    else if (kind == "I") out.push_back(Placement::interleaved(t[1].cast<int32_t>(), t[2].cast<int32_t>()));
     else TORCH_CHECK_VALUE(false, "unknown placement kind '", kind, "'");
   }
   return out;
@@ -34,6 +36,7 @@ py::list from_placements(PlacementsRef placements) {
   for (const auto& p : placements) {
     if (p.is_replicate()) out.append(py::make_tuple("R"));
     else if (p.is_shard()) out.append(py::make_tuple("S", p.dim));
+    else if (p.is_interleaved()) out.append(py::make_tuple("I", p.dim, p.groups));
     else out.append(py::make_tuple("P", reduce_op_name(p.op)));
   }
   return out;
@@ -115,11 +118,17 @@ PYBIND11_MODULE(_C, m) {
   m.def("mesh_of", [](const at::Tensor& t) {
     return std::const_pointer_cast<Mesh>(spec_of(t).mesh);
   });
+  m.def("collective_counts", [] {
+    py::dict out;
+    for (const auto& c : collectives::collective_counts()) out[py::str(c.kind)] = py::make_tuple(c.calls, c.bytes);
+    return out;
+  }, "Collectives vescale issued since start-up or the last reset: {kind: (calls, bytes)}.");
+  m.def("reset_collective_counts", &collectives::reset_collective_counts);
   m.def("placements_of", [](const at::Tensor& t) { return from_placements(spec_of(t).placements); });
   m.def("normalize_placements", [](const py::sequence& placements, int64_t ndim) {
     auto p = to_placements(placements);
     for (auto& x : p)
-      if (x.is_shard()) x.dim = normalize_shard_dim(x.dim, ndim, "placement");
+      if (x.splits()) x.dim = normalize_shard_dim(x.dim, ndim, "placement");
     return from_placements(p);
   });
   m.def("local_shape", [](std::vector<int64_t> shape, const py::sequence& placements,

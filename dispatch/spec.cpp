@@ -109,7 +109,9 @@ SpecPtr make_spec(
   spec.placements.assign(placements.begin(), placements.end());
   const auto ndim = static_cast<int64_t>(shape.size());
   for (auto& p : spec.placements)
-    if (p.is_shard()) p.dim = normalize_shard_dim(p.dim, ndim, "placement");
+    if (p.splits()) p.dim = normalize_shard_dim(p.dim, ndim, "placement");
+  const auto problem = interleaved_problem(shape, spec.placements, spec.mesh->shape);
+  TORCH_CHECK_VALUE(problem.empty(), problem);
   spec.shape.assign(shape.begin(), shape.end());
   spec.stride.assign(stride.begin(), stride.end());
   spec.dtype = dtype;

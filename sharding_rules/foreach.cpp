@@ -69,7 +69,7 @@ ShardingChoice foreach_pointwise(const OpCall& call, const Linearity& lin) {
                                       return false;
                                     }),
                      strategies.end());
-    const auto chosen = choose_cheapest(one, strategies);
+    const auto chosen = choose_cheapest(one, strategies, Interleaving::Lift);
     for (size_t j = 0; j < first_shared; ++j) c.inputs[slots[j]] = chosen.inputs[j];
     if (returns_list) c.outputs[i] = chosen.outputs[0];
   }

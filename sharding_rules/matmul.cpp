@@ -79,13 +79,13 @@ DimStrategies dot_strategies() {
   return s;
 }
 
-ShardingChoice mm_rule(const OpCall& call) { return choose_cheapest(call, matmul_strategies(0)); }
-ShardingChoice bmm_rule(const OpCall& call) { return choose_cheapest(call, matmul_strategies(1)); }
+ShardingChoice mm_rule(const OpCall& call) { return choose_cheapest(call, matmul_strategies(0), Interleaving::Lift); }
+ShardingChoice bmm_rule(const OpCall& call) { return choose_cheapest(call, matmul_strategies(1), Interleaving::Lift); }
 ShardingChoice addmm_rule(const OpCall& call) {
-  return choose_cheapest(call, with_bias(call, matmul_strategies(0)));
+  return choose_cheapest(call, with_bias(call, matmul_strategies(0)), Interleaving::Lift);
 }
 ShardingChoice baddbmm_rule(const OpCall& call) {
-  return choose_cheapest(call, with_bias(call, matmul_strategies(1)));
+  return choose_cheapest(call, with_bias(call, matmul_strategies(1)), Interleaving::Lift);
 }
 
 // Whether splitting a dim of `size` over every rank keeps each part a multiple of 16

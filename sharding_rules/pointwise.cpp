@@ -85,7 +85,7 @@ ShardingChoice isin_rule(const OpCall& call) {
 }  // namespace
 
 RuleFn pointwise(Linearity lin) {
-  return [lin](const OpCall& call) { return choose_cheapest(call, pointwise_strategies(call, lin)); };
+  return [lin](const OpCall& call) { return choose_cheapest(call, pointwise_strategies(call, lin), Interleaving::Lift); };
 }
 
 VESCALE_RULES(pointwise) {
@@ -106,7 +106,7 @@ VESCALE_RULES(pointwise) {
     rules.add(op, [additive, nonlinear](const OpCall& call) {
       const auto to = call.outputs.empty() ? call.inputs[0].dtype : call.outputs[0].dtype;
       const bool exact = at::isFloatingType(to) || at::isComplexType(to);
-      return choose_cheapest(call, pointwise_strategies(call, exact ? additive : nonlinear));
+      return choose_cheapest(call, pointwise_strategies(call, exact ? additive : nonlinear), Interleaving::Lift);
     });
   // Interpolation is linear jointly in its two end points; the weight stays replicated.
   for (const char* op : {"aten::lerp.Scalar", "aten::lerp_.Scalar", "aten::lerp.Tensor", "aten::lerp_.Tensor"})

@@ -14,6 +14,7 @@
 //   native_dropout  linear in its input: input and result keep any layout; the mask is
 //        drawn whole
 
+#include "collectives/collectives.h"
 #include "sharding_rules/rule.h"
 
 #include <ATen/ATen.h>
@@ -35,6 +36,13 @@ Placements replicated(const OpCall& call) {
 
 // This rank's block of a whole tensor, laid out densely.
 at::Tensor block_of(const at::Tensor& whole, const TensorSpec& spec) {
+  const bool interleaved = std::any_of(spec.placements.begin(), spec.placements.end(),
+                                       [](const Placement& p) { return p.is_interleaved(); });
+  if (interleaved) {  // pieces, not a block: cut the way distributing a tensor does (no communication)
+    const Placements whole_layout(spec.placements.size(), Placement::replicate());
+    const auto plan = plan_redistribution(*spec.mesh, whole_layout, spec.placements, spec.shape, spec.dtype);
+    return collectives::execute_redistribution(plan, *spec.mesh, spec.shape, spec.stride, whole).contiguous();
+  }
   at::Tensor b = whole;
   for (size_t d = 0; d < spec.local.sizes.size(); ++d)
     b = b.narrow(static_cast<int64_t>(d), spec.local.offsets[d], spec.local.sizes[d]);

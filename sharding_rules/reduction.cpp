@@ -113,7 +113,7 @@ void extreme_of_block(const c10::OperatorHandle& op, torch::jit::Stack* stack, c
 
 RuleFn reduction(Family f) {
   return [f](const OpCall& call) {
-    auto choice = choose_cheapest(call, reduction_strategies(call, f));
+    auto choice = choose_cheapest(call, reduction_strategies(call, f), Interleaving::Lift);
     if (f.split == ReduceOp::Max || f.split == ReduceOp::Min) choice.local_fn = extreme_of_block;
     return choice;
   };
@@ -149,7 +149,8 @@ void mean_as_partial_sum(const c10::OperatorHandle& op, torch::jit::Stack* stack
 }
 
 ShardingChoice mean_rule(const OpCall& call) {
-  auto choice = choose_cheapest(call, reduction_strategies(call, {ReduceOp::Sum, {ReduceOp::Sum, ReduceOp::Avg}}));
+  auto choice = choose_cheapest(call, reduction_strategies(call, {ReduceOp::Sum, {ReduceOp::Sum, ReduceOp::Avg}}),
+                               Interleaving::Lift);
   choice.local_fn = mean_as_partial_sum;
   return choice;
 }
@@ -189,7 +190,7 @@ ShardingChoice vector_norm_rule(const OpCall& call) {
     // A reduced dim that is split already: summing powers as a Partial beats gathering.
     const auto r = reduce_args(call, false);
     for (const auto& pl : call.inputs[0].placements)
-      if (pl.is_shard() && std::find(r.dims.begin(), r.dims.end(), pl.dim) != r.dims.end())
+      if (pl.splits() && std::find(r.dims.begin(), r.dims.end(), pl.dim) != r.dims.end())
         return ShardingChoice::composition(vector_norm_composed);
   }
   return reduction(f)(call);

@@ -49,7 +49,7 @@ class InputCosts {
 
   double cost(const Placements& target) {
     uint64_t key = 0;
-    for (const auto& p : target) key = key * 64 + p.code();
+    for (const auto& p : target) key = key * 4096 + p.code();
     auto it = memo_.find(key);
     if (it != memo_.end()) return it->second;
     const double c = target == arg_.placements
@@ -73,8 +73,57 @@ bool splits_evenly(const OpCall& call, int64_t size) {
   return size > 0 && size % ranks == 0;
 }
 
-ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& strategies) {
-  TORCH_INTERNAL_ASSERT(!strategies.empty(), call.name(), ": rule offered no strategy");
+namespace {
+
+// The groups counts of the InterleavedShard placements among the call's inputs.
+std::vector<int32_t> interleaved_groups(const OpCall& call) {
+  std::vector<int32_t> groups;
+  for (const auto& in : call.inputs)
+    for (const auto& p : in.placements)
+      if (p.is_interleaved() && std::find(groups.begin(), groups.end(), p.groups) == groups.end())
+        groups.push_back(p.groups);
+  return groups;
+}
+
+// `strategies` followed by their interleaved copies, one per groups count: every
+// Shard(d) becomes InterleavedShard(d, g). Whether the sizes divide is checked per
+// combination (it depends on the mesh dim's size).
+DimStrategies lift_interleaved(const DimStrategies& strategies, const std::vector<int32_t>& groups) {
+  DimStrategies out = strategies;
+  auto lift = [](Placements ps, int32_t g) {
+    bool any = false;
+    for (auto& p : ps)
+      if (p.is_shard()) {
+        p = Placement::interleaved(p.dim, g);
+        any = true;
+      }
+    return std::make_pair(ps, any);
+  };
+  for (const int32_t g : groups)
+    for (const auto& s : strategies) {
+      auto [in, lifted_in] = lift(s.inputs, g);
+      auto [outs, lifted_out] = lift(s.outputs, g);
+      if (lifted_in || lifted_out) out.push_back({std::move(in), std::move(outs)});
+    }
+  return out;
+}
+
+bool lays_out(const TensorArg& t, PlacementsRef placements, const Mesh& mesh) {
+  return !t.defined || interleaved_problem(t.shape, placements, mesh.shape).empty();
+}
+
+}  // namespace
+
+ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& offered, Interleaving interleaving) {
+  TORCH_INTERNAL_ASSERT(!offered.empty(), call.name(), ": rule offered no strategy");
+  const auto groups = interleaving == Interleaving::Lift ? interleaved_groups(call) : std::vector<int32_t>{};
+  const DimStrategies lifted = groups.empty() ? DimStrategies{} : lift_interleaved(offered, groups);
+  const DimStrategies& strategies = groups.empty() ? offered : lifted;
+  const bool check_interleaved = std::any_of(strategies.begin(), strategies.end(), [](const DimStrategy& s) {
+    auto interleaved = [](const Placement& p) { return p.is_interleaved(); };
+    return std::any_of(s.inputs.begin(), s.inputs.end(), interleaved) ||
+        std::any_of(s.outputs.begin(), s.outputs.end(), interleaved);
+  });
   const size_t n_in = call.inputs.size();
   const size_t n_out = call.outputs.size();
   for (const auto& s : strategies) {
@@ -91,10 +140,25 @@ ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& strategi
   double best_strict_cost = std::numeric_limits<double>::infinity();
   double best_any_cost = std::numeric_limits<double>::infinity();
   Placements target(mesh_ndim);
+  // Whether the combination lays every input and result out (interleaved splits need
+  // even sizes and no nesting); plain strategies always do.
+  auto fits = [&]() {
+    if (!check_interleaved) return true;
+    for (size_t i = 0; i < n_in; ++i) {
+      for (size_t m = 0; m < mesh_ndim; ++m) target[m] = strategies[combo[m]].inputs[i];
+      if (!lays_out(call.inputs[i], target, call.mesh)) return false;
+    }
+    for (size_t j = 0; j < n_out; ++j) {
+      for (size_t m = 0; m < mesh_ndim; ++m) target[m] = strategies[combo[m]].outputs[j];
+      if (!lays_out(call.outputs[j], target, call.mesh)) return false;
+    }
+    return true;
+  };
   while (true) {
     double cost = 0;
     bool keeps_written = true;
-    for (size_t i = 0; i < n_in; ++i) {
+    const bool ok = fits();
+    for (size_t i = 0; i < n_in && ok; ++i) {
       const auto& in = call.inputs[i];
       if (!in.defined) continue;
       for (size_t m = 0; m < mesh_ndim; ++m) target[m] = strategies[combo[m]].inputs[i];
@@ -105,6 +169,7 @@ ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& strategi
       }
       cost += costs[i].cost(target);
     }
+    if (!ok) cost = std::numeric_limits<double>::infinity();
     if (keeps_written && cost < best_strict_cost) {
       best_strict_cost = cost;
       best_strict = combo;

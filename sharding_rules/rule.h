@@ -122,15 +122,26 @@ using RuleFn = std::function<ShardingChoice(const OpCall&)>;
 // raises; it raises itself (TORCH_CHECK) on calls the op cannot run.
 using ShapeFn = std::function<std::vector<TensorArg>(const OpCall&)>;
 
-// Combines per-mesh-dim strategies over the whole mesh and returns the cheapest
-// combination (ties go to the earlier strategy). Inputs the op writes keep their
-// placements when any combination allows it.
 // Whether a dim of `size` split over every rank of the call's mesh leaves no rank an
 // empty part: some CPU kernels (pooling, MKL FFT) reject empty dims, and a rank that
 // raises while the others go on leaves them waiting.
 bool splits_evenly(const OpCall& call, int64_t size);
 
-ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& strategies);
+// How a rule's strategies treat an InterleavedShard input (see placement.h):
+//   Gather  they do not mention it: such an input is gathered to what a strategy wants
+//           (correct for every op);
+//   Lift    the op treats every split dim element by element (pointwise, matmul's
+//           free and contracted dims, reductions): each strategy with a Shard also
+//           holds with every Shard(d) made InterleavedShard(d, g), for the g an
+//           input carries, where the sizes divide evenly. Never for rules whose local
+//           computation uses a shard's offset.
+enum class Interleaving : uint8_t { Gather, Lift };
+
+// Combines per-mesh-dim strategies over the whole mesh and returns the cheapest
+// combination (ties go to the earlier strategy). Inputs the op writes keep their
+// placements when any combination allows it.
+ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& strategies,
+                               Interleaving interleaving = Interleaving::Gather);
 
 // Every input and result replicated.
 ShardingChoice replicate_all(const OpCall& call);

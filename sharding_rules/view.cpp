@@ -11,6 +11,12 @@
 //   expand                                          broadcast dims must be whole
 //   select / slice / split / unbind (+ backward)    the indexed dim must be whole
 //   cat / stack                                     all inputs alike, cat dim whole
+//
+// InterleavedShard(d, g) follows its dim through the ops above like Shard(d) (in a
+// view, when d is its run's leading dim and both sizes divide into g x k pieces).
+// Two ops turn one into the other, which is what fused projections need:
+//   split / split_with_sizes of dim d into its g blocks    each block Shard(d)
+//   cat of g equal Shard(d) inputs along d                InterleavedShard(d, g)
 
 #include "sharding_rules/rule.h"
 
@@ -41,10 +47,10 @@ std::pair<Placements, Placements> map_dims(const OpCall& call, const std::functi
   Placements in = input_placements(call);
   Placements out = in;
   for (size_t m = 0; m < in.size(); ++m) {
-    if (!in[m].is_shard()) continue;
+    if (!in[m].splits()) continue;
     const int64_t to = dim_map(in[m].dim);
     if (to < 0) in[m] = out[m] = Placement::replicate();
-    else out[m] = Placement::shard(static_cast<int32_t>(to));
+    else out[m].dim = static_cast<int32_t>(to);
   }
   return {in, out};
 }
@@ -139,11 +145,20 @@ std::pair<Placements, Placements> view_placements(const OpCall& call) {
     const int64_t first_out = first_non_unit(run.out, out_shape);
     std::vector<size_t> keep;  // mesh dims splitting the run's leading dim
     for (size_t m = 0; m < in.size(); ++m) {
-      if (!in[m].is_shard() || std::find(run.in.begin(), run.in.end(), in[m].dim) == run.in.end()) continue;
+      if (!in[m].splits() || std::find(run.in.begin(), run.in.end(), in[m].dim) == run.in.end()) continue;
       if (in[m].dim == first_in && first_out >= 0) keep.push_back(m);
       else in[m] = out[m] = Placement::replicate();
     }
     if (keep.empty()) continue;
+    if (in[keep[0]].is_interleaved()) {  // never nested: keep holds it alone
+      // As Shard on a virtual mesh dim g x k large: whole pieces on both sides.
+      const int64_t pieces = in[keep[0]].groups * call.mesh.shape[keep[0]];
+      if (in_shape[first_in] % pieces == 0 && out_shape[first_out] % pieces == 0)
+        out[keep[0]].dim = static_cast<int32_t>(first_out);
+      else
+        in[keep[0]] = out[keep[0]] = Placement::replicate();
+      continue;
+    }
     const bool ok = same_flat_ranges(call.mesh, keep, in_shape[first_in], product_after(run.in, first_in, in_shape),
                                      out_shape[first_out], product_after(run.out, first_out, out_shape));
     for (auto m : keep) {
@@ -300,6 +315,30 @@ ShardingChoice whole_dim_rule(const OpCall& call, size_t dim_arg) {
   return map_dims_rule(call, [&](int64_t d) { return d == dim ? -1 : d; });
 }
 
+// split.Tensor(self, split_size, dim) / split_with_sizes(self, split_sizes, dim): an
+// InterleavedShard(dim, g) cut into its g blocks stays where it is, and each block is
+// Shard(dim); the local call cuts the shard into g equal parts.
+ShardingChoice split_rule(const OpCall& call, bool with_sizes) {
+  const int64_t dim = at::maybe_wrap_dim(call.int_arg(2), call.inputs[0].ndim());
+  auto c = whole_dim_rule(call, 2);
+  const auto& placements = call.inputs[0].placements;
+  const int64_t n = call.inputs[0].shape[static_cast<size_t>(dim)];
+  for (size_t m = 0; m < placements.size(); ++m) {
+    const auto& p = placements[m];
+    if (!p.is_interleaved() || p.dim != dim || static_cast<int64_t>(call.outputs.size()) != p.groups) continue;
+    const int64_t block = n / p.groups;
+    bool blocks = true;
+    for (const auto& out : call.outputs) blocks &= out.shape[static_cast<size_t>(dim)] == block;
+    if (!blocks) continue;
+    c.inputs[0][m] = p;
+    for (auto& out : c.outputs) out[m] = Placement::shard(static_cast<int32_t>(dim));
+    const int64_t local_block = block / call.mesh.shape[m];
+    if (with_sizes) c.local_args.emplace_back(1, c10::IValue(std::vector<int64_t>(p.groups, local_block)));
+    else c.local_args.emplace_back(1, c10::IValue(local_block));
+  }
+  return c;
+}
+
 // unbind.int(self, dim)
 ShardingChoice unbind_rule(const OpCall& call) { return select_rule(call); }
 
@@ -352,6 +391,15 @@ bool skipped_by_cat(const TensorArg& t) {
   return t.ndim() == 1 && t.shape[0] == 0;
 }
 
+// Whether cat's inputs are at least two blocks of one size along `dim`, none skipped.
+bool joins_equal_blocks(const OpCall& call, int64_t dim) {
+  if (call.inputs.size() < 2 || call.inputs.size() > 63) return false;
+  for (const auto& in : call.inputs)
+    if (!in.defined || in.shape[static_cast<size_t>(dim)] != call.inputs[0].shape[static_cast<size_t>(dim)])
+      return false;
+  return true;
+}
+
 ShardingChoice join_rule(const OpCall& call, bool stacking) {
   const size_t n = call.inputs.size();
   OpCall joined = call;
@@ -374,6 +422,8 @@ ShardingChoice join_rule(const OpCall& call, bool stacking) {
     if (!stacking && d == dim) continue;
     all(Placement::shard(d), Placement::shard(stacking && d >= dim ? d + 1 : d));
   }
+  if (!stacking && joins_equal_blocks(joined, dim))  // sizes are checked per mesh dim
+    all(Placement::shard(static_cast<int32_t>(dim)), Placement::interleaved(static_cast<int32_t>(dim), static_cast<int32_t>(n)));
   for (const ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) all(Placement::partial(op), Placement::partial(op));
   auto c = choose_cheapest(joined, s);
   for (size_t i = 0; i < n; ++i)
@@ -397,8 +447,8 @@ VESCALE_RULES(view) {
   rules.add("aten::expand", expand_rule);
   rules.add("aten::select.int", select_rule);
   rules.add("aten::slice.Tensor", [](const OpCall& c) { return whole_dim_rule(c, 1); });
-  rules.add("aten::split.Tensor", [](const OpCall& c) { return whole_dim_rule(c, 2); });
-  rules.add("aten::split_with_sizes", [](const OpCall& c) { return whole_dim_rule(c, 2); });
+  rules.add("aten::split.Tensor", [](const OpCall& c) { return split_rule(c, false); });
+  rules.add("aten::split_with_sizes", [](const OpCall& c) { return split_rule(c, true); });
   rules.add("aten::unbind.int", unbind_rule);
   rules.add("aten::select_backward", [](const OpCall& c) { return index_backward_rule(c, true); });
   rules.add("aten::slice_backward", [](const OpCall& c) { return index_backward_rule(c, false); });

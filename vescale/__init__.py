@@ -7,10 +7,10 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
 from ._tensor_methods import _install
-from .debug import debug_mode, fallback_counts, reset_fallback_counts
+from .debug import collective_counts, debug_mode, fallback_counts, reset_collective_counts, reset_fallback_counts
 from .device_mesh import DeviceMesh, get_device_mesh, init_device_mesh
 from .dtensor import DTensor, distribute_tensor
-from .placement_types import Partial, Placement, Replicate, Shard
+from .placement_types import InterleavedShard, Partial, Placement, Replicate, Shard
 from .parallel import DDP, DistributedOptimizer, parallelize_module
 from .checkpoint import load, save
 from .deferred import deferred_init, materialize_module
@@ -21,8 +21,8 @@ _install()
 __all__ = [
     "DeviceMesh", "init_device_mesh", "get_device_mesh",
     "DTensor", "distribute_tensor",
-    "Placement", "Shard", "Replicate", "Partial",
-    "fallback_counts", "reset_fallback_counts", "debug_mode",
+    "Placement", "Shard", "Replicate", "Partial", "InterleavedShard",
+    "fallback_counts", "reset_fallback_counts", "collective_counts", "reset_collective_counts", "debug_mode",
     "parallelize_module", "DDP", "DistributedOptimizer",
     "save", "load", "deferred_init", "materialize_module",
     "Plan", "PlanError",

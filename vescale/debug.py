@@ -13,7 +13,7 @@ import torch.distributed as dist
 from . import _C
 
 __all__ = ["fallback_counts", "fallback_report", "reset_fallback_counts", "cache_misses", "clear_cache",
-           "debug_mode", "collective_failure_note"]
+           "debug_mode", "collective_failure_note", "collective_counts", "reset_collective_counts"]
 
 
 def fallback_counts() -> dict[str, int]:
@@ -28,6 +28,18 @@ def fallback_report() -> list[tuple[str, int, str]]:
 
 def reset_fallback_counts() -> None:
     _C.reset_fallback_counts()
+
+
+def collective_counts() -> dict[str, tuple[int, int]]:
+    """Collectives the engine issued in this process since start-up or the last reset,
+    per kind: {"all_gather": (calls, input bytes), ...}. Counts the engine's collectives
+    (the redistributions DTensor ops need), not the torch.distributed calls of DDP/ZeRO
+    buckets or the pipeline's sends."""
+    return {kind: tuple(v) for kind, v in _C.collective_counts().items()}
+
+
+def reset_collective_counts() -> None:
+    _C.reset_collective_counts()
 
 
 def cache_misses() -> int:

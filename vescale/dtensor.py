@@ -145,18 +145,45 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
 
 def _materialize_shard(tensor: torch.Tensor, mesh: DeviceMesh, cp) -> torch.Tensor:
     """A tensor from vescale.deferred_init: this rank computes only its own shard."""
-    from .boxes import Box
     from .deferred import materialize
 
     if any(kind[0] == "P" for kind in cp):
         raise ValueError("a deferred tensor can be materialised as Shard or Replicate, not Partial")
-    sizes, offsets = _C.local_shape(list(tensor.shape), cp, list(mesh.shape), list(mesh.get_coordinate()))
-    local = materialize(tensor, Box(tuple(offsets), tuple(sizes)))
+    pieces = [materialize(tensor, box) for box in _shard_boxes(list(tensor.shape), mesh, cp)]
+    local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, _interleaved_dim(cp))
     out = _C.from_local(local, _register(mesh), cp, list(tensor.shape), _strides_like(tensor.shape, tensor.stride()))
     return out.requires_grad_(tensor.requires_grad)
 
 
 # ---- helpers -------------------------------------------------------------------------
+
+def _interleaved_dim(cp) -> int | None:
+    return next((kind[1] for kind in cp if kind[0] == "I"), None)
+
+
+def shard_boxes(t: DTensor) -> list:
+    """The boxes of the global tensor this rank's shard of ``t`` holds, in the order the
+    shard lays them side by side: one box, or one per block of an InterleavedShard dim."""
+    return _shard_boxes(list(t.shape), t.device_mesh, to_c(t.placements))
+
+
+def _shard_boxes(shape: list[int], mesh: DeviceMesh, cp) -> list:
+    """The boxes of the global tensor this rank holds, in the order its shard lays them
+    side by side: one box, or one per block of an InterleavedShard dim."""
+    from .boxes import Box
+
+    sizes, offsets = _C.local_shape(shape, cp, list(mesh.shape), list(mesh.get_coordinate()))
+    d = _interleaved_dim(cp)
+    if d is None:
+        return [Box(tuple(offsets), tuple(sizes))]
+    m = next(i for i, kind in enumerate(cp) if kind[0] == "I")
+    groups, piece = cp[m][2], sizes[d] // cp[m][2]
+    rank = mesh.get_coordinate()[m]
+    boxes = []
+    for j in range(groups):
+        offsets[d] = j * (shape[d] // groups) + rank * piece
+        boxes.append(Box(tuple(offsets), tuple(sizes[:d] + [piece] + sizes[d + 1:])))
+    return boxes
 
 def _strides_like(shape: Sequence[int], like: Sequence[int]) -> list[int]:
     order = sorted(range(len(shape)), key=lambda d: (like[d], -d))  # innermost first
@@ -172,6 +199,9 @@ def _global_shape(local: torch.Tensor, mesh: DeviceMesh, cp, exact: bool) -> lis
     # Innermost mesh dim first: its shards add up to the extent the next one splits.
     for m in reversed(range(mesh.ndim)):
         kind = cp[m]
+        if kind[0] == "I":  # even pieces by definition
+            shape[kind[1]] *= mesh.size(m)
+            continue
         if kind[0] != "S":
             continue
         d = kind[1]

@@ -25,7 +25,7 @@ from typing import Any
 
 from .parallel.pipeline.engine import SPLIT_METHODS
 from .parallel.pipeline.schedules import SCHEDULES, make_schedule
-from .placement_types import Partial, Placement, Replicate, Shard
+from .placement_types import InterleavedShard, Partial, Placement, Replicate, Shard
 
 VERSION = 1
 
@@ -255,9 +255,13 @@ class Plan:
             for name in hits:
                 shape = tuple(params[name].shape)
                 for p in placements:
-                    if isinstance(p, Shard) and not -len(shape) <= p.dim < len(shape):
+                    if p.splits() and not -len(shape) <= p.dim < len(shape):
                         raise PlanError(f"plan key tensor_parallel.sharding_plan.parameter[{pattern!r}] places {name} "
                                         f"(shape {shape}) as {p}, out of range for its {len(shape)} dims")
+                    if p.is_interleaved() and shape[p.dim] % (p.groups * tp_size):
+                        raise PlanError(f"plan key tensor_parallel.sharding_plan.parameter[{pattern!r}] places {name} "
+                                        f"(shape {shape}) as {p}: dim {p.dim} does not divide into {p.groups} blocks "
+                                        f"of {tp_size} equal pieces")
                     if isinstance(p, Shard) and shape[p.dim] < tp_size:
                         raise PlanError(f"plan key tensor_parallel.sharding_plan.parameter[{pattern!r}] shards {name} "
                                         f"dim {p.dim} of size {shape[p.dim]} over {tp_size} ranks; some would hold "
@@ -343,14 +347,18 @@ def _section_used(plan: Plan, section: str) -> bool:
 
 _PLACEMENT = re.compile(r"^\s*(Shard)\(\s*(?:dim\s*=\s*)?(-?\d+)\s*\)\s*$|^\s*(Replicate)\(\s*\)\s*$"
                         r"|^\s*(Partial)\(\s*(\w*)\s*\)\s*$")
+_INTERLEAVED = re.compile(r"^\s*InterleavedShard\(\s*(?:dim\s*=\s*)?(-?\d+)\s*,\s*(?:groups\s*=\s*)?(\d+)\s*\)\s*$")
 
 
 def parse_placement(text, where: str) -> Placement:
     if isinstance(text, Placement):
         return text
+    if isinstance(text, str) and (m := _INTERLEAVED.match(text)):
+        return InterleavedShard(int(m.group(1)), int(m.group(2)))
     m = _PLACEMENT.match(text) if isinstance(text, str) else None
     if not m:
-        raise PlanError(f"{where}: {text!r} is not a placement; write 'Shard(0)', 'Replicate()' or 'Partial()'")
+        raise PlanError(f"{where}: {text!r} is not a placement; write 'Shard(0)', 'Replicate()', 'Partial()' "
+                        f"or 'InterleavedShard(0, 3)'")
     if m.group(1):
         return Shard(int(m.group(2)))
     if m.group(3):
@@ -393,6 +401,8 @@ def _parse_sharding_plan(plan: dict) -> dict:
 def placement_text(p: Placement) -> str:
     if isinstance(p, Shard):
         return f"Shard({p.dim})"
+    if isinstance(p, InterleavedShard):
+        return f"InterleavedShard({p.dim}, {p.groups})"
     if isinstance(p, Partial):
         return "Partial()" if p.reduce_op == "sum" else f"Partial({p.reduce_op})"
     return "Replicate()"

@@ -16,9 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from .. import _C
-from ..dtensor import DTensor
-from ..placement_types import to_c
+from ..dtensor import DTensor, shard_boxes
 from ..parallel.ddp import DDP, local_of
 from ..parallel.optimizer import DistributedOptimizer
 from ..parallel.pipeline.engine import is_pipeline  # names without its "module." prefix
@@ -79,14 +77,28 @@ def unwrap(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DDP) else module
 
 
-def local_box(t: torch.Tensor) -> Box:
-    """This rank's box of a DTensor (its shard), or the whole of a plain tensor."""
+def shard_parts(t: torch.Tensor) -> list[tuple[Box, Box]]:
+    """This rank's shard of a DTensor (or the whole of a plain tensor) as (box of the shard,
+    box of the global tensor) pairs: one, or one per block of an InterleavedShard dim,
+    whose pieces lie side by side in the shard."""
     if not isinstance(t, DTensor):
-        return whole(t.shape)
-    mesh = t.device_mesh
-    sizes, offsets = _C.local_shape(list(t.shape), to_c(t.placements), list(mesh.shape),
-                                    list(mesh.get_coordinate()))
-    return Box(tuple(offsets), tuple(sizes))
+        return [(whole(t.shape), whole(t.shape))]
+    boxes = shard_boxes(t)
+    d = next((p.dim for p in t.placements if p.is_interleaved()), 0)
+    parts, pos = [], 0
+    for b in boxes:
+        offsets = [0] * len(b.sizes)
+        if offsets:
+            offsets[d] = pos
+            pos += b.sizes[d]
+        parts.append((Box(tuple(offsets), b.sizes), b))
+    return parts
+
+
+def _global(part: tuple[Box, Box], box: Box) -> Box:
+    """``box``, a box of the shard inside ``part``'s shard box, in global coordinates."""
+    shard_box, global_box = part
+    return box.shifted(tuple(g - s for g, s in zip(global_box.offsets, shard_box.offsets)))
 
 
 def describe(t: torch.Tensor) -> str:
@@ -95,12 +107,18 @@ def describe(t: torch.Tensor) -> str:
     return "plain"
 
 
-def flat_pieces(shard_box: Box, flat: torch.Tensor, start: int) -> list[Piece]:
-    """Pieces for ``flat``, the elements [start, start + numel) of a shard in row-major order."""
+def flat_pieces(parts: list[tuple[Box, Box]], shard_shape, flat: torch.Tensor, start: int) -> list[Piece]:
+    """Pieces for ``flat``, the elements [start, start + numel) of a shard (of ``shard_shape``,
+    made of ``parts``) in row-major order."""
     pieces, pos = [], 0
-    for b in flat_range(shard_box.sizes, start, start + flat.numel()):
+    for b in flat_range(tuple(shard_shape), start, start + flat.numel()):
         n = b.numel()
-        pieces.append(Piece(b.shifted(shard_box.offsets), flat[pos:pos + n].view(b.sizes)))
+        values = flat[pos:pos + n].view(b.sizes)
+        for part in parts:
+            if len(parts) == 1:
+                pieces.append(Piece(_global(part, b), values))
+            elif (inside := b.intersect(part[0])) is not None:
+                pieces.append(Piece(_global(part, inside), inside.view_of(values, b)))
         pos += n
     return pieces
 
@@ -143,7 +161,8 @@ def build(state: dict, saved: dict | None = None) -> Layout:
 def _tensor(layout: Layout, key: str, t: torch.Tensor, *, optional: bool = False) -> None:
     t = t.detach()
     local = local_of(t)
-    layout.items[key] = Item(key, tuple(t.shape), t.dtype, [Piece(local_box(t), local)], describe(t), optional)
+    pieces = [Piece(global_box, shard_box.view_of(local, whole(local.shape))) for shard_box, global_box in shard_parts(t)]
+    layout.items[key] = Item(key, tuple(t.shape), t.dtype, pieces, describe(t), optional)
 
 
 def _module(layout: Layout, key: str, module: nn.Module, zero3: dict) -> None:
@@ -162,7 +181,8 @@ def _module(layout: Layout, key: str, module: nn.Module, zero3: dict) -> None:
         seen[id(t)] = full
         if id(t) in zero3:
             flat, start = zero3[id(t)]
-            layout.items[full] = Item(full, tuple(t.shape), t.dtype, flat_pieces(local_box(t), flat, start),
+            layout.items[full] = Item(full, tuple(t.shape), t.dtype,
+                                      flat_pieces(shard_parts(t), local_of(t).shape, flat, start),
                                       describe(t) + ", ZeRO-3 slice")
         else:
             _tensor(layout, full, t)
@@ -259,10 +279,10 @@ def _zero_optimizer(layout: Layout, key: str, opt: DistributedOptimizer, fqn_of:
     for o in opt.owned:
         pk = _param_key(o.param, fqn_of, key)
         key_of_master[id(o.master)] = pk
-        shard_box = local_box(o.param)
+        parts, shard_shape = shard_parts(o.param), local_of(o.param).shape
         shape, src = tuple(o.param.shape), describe(o.param) + f", ZeRO-{opt.zero_stage} slice"
         layout.items[f"{key}.master.{pk}"] = Item(f"{key}.master.{pk}", shape, o.master.dtype,
-                                                  flat_pieces(shard_box, o.master.detach(), o.start), src,
+                                                  flat_pieces(parts, shard_shape, o.master.detach(), o.start), src,
                                                   optional=True)
         state = _state_of(layout, opt.inner.state, o.master, pk, key, saved, o.master.detach())
         for name, v in state.items():
@@ -270,7 +290,7 @@ def _zero_optimizer(layout: Layout, key: str, opt: DistributedOptimizer, fqn_of:
             if isinstance(v, torch.Tensor) and v.dim() == 0:
                 layout.items[k] = Item(k, (), v.dtype, [Piece(Box((), ()), v)], "plain")
             elif isinstance(v, torch.Tensor):
-                layout.items[k] = Item(k, shape, v.dtype, flat_pieces(shard_box, v, o.start), src)
+                layout.items[k] = Item(k, shape, v.dtype, flat_pieces(parts, shard_shape, v, o.start), src)
             else:
                 layout.objects[k] = v
                 layout.restore[k] = lambda x, s=state, n=name: s.__setitem__(n, x)

@@ -217,7 +217,7 @@ def _copies(param: DTensor) -> int:
     """How many ranks of its mesh hold each element of a DTensor (replicated dims)."""
     copies = 1
     for p, size in zip(param.placements, param.device_mesh.shape):
-        if not p.is_shard():
+        if not p.splits():
             copies *= size
     return copies
 

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ..device_mesh import DeviceMesh
 from ..dtensor import DTensor, distribute_tensor
-from ..placement_types import Placement, Replicate, Shard
+from ..placement_types import InterleavedShard, Placement, Replicate, Shard
 from .pipeline.stage import is_elsewhere
 
 __all__ = ["parallelize_module"]
@@ -68,6 +68,11 @@ def _checked_placements(placements, mesh: DeviceMesh, tensor: torch.Tensor, fqn:
                 raise ValueError(f"plan places {fqn} (shape {tuple(tensor.shape)}) as {p}, out of range for its "
                                  f"{tensor.dim()} dims")
             p = Shard(p.dim % tensor.dim())
+        elif isinstance(p, InterleavedShard):
+            if not -tensor.dim() <= p.dim < tensor.dim():
+                raise ValueError(f"plan places {fqn} (shape {tuple(tensor.shape)}) as {p}, out of range for its "
+                                 f"{tensor.dim()} dims")
+            p = InterleavedShard(p.dim % tensor.dim(), p.groups)
         elif not isinstance(p, Placement):
             raise TypeError(f"plan entry for {fqn} holds {p!r}, not a placement (Shard(d), Replicate(), Partial())")
         out.append(p)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ...dtensor import DTensor
-from ...placement_types import Partial, Replicate, Shard
+from ...placement_types import InterleavedShard, Partial, Replicate, Shard
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
@@ -152,7 +152,7 @@ class Boundary:
                                  f"be named dims of the pipeline's mesh {self.mesh}")
             words += [len(names), *dt.shape]
             for n, p in zip(names, dt.placements):
-                words += [dim_names.index(n), p.dim if isinstance(p, Shard) else -1]
+                words += [dim_names.index(n), _placement_word(p)]
         if len(words) + 1 > _HEADER:
             raise ValueError("the boundary's description does not fit the pipeline header")
         return torch.tensor([len(words) + 1, *words] + [0] * (_HEADER - len(words) - 1), dtype=torch.int64)
@@ -174,10 +174,28 @@ class Boundary:
             names, placements = [], []
             for _ in range(k):
                 names.append(dim_names[w[0]])
-                placements.append(Shard(w[1]) if w[1] >= 0 else Replicate())
+                placements.append(_placement_of_word(w[1]))
                 w = w[2:]
             specs.append((dtype, local_shape, global_shape, tuple(names), placements))
         return positions, specs
+
+
+def _placement_word(p) -> int:
+    """A placement (never Partial here) as one header word: Shard(d) is d, Replicate -1,
+    InterleavedShard(d, g) -(2 + d + 64 g)."""
+    if isinstance(p, Shard):
+        return p.dim
+    if isinstance(p, InterleavedShard):
+        return -(2 + p.dim + 64 * p.groups)
+    return -1
+
+
+def _placement_of_word(w: int):
+    if w >= 0:
+        return Shard(w)
+    if w == -1:
+        return Replicate()
+    return InterleavedShard((-w - 2) % 64, (-w - 2) // 64)
 
 
 def _leaf_and_value(local: torch.Tensor, mesh, placements, global_shape):
