@@ -136,7 +136,7 @@ ShardingChoice grouped_mm_rule(const OpCall& call) {
     add(p, R, p);
     add(R, p, p);
   }
-  return choose_cheapest(call, s);
+  return choose_cheapest(call, s, Interleaving::Lift);  // a packed gate|up weight
 }
 
 // _grouped_mm's result metadata (its meta kernel accepts bf16 only).

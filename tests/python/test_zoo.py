@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import vescale
 from vescale.parallel import DDP, parallelize_module
-from vescale.parallel.plans import bert_plan, gpt2_plan, hf_plan, mixtral_plan, t5_plan
+from vescale.parallel.plans import bert_plan, gpt2_plan, hf_plan, t5_plan
 
 from dist_utils import full_grads, mesh, mismatch_to_max, training_mismatches
 
@@ -69,7 +69,7 @@ def _t5():
 
 def _hand(plan_fn):
     """A hand-written plan, for a model whose transformers ships no tp plan (GPT-2, BERT,
-    T5) or one that vescale cannot express yet (Mixtral's packed experts)."""
+    T5)."""
     return lambda model, sequence_parallel: plan_fn(sequence_parallel=sequence_parallel)
 
 
@@ -81,7 +81,7 @@ MODELS = {
     "mistral": (_decoder("MistralForCausalLM", "MistralConfig", head_dim=8), hf_plan, "causal"),
     "gemma": (_decoder("GemmaForCausalLM", "GemmaConfig", head_dim=8), hf_plan, "causal"),  # tied embeddings
     "mixtral": (_decoder("MixtralForCausalLM", "MixtralConfig", intermediate_size=32, num_local_experts=4,
-                         num_experts_per_tok=2), _hand(mixtral_plan), "causal"),
+                         num_experts_per_tok=2), hf_plan, "causal"),  # packed gate|up experts
     "gpt2": (_gpt2, _hand(gpt2_plan), "causal"),
     "bert": (_bert, _hand(bert_plan), "mlm"),
     "t5": (_t5, _hand(t5_plan), "seq2seq"),
@@ -293,10 +293,19 @@ def test_hf_plan_conv1d_weights_are_transposed():
                       rf"{h}\.c_proj\.weight": [Shard(0)]}
 
 
+def test_hf_plan_packed_experts_split_each_block():
+    """transformers' "packed_colwise" (Mixtral's gate|up experts): each of gate and up is
+    split, not the packed dim as a whole (which would give one rank all of gate)."""
+    from vescale import InterleavedShard
+    params = hf_plan(_build("mixtral"))["parameter"]
+    assert params[r"model\.layers\.\d+\.mlp\.experts\.gate_up_proj"] == [InterleavedShard(1, 2)]
+
+
 def test_hf_plan_errors_name_the_key():
-    # packed (fused) projections cannot be split block by block yet: no silent plain Shard
-    with pytest.raises(NotImplementedError, match=r"'model\.layers\.\*\.mlp\.experts\.gate_up_proj'.*'packed_colwise'"):
-        hf_plan(_build("mixtral"))
+    model = _build("mixtral")  # expert parallelism is refused, not mapped onto something else
+    model._tp_plan = {**model.tp_plan, "model.layers.*.mlp.experts": "grouped_gemm"}
+    with pytest.raises(NotImplementedError, match=r"'model\.layers\.\*\.mlp\.experts'.*'grouped_gemm'.*expert"):
+        hf_plan(model)
     model = _build("llama")
     model._tp_plan = {**model.tp_plan, "model.layers.*.mlp.up_proj": "colwise_sideways"}
     with pytest.raises(ValueError, match=r"'model\.layers\.\*\.mlp\.up_proj'.*'colwise_sideways'.*known styles"):

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import re
 
-from ..placement_types import Replicate, Shard
+from ..placement_types import InterleavedShard, Replicate, Shard
 
-__all__ = ["gpt_plan", "llama_plan", "hf_plan", "gpt2_plan", "bert_plan", "t5_plan", "mixtral_plan"]
+__all__ = ["gpt_plan", "llama_plan", "hf_plan", "gpt2_plan", "bert_plan", "t5_plan"]
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 
@@ -42,14 +42,16 @@ def _blocks(block: str, attn: str, mlp: str, sequence_parallel: bool) -> dict:
 
 
 def gpt_plan(*, sequence_parallel: bool = False) -> dict:
-    """nanoGPT: fused c_attn and c_fc column-parallel, c_proj row-parallel."""
+    """nanoGPT: c_fc column-parallel, c_proj row-parallel, and the fused c_attn split
+    within each of its q, k and v blocks (``InterleavedShard(0, 3)``), so that every rank
+    runs its own heads with no gather."""
     h = r"transformer\.h\.\d+"
     forward = _blocks(h, "attn", "mlp", sequence_parallel)
     forward[r"transformer\.drop\.output"] = [[S1 if sequence_parallel else R]]
     forward[r"transformer\.ln_f\.output"] = [[R]]
     return {
         "parameter": {
-            rf"{h}\.attn\.c_attn\.(weight|bias)": [S0],
+            rf"{h}\.attn\.c_attn\.(weight|bias)": [InterleavedShard(0, 3)],
             rf"{h}\.attn\.c_proj\.weight": [S1],
             rf"{h}\.mlp\.c_fc\.(weight|bias)": [S0],
             rf"{h}\.mlp\.c_proj\.weight": [S1],
@@ -83,8 +85,9 @@ def llama_plan(*, sequence_parallel: bool = False) -> dict:
 # transformers' tensor-parallel styles (transformers/distributed/tensor_parallel.py) as
 # (how the parameters split, what the module's output becomes). "col": the output
 # features split (weight Shard(out dim), bias Shard(0)); "row": the input features split
-# (weight Shard(in dim), bias replicated). Output: "gather" -> Replicate; "stream" -> the
-# residual stream's placement (Replicate, or Shard(1) with sequence parallelism); None
+# (weight Shard(in dim), bias replicated); "packed_col" / "packed_row": the same within
+# each of the two blocks of a packed gate|up weight (InterleavedShard(dim, 2)). Output:
+# "gather" -> Replicate; "stream" -> the residual stream's placement (Replicate, or Shard(1) with sequence parallelism); None
 # leaves it to the engine. vescale tracks every placement itself, so the styles that in
 # transformers exist to run a module on local tensors and fix up its gradients by hand
 # (replicated_with_grad_allreduce, moe_tp_experts, ...) need nothing here: the engine
@@ -93,6 +96,8 @@ _HF_STYLES = {
     "colwise": ("col", None),
     "colwise_gather_output": ("col", "gather"),
     "colwise_rep": ("col", "gather"),
+    "packed_colwise": ("packed_col", None),
+    "packed_rowwise": ("packed_row", "stream"),
     "rowwise": ("row", "stream"),
     "rowwise_rep": ("row", "gather"),
     "rowwise_split_input": ("row", "gather"),
@@ -111,14 +116,9 @@ _HF_STYLES = {
     "local_params": (None, None),
 }
 
-# Styles that vescale cannot express yet: sharding them with a plain Shard would give
-# each rank whole blocks of a packed weight (all of gate on one rank, all of up on the
-# other), which stays correct but silently loses the parallelism the plan asks for.
+# Styles that vescale cannot express yet (refused rather than mapped onto something that
+# would run, but without the parallelism the plan asks for).
 _HF_UNSUPPORTED = {
-    "packed_colwise": "a packed (fused gate/up) weight split block by block needs an interleaved shard "
-                      "placement (veScale's InterleavedShard), which vescale does not have yet",
-    "packed_rowwise": "a packed weight split block by block along its input needs an interleaved shard "
-                      "placement (veScale's InterleavedShard), which vescale does not have yet",
     "grouped_gemm": "it is an expert-parallel style; vescale has no expert parallelism yet",
     "ep_dispatch_experts": "it is an expert-parallel style; vescale has no expert parallelism yet",
 }
@@ -152,6 +152,9 @@ def _is_conv1d(module) -> bool:
 
 
 def _split_placement(kind: str, param_name: str, tensor, module, key: str, style: str):
+    if kind.startswith("packed_"):  # the same split within each of the two packed blocks
+        plain = _split_placement(kind[len("packed_"):], param_name, tensor, module, key, style)
+        return InterleavedShard(plain.dim, 2) if isinstance(plain, Shard) else plain
     if kind in ("vocab", "hidden"):
         return Shard(0 if kind == "vocab" else 1) if param_name == "weight" else Replicate()
     if tensor.dim() == 1:  # a bias (or a packed 1-d parameter)
@@ -179,7 +182,7 @@ def hf_plan(model, *, sequence_parallel: bool = False) -> dict:
     (dim 1): embeddings and row-parallel layers reduce-scatter their outputs and
     column-parallel layers gather their inputs.
 
-    A style vescale cannot express (packed/fused projections, expert parallelism) raises
+    A style vescale cannot express (expert parallelism) raises
     ``NotImplementedError``; an unknown style raises ``ValueError``; both name the key.
 
     Whatever the mapping, values stay exact: parameters take plain Shard/Replicate
@@ -213,13 +216,13 @@ def hf_plan(model, *, sequence_parallel: bool = False) -> dict:
         compiled = re.compile(rx)
         hit_params = [n for n in params if compiled.fullmatch(n)]
         hit_modules = [n for n in modules if compiled.fullmatch(n)]
-        if hit_params and kind in ("col", "row"):  # the key names a parameter (an expert stack)
+        if hit_params and kind in ("col", "row", "packed_col", "packed_row"):  # the key names a parameter (an expert stack)
             owner_name, _, pname = hit_params[0].rpartition(".")
             parameter[rx] = [_split_placement(kind, pname, params[hit_params[0]], modules[owner_name], key, style)]
             continue
         if not hit_modules:
             continue  # an optional module this configuration leaves out
-        if kind in ("col", "row", "vocab", "hidden"):
+        if kind in ("col", "row", "vocab", "hidden", "packed_col", "packed_row"):
             names = {}
             for m in hit_modules:
                 for pname, p in modules[m].named_parameters(recurse=False):
@@ -227,7 +230,7 @@ def hf_plan(model, *, sequence_parallel: bool = False) -> dict:
             for pname, placement in names.items():
                 if placement != Replicate():
                     parameter[rf"{rx}\.{re.escape(pname)}"] = [placement]
-        if kind == "col" and sequence_parallel:
+        if kind in ("col", "packed_col") and sequence_parallel:
             forward[rf"{rx}\.input"] = [[Replicate()]]
         if out == "gather":
             forward[rf"{rx}\.output"] = [[Replicate()]]
@@ -241,9 +244,8 @@ def gpt2_plan(*, sequence_parallel: bool = False) -> dict:
 
     c_fc column-parallel (weight ``Shard(1)``), the c_proj layers row-parallel (weight
     ``Shard(0)``), vocabulary-parallel wte (tied with lm_head), logits gathered. The fused
-    c_attn is split along its packed q|k|v output like gpt_plan's: correct, but the split
-    into q, k and v then gathers it, so attention runs every head on every rank (splitting
-    each of q, k, v needs an interleaved shard placement, which vescale lacks yet)."""
+    c_attn is split within each of its q, k and v blocks (weight ``InterleavedShard(1, 3)``,
+    bias ``InterleavedShard(0, 3)``), so every rank runs its own heads."""
     h = r"transformer\.h\.\d+"
     stream = S1 if sequence_parallel else R
     forward = {
@@ -258,8 +260,8 @@ def gpt2_plan(*, sequence_parallel: bool = False) -> dict:
     }
     return {
         "parameter": {
-            rf"{h}\.attn\.c_attn\.weight": [S1],
-            rf"{h}\.attn\.c_attn\.bias": [S0],
+            rf"{h}\.attn\.c_attn\.weight": [InterleavedShard(1, 3)],
+            rf"{h}\.attn\.c_attn\.bias": [InterleavedShard(0, 3)],
             rf"{h}\.attn\.c_proj\.weight": [S0],
             rf"{h}\.mlp\.c_fc\.weight": [S1],
             rf"{h}\.mlp\.c_fc\.bias": [S0],
@@ -322,21 +324,3 @@ def t5_plan(*, sequence_parallel: bool = False) -> dict:
             r"lm_head\.output": [[R]],
         },
     }
-
-
-def mixtral_plan(*, sequence_parallel: bool = False) -> dict:
-    """Hugging Face Mixtral (``MixtralForCausalLM``): attention as Llama; the experts as
-    MLPs, as far as vescale can express it today. The down projections (experts, hidden,
-    intermediate) are row-parallel (``Shard(2)``); the packed gate|up projections
-    (experts, 2 * intermediate, hidden) are split along their packed output
-    (``Shard(1)``), which at TP2 gives one rank every gate row and the other every up
-    row: the grouped matmul runs split, but the model's ``chunk(2)`` into gate and up then
-    all-gathers its output, so the gated product runs on every rank. Splitting each of
-    gate and up (transformers' "packed_colwise", which ``hf_plan`` refuses) needs an
-    interleaved shard placement, which vescale lacks yet. Values are exact either way."""
-    plan = llama_plan(sequence_parallel=sequence_parallel)
-    layer = r"model\.layers\.\d+"
-    params = {k: v for k, v in plan["parameter"].items() if "mlp" not in k}
-    params[rf"{layer}\.mlp\.experts\.gate_up_proj"] = [S1]
-    params[rf"{layer}\.mlp\.experts\.down_proj"] = [Shard(2)]
-    return {"parameter": params, "forward": plan["forward"]}
