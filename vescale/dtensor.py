@@ -145,45 +145,56 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
 
 def _materialize_shard(tensor: torch.Tensor, mesh: DeviceMesh, cp) -> torch.Tensor:
     """A tensor from vescale.deferred_init: this rank computes only its own shard."""
+    from .boxes import Box
     from .deferred import materialize
 
     if any(kind[0] == "P" for kind in cp):
         raise ValueError("a deferred tensor can be materialised as Shard or Replicate, not Partial")
-    pieces = [materialize(tensor, box) for box in _shard_boxes(list(tensor.shape), mesh, cp)]
-    local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, _interleaved_dim(cp))
+    parts = _shard_parts(list(tensor.shape), mesh, cp)
+    if len(parts) == 1:
+        local = materialize(tensor, parts[0][1])
+    else:  # an InterleavedShard: one piece per block
+        sizes, _ = _C.local_shape(list(tensor.shape), cp, list(mesh.shape), list(mesh.get_coordinate()))
+        local = None
+        for shard_box, global_box in parts:
+            piece = materialize(tensor, global_box)
+            if local is None:
+                local = piece.new_empty(sizes)
+            shard_box.view_of(local, Box((0,) * local.dim(), tuple(sizes))).copy_(piece)
     out = _C.from_local(local, _register(mesh), cp, list(tensor.shape), _strides_like(tensor.shape, tensor.stride()))
     return out.requires_grad_(tensor.requires_grad)
 
 
 # ---- helpers -------------------------------------------------------------------------
 
-def _interleaved_dim(cp) -> int | None:
-    return next((kind[1] for kind in cp if kind[0] == "I"), None)
+def shard_parts(t: DTensor) -> list:
+    """This rank's shard of ``t`` as (box of the shard, box of the global tensor) pairs:
+    one, or one per combination of blocks of the InterleavedShard dims (the shard lays
+    each dim's pieces side by side)."""
+    return _shard_parts(list(t.shape), t.device_mesh, to_c(t.placements))
 
 
-def shard_boxes(t: DTensor) -> list:
-    """The boxes of the global tensor this rank's shard of ``t`` holds, in the order the
-    shard lays them side by side: one box, or one per block of an InterleavedShard dim."""
-    return _shard_boxes(list(t.shape), t.device_mesh, to_c(t.placements))
+def _shard_parts(shape: list[int], mesh: DeviceMesh, cp) -> list:
+    import itertools
 
-
-def _shard_boxes(shape: list[int], mesh: DeviceMesh, cp) -> list:
-    """The boxes of the global tensor this rank holds, in the order its shard lays them
-    side by side: one box, or one per block of an InterleavedShard dim."""
     from .boxes import Box
 
-    sizes, offsets = _C.local_shape(shape, cp, list(mesh.shape), list(mesh.get_coordinate()))
-    d = _interleaved_dim(cp)
-    if d is None:
-        return [Box(tuple(offsets), tuple(sizes))]
-    m = next(i for i, kind in enumerate(cp) if kind[0] == "I")
-    groups, piece = cp[m][2], sizes[d] // cp[m][2]
-    rank = mesh.get_coordinate()[m]
-    boxes = []
-    for j in range(groups):
-        offsets[d] = j * (shape[d] // groups) + rank * piece
-        boxes.append(Box(tuple(offsets), tuple(sizes[:d] + [piece] + sizes[d + 1:])))
-    return boxes
+    coordinate = mesh.get_coordinate()
+    sizes, offsets = _C.local_shape(shape, cp, list(mesh.shape), list(coordinate))
+    # Per interleaved dim: (dim, groups, this rank's piece index); no dim is split twice.
+    interleaved = [(kind[1], kind[2], coordinate[m]) for m, kind in enumerate(cp) if kind[0] == "I"]
+    piece_sizes = list(sizes)
+    for d, g, _ in interleaved:
+        piece_sizes[d] //= g
+    parts = []
+    for blocks in itertools.product(*(range(g) for _, g, _ in interleaved)):
+        local, glob = [0] * len(shape), list(offsets)
+        for (d, g, rank), j in zip(interleaved, blocks):
+            local[d] = j * piece_sizes[d]
+            glob[d] = j * (shape[d] // g) + rank * piece_sizes[d]
+        parts.append((Box(tuple(local), tuple(piece_sizes)), Box(tuple(glob), tuple(piece_sizes))))
+    return parts
+
 
 def _strides_like(shape: Sequence[int], like: Sequence[int]) -> list[int]:
     order = sorted(range(len(shape)), key=lambda d: (like[d], -d))  # innermost first

@@ -52,28 +52,37 @@ class Program:
 
 # ---- placements ------------------------------------------------------------------------------
 
-def draw_placements(rng: random.Random, ndim: int, mesh_ndim: int, *, partial: bool = True) -> list[str]:
-    """Placements as strings ("R", "S0", "P.sum"), so that programs are plain data."""
+def draw_placements(rng: random.Random, shape, mesh_shape, *, partial: bool = True) -> list[str]:
+    """Placements as strings ("R", "S0", "P.sum", "I1.3" for InterleavedShard(1, 3)), so
+    that programs are plain data. A split is interleaved half of the time where the
+    dim divides into groups x ranks pieces and no other mesh dim splits it."""
+    ndim = len(shape)
     out = []
-    for _ in range(mesh_ndim):
+    for k in mesh_shape:
         r = rng.random()
         if ndim and r < 0.5:
-            out.append(f"S{rng.randrange(ndim)}")
+            d = rng.randrange(ndim)
+            fits = [g for g in (2, 3) if shape[d] > 0 and shape[d] % (g * k) == 0]
+            interleave = rng.random() < 1 / 2 and fits
+            out.append(f"I{d}.{rng.choice(fits)}" if interleave else f"S{d}")
         elif partial and r < 0.75:
             out.append(rng.choice(["P.sum", "P.sum", "P.sum", "P.avg", "P.max"]))
         else:
             out.append("R")
-    return out
+    split_dims = [c[1:].split(".")[0] for c in out if c[0] in "SI"]
+    return [f"S{c[1:].split('.')[0]}" if c[0] == "I" and split_dims.count(c[1:].split(".")[0]) > 1 else c
+            for c in out]
 
 
 def placements_from_codes(codes: list[str]) -> list:
-    from vescale import Partial, Replicate, Shard
-    return [Replicate() if c == "R" else Shard(int(c[1:])) if c.startswith("S") else Partial(c.split(".")[1])
+    from vescale import InterleavedShard, Partial, Replicate, Shard
+    return [Replicate() if c == "R" else Shard(int(c[1:])) if c.startswith("S") else
+            InterleavedShard(*map(int, c[1:].split("."))) if c.startswith("I") else Partial(c.split(".")[1])
             for c in codes]
 
 
-def fresh_placements(seed: int, ndim: int, mesh: str, *, partial: bool) -> list[str]:
-    return draw_placements(random.Random(seed * 7919 + 1), ndim, len(MESHES[mesh]), partial=partial)
+def fresh_placements(seed: int, shape, mesh: str, *, partial: bool) -> list[str]:
+    return draw_placements(random.Random(seed * 7919 + 1), shape, MESHES[mesh], partial=partial)
 
 
 # ---- tensors -------------------------------------------------------------------------------
@@ -132,7 +141,7 @@ def loss_of(values: list, factory_new, n_inputs: int):
 # ---- generating ---------------------------------------------------------------------------------
 
 def draw_shape(rng: random.Random) -> list[int]:
-    return [rng.choice(SIZES) if rng.random() < 0.9 else rng.choice([1, 4, 8]) for _ in range(rng.choice([1, 2, 2, 3, 3, 4]))]
+    return [rng.choice(SIZES) if rng.random() < 0.8 else rng.choice([1, 4, 6, 8, 12]) for _ in range(rng.choice([1, 2, 2, 3, 3, 4]))]
 
 
 def generate(rng: random.Random, mesh: str | None = None, max_steps: int = 6) -> Program:
@@ -143,7 +152,7 @@ def generate(rng: random.Random, mesh: str | None = None, max_steps: int = 6) ->
     values = []
     for k in range(rng.choice([1, 1, 2])):
         shape = draw_shape(rng)
-        spec = [shape, rng.randrange(1 << 20), draw_placements(rng, len(shape), len(MESHES[mesh])),
+        spec = [shape, rng.randrange(1 << 20), draw_placements(rng, shape, MESHES[mesh]),
                 rng.random() < 0.8]
         program.inputs.append(spec)
         values.append(factory.input(*spec))

@@ -295,7 +295,7 @@ def _redistribute(x, *, seed):
         return x.clone()
     from .chains import placements_from_codes, fresh_placements
     mesh = x.device_mesh
-    codes = fresh_placements(seed, x.dim(), "2d" if mesh.ndim == 2 else "1d4", partial=True)
+    codes = fresh_placements(seed, list(x.shape), "2d" if mesh.ndim == 2 else "1d4", partial=True)
     y = x.redistribute(mesh, placements_from_codes(codes))
     return y.clone() if y is x else y  # to its own placements, redistribute hands back x itself
 

@@ -55,11 +55,11 @@ class DTensorFactory(PlainFactory):
     def new(self, kind, shape, seed, high=None):
         if kind == "index":
             value = index_value(shape, seed, high)
-            codes = fresh_placements(seed, len(shape), self.mesh_name, partial=False)
+            codes = fresh_placements(seed, shape, self.mesh_name, partial=False)
             # Indices come as plain tensors (implicitly replicated) or as sharded DTensors.
             return value if random.Random(seed).random() < 0.3 else vescale.distribute_tensor(
                 value, self.mesh, placements_from_codes(codes))
-        codes = fresh_placements(seed, len(shape), self.mesh_name, partial=True)
+        codes = fresh_placements(seed, shape, self.mesh_name, partial=True)
         return make_dtensor(full_value(shape, seed), self.mesh, codes, seed)
 
 

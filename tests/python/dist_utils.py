@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import vescale
 from vescale import Partial, Replicate, Shard
+from vescale.boxes import whole
 from vescale.parallel import DDP
 from vescale.parallel.ddp import local_of
 from vescale.parallel.zero3 import _all_gather
@@ -91,15 +92,17 @@ def make_dtensor(full: torch.Tensor, m: vescale.DeviceMesh, placements, *, seed:
     reduction cancels), so a rule that forgets to reduce shows up."""
     coord = m.get_coordinate()
     boxed = [Replicate() if p.is_partial() else p for p in placements]
-    sizes, offsets = vescale._C.local_shape(list(full.shape), _to_c(boxed), list(m.shape), list(coord))
-    local = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone()
+    sizes, _ = vescale._C.local_shape(list(full.shape), _to_c(boxed), list(m.shape), list(coord))
+    local = torch.empty(sizes, dtype=full.dtype)
+    for shard_box, global_box in vescale.dtensor._shard_parts(list(full.shape), m, _to_c(boxed)):
+        shard_box.view_of(local, whole(sizes)).copy_(global_box.view_of(full, whole(full.shape)))
     for md, p in enumerate(placements):
         if not p.is_partial():
             continue
         k, c = m.shape[md], coord[md]
         # The same noise on every rank that must hold the same value before this split:
         # it may vary only with the coordinates of sharded mesh dims.
-        sharded = tuple(x for j, x in enumerate(coord) if placements[j].is_shard())
+        sharded = tuple(x for j, x in enumerate(coord) if placements[j].splits())
         noise = torch.randn(local.shape, generator=seeded(hash((seed, md, sharded)) % (2**31)), dtype=local.dtype)
         if p.reduce_op == "sum":
             local = local - (k - 1) * noise if c == 0 else noise

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..dtensor import DTensor, shard_boxes
+from ..dtensor import DTensor, shard_parts as dtensor_shard_parts
 from ..parallel.ddp import DDP, local_of
 from ..parallel.optimizer import DistributedOptimizer
 from ..parallel.pipeline.engine import is_pipeline  # names without its "module." prefix
@@ -79,20 +79,8 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 def shard_parts(t: torch.Tensor) -> list[tuple[Box, Box]]:
     """This rank's shard of a DTensor (or the whole of a plain tensor) as (box of the shard,
-    box of the global tensor) pairs: one, or one per block of an InterleavedShard dim,
-    whose pieces lie side by side in the shard."""
-    if not isinstance(t, DTensor):
-        return [(whole(t.shape), whole(t.shape))]
-    boxes = shard_boxes(t)
-    d = next((p.dim for p in t.placements if p.is_interleaved()), 0)
-    parts, pos = [], 0
-    for b in boxes:
-        offsets = [0] * len(b.sizes)
-        if offsets:
-            offsets[d] = pos
-            pos += b.sizes[d]
-        parts.append((Box(tuple(offsets), b.sizes), b))
-    return parts
+    box of the global tensor) pairs: one, or several for InterleavedShard dims."""
+    return dtensor_shard_parts(t) if isinstance(t, DTensor) else [(whole(t.shape), whole(t.shape))]
 
 
 def _global(part: tuple[Box, Box], box: Box) -> Box:
