@@ -52,6 +52,27 @@ TEST(LocalBox, EvenlySharded) {
   EXPECT_TRUE(evenly_sharded({5}, {Placement::replicate()}, {4}));
 }
 
+TEST(LocalBox, InterleavedHoldsAPieceOfEveryBlock) {
+  const auto p = Placement::interleaved(0, 3);
+  const auto box = local_box({12, 5}, {p}, {2}, {1});
+  EXPECT_EQ(box.sizes[0], 6);  // 3 blocks of 4 rows, 2 rows of each
+  EXPECT_EQ(box.offsets[0], -1);  // not one block: no offset
+  EXPECT_TRUE(evenly_sharded({12, 5}, {p}, {2}));
+  EXPECT_EQ(p.str(), "InterleavedShard(0, 3)");
+  EXPECT_NE(p, Placement::interleaved(0, 2));
+  EXPECT_NE(p, Placement::shard(0));
+  EXPECT_NE(p.code(), Placement::interleaved(1, 3).code());
+}
+
+TEST(LocalBox, InterleavedNeedsEvenUnnestedPieces) {
+  const auto p = Placement::interleaved(0, 3);
+  EXPECT_EQ(interleaved_problem({12}, {p}, {2}), "");
+  EXPECT_NE(interleaved_problem({9}, {p}, {2}).find("3 x 2 equal pieces"), std::string::npos);
+  EXPECT_NE(interleaved_problem({24}, {Placement::shard(0), p}, {2, 2}).find("cannot nest"), std::string::npos);
+  EXPECT_EQ(interleaved_problem({24, 4}, {Placement::shard(1), p}, {2, 2}), "");
+  EXPECT_NE(interleaved_problem({12}, {Placement::interleaved(0, 1)}, {2}).find("groups"), std::string::npos);
+}
+
 TEST(Placement, EqualityAndNames) {
   EXPECT_EQ(Placement::shard(1), Placement::shard(1));
   EXPECT_NE(Placement::shard(1), Placement::shard(0));

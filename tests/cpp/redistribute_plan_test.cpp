@@ -84,6 +84,19 @@ TEST(Plan, CostsOrderCollectives) {
   EXPECT_GT(cost({S(0)}, {R}), 0.0);
 }
 
+TEST(Plan, InterleavedGoesThroughGroupedSteps) {
+  const Placement I = Placement::interleaved(0, 2);
+  EXPECT_EQ(plan({2}, {I}, {R}), "all_gather(dim=0, groups=2, mesh_dim=0)");
+  EXPECT_EQ(plan({2}, {R}, {I}), "chunk(dim=0, groups=2, mesh_dim=0)");
+  EXPECT_EQ(plan({2}, {P}, {I}), "reduce_scatter(sum, dim=0, groups=2, mesh_dim=0)");
+  // Never an all-to-all: the pieces are not one block.
+  EXPECT_EQ(plan({2}, {I}, {S(1)}), "all_gather(dim=0, groups=2, mesh_dim=0); chunk(dim=1, mesh_dim=0)");
+  EXPECT_EQ(plan({2, 2}, {S(1), I}, {S(1), R}), "all_gather(dim=0, groups=2, mesh_dim=1)");
+  auto mesh = make_test_mesh({2}, {0});
+  EXPECT_THROW(plan_redistribution(*mesh, {R}, {Placement::interleaved(0, 3)}, std::vector<int64_t>{8, 8}, at::kFloat),
+               c10::ValueError);  // 8 rows do not make 3 blocks of 2 pieces
+}
+
 TEST(Plan, RejectsBadTargets) {
   auto mesh = make_test_mesh({4}, {0});
   EXPECT_THROW(plan_redistribution(*mesh, {R}, {S(2)}, std::vector<int64_t>{4, 4}, at::kFloat), c10::IndexError);

@@ -135,6 +135,46 @@ TEST_F(Rules, ViewKeepsRowsThatStayBlocks) {
   EXPECT_EQ(out(heads, 0), Placements{S(2)});
 }
 
+TEST_F(Rules, InterleavedLiftsThroughElementwiseOpsAndViews) {
+  const Placement I0 = Placement::interleaved(0, 3), I1 = Placement::interleaved(1, 3);
+  // A fused projection: x @ W^T with W^T's columns interleaved: the product keeps them.
+  auto& mm = decide("aten::mm", "", {dt(m1, {4, 8}, {R}), dt(m1, {8, 12}, {I1})});
+  EXPECT_EQ(out(mm, 0), Placements{I1});
+  EXPECT_TRUE(mm.to_target[0].empty() && mm.to_target[1].empty());
+  // Contracting over interleaved dims of both operands gives a partial sum.
+  auto& contraction = decide("aten::mm", "", {dt(m1, {4, 12}, {I1}), dt(m1, {12, 8}, {I0})});
+  EXPECT_EQ(out(contraction, 0), Placements{P});
+  auto& add = decide("aten::add", "Tensor", {dt(m1, {4, 12}, {I1}), dt(m1, {12}, {R}), 1});
+  EXPECT_EQ(out(add, 0), Placements{I1});
+  EXPECT_EQ(in(add, 1), Placements{I0});
+  auto& sum = decide("aten::sum", "dim_IntList", {dt(m1, {4, 12}, {I1}), std::vector<int64_t>{0}, false, c10::IValue()});
+  EXPECT_EQ(out(sum, 0), Placements{I0});
+  // The interleaved dim leads its view run: it survives; otherwise it is gathered.
+  auto& rows = decide("aten::view", "", {dt(m1, {12, 4}, {I0}), std::vector<int64_t>{48}});
+  EXPECT_EQ(out(rows, 0), Placements{I0});
+  auto& unfit = decide("aten::view", "", {dt(m1, {12, 4}, {I0}), std::vector<int64_t>{3, 16}});
+  EXPECT_EQ(in(unfit, 0), Placements{R});
+  auto& t = decide("aten::t", "", {dt(m1, {12, 4}, {I0})});
+  EXPECT_EQ(out(t, 0), Placements{I1});
+  // Element-wise rules that do not lift (here softmax over the dim) gather it first.
+  auto& softmax = decide("aten::_softmax", "", {dt(m1, {4, 12}, {I1}), 1, false});
+  EXPECT_EQ(in(softmax, 0), Placements{R});
+}
+
+TEST_F(Rules, SplitIntoBlocksAndCatBack) {
+  auto& split = decide("aten::split", "Tensor", {dt(m1, {4, 12}, {Placement::interleaved(1, 3)}), 4, 1});
+  ASSERT_EQ(split.outputs.size(), 3u);
+  for (size_t j = 0; j < 3; ++j) EXPECT_EQ(out(split, j), Placements{S(1)});
+  ASSERT_EQ(split.local_args.size(), 1u);
+  EXPECT_EQ(split.local_args[0].second.toInt(), 2);  // each rank cuts its 6 columns in 3
+  auto& uneven = decide("aten::split", "Tensor", {dt(m1, {4, 12}, {Placement::interleaved(1, 3)}), 6, 1});
+  EXPECT_EQ(in(uneven, 0), Placements{R});  // 2 parts of a 3-block dim: gathered
+  std::vector<at::Tensor> parts = {dt(m1, {4, 4}, {S(1)}), dt(m1, {4, 4}, {S(1)})};
+  auto& cat = decide("aten::cat", "", {c10::IValue(parts), 1});
+  EXPECT_EQ(out(cat, 0), Placements{Placement::interleaved(1, 2)});
+  EXPECT_TRUE(cat.to_target[0].empty() && cat.to_target[1].empty());
+}
+
 TEST_F(Rules, TransposeMovesTheShard) {
   auto& t = decide("aten::transpose", "int", {dt(m1, {4, 6, 2}, {S(0)}), 0, -1});
   EXPECT_EQ(out(t, 0), Placements{S(2)});
