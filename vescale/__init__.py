@@ -15,6 +15,7 @@ from .parallel import DDP, DistributedOptimizer, parallelize_module
 from .checkpoint import load, save
 from .deferred import deferred_init, materialize_module
 from .plan import Plan, PlanError
+from .train import parallelize
 
 _install()
 
@@ -25,5 +26,5 @@ __all__ = [
     "fallback_counts", "reset_fallback_counts", "collective_counts", "reset_collective_counts", "debug_mode",
     "parallelize_module", "DDP", "DistributedOptimizer",
     "save", "load", "deferred_init", "materialize_module",
-    "Plan", "PlanError",
+    "Plan", "PlanError", "parallelize",
 ]

@@ -72,6 +72,7 @@ SCHEMA: dict[str, dict[str, tuple[Any, Any]]] = {
         "schedule": ("1f1b", _one_of(SCHEDULES)),
         "microbatches": (1, _int_at_least(1)),
         "virtual_stages": (1, _int_at_least(1)),
+        "blocks": (None, _optional(_is((str,), "the name of the model's list of blocks, e.g. 'model.layers'"))),
         "dim": ("PP", _is((str,), "a mesh dim name")),
     },
     "mixed_precision": {
@@ -86,6 +87,12 @@ SCHEMA: dict[str, dict[str, tuple[Any, Any]]] = {
     },
     "recompute": {
         "modules": ([], _str_list),
+    },
+    "data": {  # the data loader vescale.parallelize makes from a dataset
+        "global_batch_size": (None, _optional(_int_at_least(1))),
+        "shuffle": (True, _is((bool,), "True or False")),
+        "seed": (0, _is((int,), "an integer")),
+        "drop_last": (True, _is((bool,), "True or False")),
     },
 }
 
@@ -162,6 +169,28 @@ class Plan:
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
         return cls(data)
+
+    @classmethod
+    def from_hf(cls, model, *, mesh: dict, sequence_parallel: bool = False, **sections) -> "Plan":
+        """A plan for a Hugging Face model from its own parallel plans, no regexes by hand:
+        the tensor-parallel placements from ``config.base_model_tp_plan`` (and the LM head's
+        ``_tp_plan``; styles mapped as ``vescale.parallel.plans.hf_plan`` documents), and the
+        pipeline's block list from ``config.base_model_pp_plan`` (the entry that holds the
+        layers). ``mesh`` as in the plan (e.g. ``{"DP": 2, "TP": 2}``); other sections may
+        be given as keyword arguments with dotted or nested keys, e.g.
+        ``Plan.from_hf(model, mesh={"PP": 2}, **{"pipeline_parallel.microbatches": 4})``."""
+        from .parallel.plans import hf_plan
+
+        plan = cls({"mesh": mesh})
+        plan.update({"tensor_parallel.sequence_parallel": sequence_parallel})
+        tp_dim = plan["tensor_parallel.dim"]
+        if mesh.get(tp_dim, 1) > 1 or sequence_parallel:
+            plan.update({"tensor_parallel.sharding_plan": hf_plan(model, sequence_parallel=sequence_parallel)})
+        blocks = _hf_blocks(model)
+        if blocks is not None:
+            plan.update({"pipeline_parallel.blocks": blocks})
+        plan.update(sections)
+        return plan
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -334,6 +363,24 @@ def _check_mesh(mesh: dict) -> None:
             raise PlanError(f"plan mesh dim name {name!r} must be a non-empty string such as 'DP'")
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise PlanError(f"plan key mesh.{name} is {size!r}; expected a positive integer (the dim's size)")
+
+
+def _hf_blocks(model) -> str | None:
+    """The FQN of a Hugging Face model's block list from ``config.base_model_pp_plan``
+    (its keys are modules of the base model; the layers are the one that is a ModuleList)."""
+    import torch.nn as nn
+
+    pp_plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""
+    for key in pp_plan:
+        try:
+            module = model.get_submodule(prefix + key)
+        except AttributeError:
+            continue
+        if isinstance(module, nn.ModuleList):
+            return prefix + key
+    return None
 
 
 def _section_used(plan: Plan, section: str) -> bool:

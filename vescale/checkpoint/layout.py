@@ -21,6 +21,7 @@ from ..parallel.ddp import DDP, local_of
 from ..parallel.optimizer import DistributedOptimizer
 from ..parallel.pipeline.engine import is_pipeline  # names without its "module." prefix
 from ..parallel.pipeline.stage import is_elsewhere
+from ..train import ParallelModel, ParallelOptimizer
 from ..boxes import Box, flat_range, whole
 
 
@@ -74,6 +75,8 @@ class Layout:
 
 
 def unwrap(module: nn.Module) -> nn.Module:
+    if isinstance(module, ParallelModel):  # what vescale.parallelize returns
+        module = module.module
     return module.module if isinstance(module, DDP) else module
 
 
@@ -117,6 +120,7 @@ def build(state: dict, saved: dict | None = None) -> Layout:
     not created yet (no step taken) is made, to be filled, and put in place by
     ``Layout.installs``."""
     layout = Layout()
+    state = {k: v.inner if isinstance(v, ParallelOptimizer) else v for k, v in state.items()}
     fqn_of: dict[int, str] = {}
     zero3: dict[int, tuple] = {}  # param id -> (slice tensor, start): ZeRO-3 parameters live as slices
     for key, value in state.items():

@@ -99,6 +99,16 @@ class DDP(nn.Module):
             self._deferred = False
         return self.module(*args, **kwargs)
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag: False makes backward accumulate without reducing (as in
+        ``no_sync``); the next backward with it True reduces everything."""
+        return self._sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._sync = bool(value)
+
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally; the next backward outside reduces them all."""

@@ -51,7 +51,7 @@ class Owned:
 
 class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer_cls, models, *, zero_stage: int = 1, loss_scale: str | float | None = None,
-                 **optimizer_kwargs):
+                 param_groups: list[dict] | None = None, **optimizer_kwargs):
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
         models = list(models)
@@ -78,7 +78,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     master = nn.Parameter(values.to(torch.float32).clone())
                     self.owned.append(Owned(slot.param, slot, start, end, master))
                     slices[id(slot.param)] = values
-        self.inner = optimizer_cls([o.master for o in self.owned], **optimizer_kwargs)
+        self.inner = optimizer_cls(self._master_groups(param_groups), **optimizer_kwargs)
         self.sharded = None
         if zero_stage == 3:
             self.sharded = ShardedParameters([ddp.module for ddp in models],
@@ -92,6 +92,33 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         self.scaler = _LossScaler(loss_scale) if loss_scale is not None else None
+
+    def _master_groups(self, param_groups: list[dict] | None):
+        """The masters in the caller's parameter groups (their options kept), or one group."""
+        if param_groups is None:
+            return [o.master for o in self.owned]
+        master_of = {id(o.param): o.master for o in self.owned}
+        groups, seen = [], set()
+        for i, g in enumerate(param_groups):
+            if not isinstance(g, dict) or "params" not in g:
+                raise TypeError(f"param_groups[{i}] must be a dict with 'params' (and options such as "
+                                f"'weight_decay'), as torch.optim takes, got {g!r}")
+            masters = []
+            for p in g["params"]:
+                if id(p) not in master_of:
+                    raise ValueError(f"param_groups[{i}] holds a tensor of shape {tuple(p.shape)} that is not a "
+                                     f"parameter of the DDP models this optimizer was given")
+                if id(p) in seen:
+                    raise ValueError(f"param_groups[{i}] repeats a parameter of shape {tuple(p.shape)}; every "
+                                     f"parameter belongs to one group")
+                seen.add(id(p))
+                masters.append(master_of[id(p)])
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": masters})
+        missing = [tuple(o.param.shape) for o in self.owned if id(o.param) not in seen]
+        if missing:
+            raise ValueError(f"{len(missing)} parameters of the DDP models are in no group (shapes {missing[:3]}); "
+                             f"add them to a group, e.g. one with the default options")
+        return groups
 
     # ---- the step ----
 
@@ -211,6 +238,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
             o.master.data.copy_(m)
         if self.scaler and state.get("loss_scale"):
             self.scaler.load_state_dict(state["loss_scale"])
+
+
+def grad_norm_power(params, norm_type: float, ranks_per_stage: int) -> torch.Tensor:
+    """sum(|g| ** norm_type) over the gradients of ``params`` across every rank, each
+    element counted once: a DTensor's elements once per copy its mesh replicates, its
+    mesh's copies across the rest of a stage's ``ranks_per_stage`` ranks (data
+    parallelism), and a plain gradient held by every rank of a stage, all divided out.
+    (A parameter tied across pipeline stages counts once per stage that holds it.)"""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        g = p.grad
+        power = local_of(g).double().abs().pow(norm_type).sum()
+        if isinstance(p, DTensor):
+            total += power / (_copies(p) * (ranks_per_stage // p.device_mesh.mesh.numel()))
+        else:
+            total += power / ranks_per_stage
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return total
 
 
 def _copies(param: DTensor) -> int:

@@ -1,0 +1,345 @@
+"""``vescale.parallelize``: the veScale RFC's single call from a plan to a training setup.
+
+    model, optimizer, scheduler, data_loader = vescale.parallelize(plan, model, optimizer_fn,
+                                                                   lr_scheduler_fn, dataset)
+    for batch in data_loader:
+        optimizer.zero_grad(); loss = model(batch); loss.backward(); optimizer.step()
+    scheduler.step()
+
+What each section of the plan becomes (``vescale.Plan``):
+
+- ``mesh``: the device mesh, its dims in the order given (the default: every rank in "DP").
+- ``pipeline_parallel`` (its dim's size > 1): ``PipelineParallel`` cuts the model. A
+  schedule interleaves the forward and backward passes of its micro-batches, so under a
+  pipeline ``model(batch)`` runs the whole schedule, forward and backward, and returns
+  the batch loss with the gradients already accumulated; ``loss.backward()`` then has
+  nothing left to do (the loss is a leaf). Evaluation through a pipeline is not done yet.
+- ``tensor_parallel``: ``parallelize_module`` with the plan's sharding plan on its dim
+  (a ``deferred_init`` model is materialised straight into its shards).
+- ``mixed_precision.param_dtype``: the model's floating parameters take that dtype; the
+  optimizer (ZeRO, stage >= 1 required) keeps fp32 master weights. ``loss_scale`` scales
+  the gradient of the loss in backward (the loss value is not scaled) and unscales
+  before the step, skipping steps with inf/NaN gradients.
+- ``data_parallel``: ``DDP`` over its dim; ``zero_stage`` 1-3 makes the optimizer a
+  ``DistributedOptimizer``.
+- ``gradient.accumulation_steps`` k: every call of ``model(batch)`` is one micro-step;
+  the DP reduction runs at the k-th backward, ``optimizer.step()`` applies at the k-th
+  call (the first k-1 return at once) and ``zero_grad()`` clears only after it. The
+  gradient is that of the mean loss over the k micro-steps. ``clip_norm``: the global
+  gradient norm over every rank is clipped before each applied step.
+- ``recompute.modules``: those modules (regexes over names) recompute their activations
+  in backward (``torch.utils.checkpoint``, non-reentrant).
+- ``data``: with a dataset, a ``vescale.DataLoader`` of ``global_batch_size`` samples per
+  step, each DP rank reading its part.
+
+``model(batch)`` calls the user's model with ``**batch`` for a dict, ``*batch`` for a
+tuple or list, else ``batch``. The loss it returns (the model's output when that is a
+scalar, or ``output.loss``) is the global one: the mean over DP ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from .device_mesh import DeviceMesh, init_device_mesh
+from .dtensor import DTensor
+from .parallel.ddp import DDP, local_of
+from .parallel.optimizer import DistributedOptimizer, grad_norm_power
+from .parallel.parallelize import parallelize_module
+from .parallel.pipeline.engine import PipelineParallel
+from .plan import Plan, PlanError
+
+__all__ = ["parallelize", "ParallelModel", "ParallelOptimizer"]
+
+
+def parallelize(plan: Plan | dict, model: nn.Module, optimizer_fn: Callable | None = None,
+                lr_scheduler_fn: Callable | None = None, dataset=None):
+    """Lays ``model`` out as ``plan`` says and returns ``(model, optimizer, scheduler,
+    data_loader)`` (the last three None when their factory or dataset is not given).
+
+    ``optimizer_fn`` makes the optimizer: an optimizer class or ``functools.partial`` of one
+    is called with the parameters; any other callable with the (parallelised) model, so it
+    may build parameter groups (nanoGPT's ``configure_optimizers``). ``lr_scheduler_fn``
+    is called with the returned optimizer. Every rank must call this alike."""
+    plan = plan if isinstance(plan, Plan) else Plan(plan)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    plan.validate(world_size=world, model=model)
+    mesh = _mesh(plan, world)
+    dims = mesh.mesh_dim_names
+    size = {d: mesh.size(d) for d in dims}
+    pp, tp, dp = (plan[f"{s}.dim"] for s in ("pipeline_parallel", "tensor_parallel", "data_parallel"))
+    zero = plan["data_parallel.zero_stage"]
+    mp_dtype = plan["mixed_precision.param_dtype"]
+    _check_combination(plan, size, pp, dp, zero, mp_dtype)
+
+    user_model = model
+    if mp_dtype is not None:
+        model.to(getattr(torch, mp_dtype))
+    inner: nn.Module = model
+    pipeline = None
+    if size.get(pp, 1) > 1:
+        p = plan.pipeline_parallel
+        pipeline = PipelineParallel(model, mesh, split=p.split_points or p.split_method, schedule=p.schedule,
+                                    microbatches=p.microbatches, virtual_stages=p.virtual_stages, pp_dim=pp,
+                                    blocks=p.blocks)
+        inner = pipeline
+    sharding = plan["tensor_parallel.sharding_plan"]
+    if sharding and tp in size:
+        parallelize_module(user_model, mesh[tp], sharding)
+    _recompute(user_model, plan["recompute.modules"])
+    ddp = None
+    if dp in size:
+        ddp = DDP(inner, mesh[dp], bucket_cap_mb=plan["data_parallel.bucket_cap_mb"])
+        inner = ddp
+
+    steps = _Steps(plan["gradient.accumulation_steps"])
+    optimizer = None
+    if optimizer_fn is not None:
+        optimizer = _optimizer(optimizer_fn, user_model, pipeline or user_model, ddp, zero,
+                               plan["mixed_precision.loss_scale"])
+        optimizer = ParallelOptimizer(optimizer, steps, plan["gradient.clip_norm"], mesh, pp)
+    scaler = getattr(getattr(optimizer, "inner", None), "scaler", None)
+    wrapped = ParallelModel(inner, user_model, pipeline, ddp, mesh, dp, steps, scaler)
+    scheduler = lr_scheduler_fn(optimizer) if lr_scheduler_fn is not None else None
+    loader = None
+    if dataset is not None:
+        from .data import DataLoader
+        d = plan.data
+        if d.global_batch_size is None:
+            raise PlanError("vescale.parallelize got a dataset but the plan has no data.global_batch_size; set it, "
+                            "e.g. Plan({..., 'data.global_batch_size': 32})")
+        loader = DataLoader(dataset, mesh, global_batch_size=d.global_batch_size, dp_dim=dp, shuffle=d.shuffle,
+                            seed=d.seed, drop_last=d.drop_last)
+    return wrapped, optimizer, scheduler, loader
+
+
+# ---- set-up helpers ------------------------------------------------------------------------
+
+def _mesh(plan: Plan, world: int) -> DeviceMesh:
+    dims = dict(plan["mesh"]) or {plan["data_parallel.dim"]: world}
+    device = "cuda" if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device, tuple(dims.values()), mesh_dim_names=tuple(dims))
+
+
+def _check_combination(plan: Plan, size: dict, pp: str, dp: str, zero: int, mp_dtype) -> None:
+    if zero > 0 and dp not in size:
+        raise PlanError(f"plan key data_parallel.zero_stage is {zero} but the mesh {plan['mesh']} has no "
+                        f"data-parallel dim {dp!r}; add it (size 1 is fine) or set zero_stage 0")
+    if mp_dtype is not None and zero == 0:
+        raise PlanError(f"plan key mixed_precision.param_dtype is {mp_dtype!r}: the fp32 master weights live in "
+                        f"the ZeRO optimizer; set data_parallel.zero_stage to 1, 2 or 3")
+    if plan["mixed_precision.loss_scale"] is not None and zero == 0:
+        raise PlanError("plan key mixed_precision.loss_scale needs the ZeRO optimizer; set data_parallel.zero_stage "
+                        "to 1, 2 or 3")
+    if size.get(pp, 1) > 1:
+        if plan["gradient.accumulation_steps"] > 1:
+            raise PlanError("plan key gradient.accumulation_steps > 1 with a pipeline: a pipeline step already "
+                            "accumulates over its micro-batches; raise pipeline_parallel.microbatches instead")
+        if plan["mixed_precision.loss_scale"] is not None:
+            raise PlanError("plan key mixed_precision.loss_scale with a pipeline is not supported yet (the "
+                            "schedule runs backward itself); use param_dtype 'bfloat16', which needs no scaling")
+        if plan["recompute.modules"]:
+            raise PlanError("plan key recompute.modules with a pipeline is not supported yet")
+
+
+def _recompute(model: nn.Module, patterns: list[str]) -> None:
+    if not patterns:
+        return
+    hits = [(n, m) for n, m in model.named_modules() if any(re.fullmatch(p, n) for p in patterns)]
+    if not hits:
+        raise PlanError(f"plan key recompute.modules {patterns} matches no module of {type(model).__name__}; "
+                        f"patterns match whole names such as {[n for n, _ in model.named_modules()][1:4]}")
+    for _, module in hits:
+        forward = module.forward
+        module.forward = functools.wraps(forward)(
+            lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k) if torch.is_grad_enabled()
+            else _f(*a, **k))
+
+
+def _optimizer(optimizer_fn, user_model, holder, ddp, zero: int, loss_scale):
+    """The user's optimizer, or a DistributedOptimizer with its class, groups and options."""
+    target = optimizer_fn.func if isinstance(optimizer_fn, functools.partial) else optimizer_fn
+    takes_params = inspect.isclass(target) and issubclass(target, torch.optim.Optimizer)
+    made = optimizer_fn(holder.parameters() if takes_params else user_model)
+    if not isinstance(made, torch.optim.Optimizer):
+        raise TypeError(f"optimizer_fn returned {type(made).__name__}, not a torch.optim.Optimizer")
+    owned = {id(p) for p in holder.parameters()}
+    groups = []
+    for g in made.param_groups:
+        params = [p for p in g["params"] if id(p) in owned]  # a pipeline stage holds a part
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
+    # (defaults may hold derived keys its constructor does not take: AdamW's decoupled_weight_decay)
+    accepted = inspect.signature(type(made)).parameters
+    options = {k: v for k, v in made.defaults.items() if k in accepted}
+    if zero == 0:
+        dropped = sum(len(g["params"]) for g in groups) != sum(len(g["params"]) for g in made.param_groups)
+        return type(made)(groups, **options) if dropped else made
+    return DistributedOptimizer(type(made), [ddp], zero_stage=zero, loss_scale=loss_scale, param_groups=groups,
+                                **options)
+
+
+class _Steps:
+    """Where the accumulation window stands: micro-step ``micro`` of ``k``."""
+
+    def __init__(self, k: int):
+        self.k, self.micro = k, 0
+
+    @property
+    def last(self) -> bool:
+        return self.micro == self.k - 1
+
+
+# ---- what parallelize returns ----------------------------------------------------------------
+
+class _ScaleGrad(torch.autograd.Function):
+    """The identity whose backward multiplies the gradient (loss scaling, 1/k)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+class ParallelModel(nn.Module):
+    """The model ``vescale.parallelize`` returns: calls the parallel model with a batch
+    and returns its output with the loss made global (see the module docstring)."""
+
+    def __init__(self, inner: nn.Module, user_model: nn.Module, pipeline, ddp, mesh, dp_dim: str, steps: _Steps,
+                 scaler):
+        super().__init__()
+        self.module = inner
+        self.user_model = user_model
+        self.pipeline, self.ddp, self.mesh = pipeline, ddp, mesh
+        self._dp_group = mesh.get_group(dp_dim) if dp_dim in mesh.mesh_dim_names and mesh.size(dp_dim) > 1 else None
+        self._dp_size = mesh.size(dp_dim) if self._dp_group is not None else 1
+        self._steps, self._scaler = steps, scaler
+
+    def forward(self, batch: Any = None, *args, **kwargs):
+        if batch is not None and not args and not kwargs:
+            if isinstance(batch, dict):
+                args, kwargs = (), dict(batch)
+            elif isinstance(batch, (tuple, list)):
+                args = tuple(batch)
+            else:
+                args = (batch,)
+        elif batch is not None:
+            args = (batch, *args)
+        if self.pipeline is not None:
+            return self._pipeline_step(args, kwargs)
+        if self.ddp is not None:
+            self.ddp.require_backward_grad_sync = self._steps.last
+        out = self.module(*args, **kwargs)
+        if not torch.is_grad_enabled() and self._dp_group is None:
+            return out
+        loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
+        if loss is None:
+            return out
+        loss = self._global(self._for_backward(loss))
+        if isinstance(out, torch.Tensor):
+            return loss
+        out.loss = loss
+        return out
+
+    def _for_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        factor = 1.0 / self._steps.k
+        if self._scaler is not None:
+            factor *= self._scaler.scale
+        return _ScaleGrad.apply(loss, factor) if factor != 1.0 and loss.requires_grad else loss
+
+    def _global(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean over DP ranks as the value; the gradient is this rank's loss's."""
+        if self._dp_group is None:
+            return loss
+        value = loss.detach()
+        value = (value.full_tensor() if isinstance(value, DTensor) else value).clone()
+        mine = value.clone()
+        dist.all_reduce(value, group=self._dp_group)
+        return loss + (value / self._dp_size - mine)
+
+    def _pipeline_step(self, args, kwargs) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and self.training):
+            raise NotImplementedError("evaluating through a pipeline (no_grad or eval mode) is not supported yet; "
+                                      "vescale.parallelize's model under a pipeline trains: model(batch) runs the "
+                                      "schedule's forward and backward passes")
+        loss = self.pipeline.step(*args, **kwargs)
+        if self._dp_group is not None:
+            dist.all_reduce(loss, group=self._dp_group)
+            loss = loss / self._dp_size
+        return loss.float().requires_grad_()  # gradients are in place already: backward() has nothing to do
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+
+class ParallelOptimizer(torch.optim.Optimizer):
+    """The optimizer ``vescale.parallelize`` returns: the plan's optimizer with gradient
+    accumulation and clipping around its step; its groups and state are the inner one's
+    (LR schedulers and logging see them)."""
+
+    def __init__(self, inner: torch.optim.Optimizer, steps: _Steps, clip_norm: float | None, mesh, pp_dim: str):
+        self.inner, self._steps, self.clip_norm = inner, steps, clip_norm
+        self._pp_size = mesh.size(pp_dim) if pp_dim in mesh.mesh_dim_names else 1
+        self.defaults = inner.defaults
+        self.param_groups = inner.param_groups
+        self.state = inner.state
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
+        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
+        self._zero_grad_profile_name = "ParallelOptimizer.zero_grad"
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._steps.micro == 0:  # inside an accumulation window the gradients add up
+            self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        if not self._steps.last:
+            self._steps.micro += 1
+            return None
+        self._steps.micro = 0
+        if self.clip_norm is not None:
+            self.clip_grad_norm_(self.clip_norm)
+        return self.inner.step(closure)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips by the global gradient norm over every rank (every stage of a pipeline,
+        elements a mesh replicates counted once); returns the norm."""
+        if isinstance(self.inner, DistributedOptimizer):
+            scale = self.inner.scaler.scale if self.inner.scaler is not None else 1.0
+            return self.inner.clip_grad_norm_(max_norm * scale, norm_type) / scale  # gradients are still scaled
+        params = [p for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        power = grad_norm_power(params, norm_type, ranks_per_stage=world // self._pp_size)
+        norm = power.pow(1.0 / norm_type)
+        coef = max_norm / (float(norm) + 1e-6)
+        if coef < 1.0:
+            for p in params:
+                local_of(p.grad).mul_(coef)
+        return norm.float()
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"ParallelOptimizer({self.inner!r})"
