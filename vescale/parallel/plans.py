@@ -24,11 +24,18 @@ from __future__ import annotations
 
 import re
 
+import torch.nn as nn
+
 from ..placement_types import Replicate, Shard
 
 __all__ = ["gpt_plan", "llama_plan", "hf_plan", "gpt2_plan", "bert_plan", "t5_plan", "mixtral_plan"]
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
+
+
+def _check_sequence_parallel(helper: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{helper}(sequence_parallel=...) takes True or False, got {value!r}")
 
 
 def _blocks(block: str, attn: str, mlp: str, sequence_parallel: bool) -> dict:
@@ -43,6 +50,7 @@ def _blocks(block: str, attn: str, mlp: str, sequence_parallel: bool) -> dict:
 
 def gpt_plan(*, sequence_parallel: bool = False) -> dict:
     """nanoGPT: fused c_attn and c_fc column-parallel, c_proj row-parallel."""
+    _check_sequence_parallel("gpt_plan", sequence_parallel)
     h = r"transformer\.h\.\d+"
     forward = _blocks(h, "attn", "mlp", sequence_parallel)
     forward[r"transformer\.drop\.output"] = [[S1 if sequence_parallel else R]]
@@ -61,6 +69,7 @@ def gpt_plan(*, sequence_parallel: bool = False) -> dict:
 
 def llama_plan(*, sequence_parallel: bool = False) -> dict:
     """Hugging Face Llama: q/k/v and gate/up column-parallel, o/down row-parallel."""
+    _check_sequence_parallel("llama_plan", sequence_parallel)
     layer = r"model\.layers\.\d+"
     forward = _blocks(layer, "self_attn", "mlp", sequence_parallel)
     forward[r"model\.embed_tokens\.output"] = [[S1 if sequence_parallel else R]]
@@ -190,6 +199,10 @@ def hf_plan(model, *, sequence_parallel: bool = False) -> dict:
     training and generation by tests/python/test_zoo.py; the others are mapped by the
     same reading of transformers' styles but no model there uses them.
     """
+    _check_sequence_parallel("hf_plan", sequence_parallel)
+    if not isinstance(model, nn.Module):
+        what = f"the class {model.__name__}" if isinstance(model, type) else f"{model!r} of type {type(model).__name__}"
+        raise TypeError(f"hf_plan expects a model instance (e.g. LlamaForCausalLM(config)), got {what}")
     tp = _hf_tp_plan(model)
     if not tp:
         raise ValueError(f"hf_plan: {type(model).__name__} ships no tensor-parallel plan (its config's "
@@ -244,6 +257,7 @@ def gpt2_plan(*, sequence_parallel: bool = False) -> dict:
     c_attn is split along its packed q|k|v output like gpt_plan's: correct, but the split
     into q, k and v then gathers it, so attention runs every head on every rank (splitting
     each of q, k, v needs an interleaved shard placement, which vescale lacks yet)."""
+    _check_sequence_parallel("gpt2_plan", sequence_parallel)
     h = r"transformer\.h\.\d+"
     stream = S1 if sequence_parallel else R
     forward = {
@@ -274,6 +288,7 @@ def bert_plan(*, sequence_parallel: bool = False) -> dict:
     """Hugging Face BERT (``BertForMaskedLM``): query/key/value and intermediate
     column-parallel, the two output denses row-parallel, vocabulary-parallel word
     embeddings (tied with the MLM decoder), logits gathered."""
+    _check_sequence_parallel("bert_plan", sequence_parallel)
     layer = r"bert\.encoder\.layer\.\d+"
     stream = S1 if sequence_parallel else R
     return {
@@ -303,6 +318,7 @@ def t5_plan(*, sequence_parallel: bool = False) -> dict:
     column-parallel, o and wo row-parallel, the relative position bias split by head (its
     heads meet the attention scores' heads), vocabulary-parallel shared embedding (tied
     with lm_head), logits gathered."""
+    _check_sequence_parallel("t5_plan", sequence_parallel)
     block = r"(encoder|decoder)\.block\.\d+\.layer\.\d+"
     stream = S1 if sequence_parallel else R
     return {
@@ -334,6 +350,7 @@ def mixtral_plan(*, sequence_parallel: bool = False) -> dict:
     all-gathers its output, so the gated product runs on every rank. Splitting each of
     gate and up (transformers' "packed_colwise", which ``hf_plan`` refuses) needs an
     interleaved shard placement, which vescale lacks yet. Values are exact either way."""
+    _check_sequence_parallel("mixtral_plan", sequence_parallel)
     plan = llama_plan(sequence_parallel=sequence_parallel)
     layer = r"model\.layers\.\d+"
     params = {k: v for k, v in plan["parameter"].items() if "mlp" not in k}
