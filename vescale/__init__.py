@@ -6,6 +6,7 @@ The everyday names live here; sub-modules hold the rest.
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
+from . import _compile
 from ._tensor_methods import _install
 from .debug import collective_counts, debug_mode, fallback_counts, reset_collective_counts, reset_fallback_counts
 from .device_mesh import DeviceMesh, get_device_mesh, init_device_mesh
@@ -18,6 +19,7 @@ from .plan import Plan, PlanError
 from .train import parallelize
 
 _install()
+_compile.install()
 
 __all__ = [
     "DeviceMesh", "init_device_mesh", "get_device_mesh",

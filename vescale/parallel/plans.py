@@ -24,11 +24,18 @@ from __future__ import annotations
 
 import re
 
+import torch.nn as nn
+
 from ..placement_types import InterleavedShard, Replicate, Shard
 
 __all__ = ["gpt_plan", "llama_plan", "hf_plan", "gpt2_plan", "bert_plan", "t5_plan"]
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
+
+
+def _check_sequence_parallel(helper: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{helper}(sequence_parallel=...) takes True or False, got {value!r}")
 
 
 def _blocks(block: str, attn: str, mlp: str, sequence_parallel: bool) -> dict:
@@ -45,6 +52,7 @@ def gpt_plan(*, sequence_parallel: bool = False) -> dict:
     """nanoGPT: c_fc column-parallel, c_proj row-parallel, and the fused c_attn split
     within each of its q, k and v blocks (``InterleavedShard(0, 3)``), so that every rank
     runs its own heads with no gather."""
+    _check_sequence_parallel("gpt_plan", sequence_parallel)
     h = r"transformer\.h\.\d+"
     forward = _blocks(h, "attn", "mlp", sequence_parallel)
     forward[r"transformer\.drop\.output"] = [[S1 if sequence_parallel else R]]
@@ -63,6 +71,7 @@ def gpt_plan(*, sequence_parallel: bool = False) -> dict:
 
 def llama_plan(*, sequence_parallel: bool = False) -> dict:
     """Hugging Face Llama: q/k/v and gate/up column-parallel, o/down row-parallel."""
+    _check_sequence_parallel("llama_plan", sequence_parallel)
     layer = r"model\.layers\.\d+"
     forward = _blocks(layer, "self_attn", "mlp", sequence_parallel)
     forward[r"model\.embed_tokens\.output"] = [[S1 if sequence_parallel else R]]
@@ -193,6 +202,10 @@ def hf_plan(model, *, sequence_parallel: bool = False) -> dict:
     training and generation by tests/python/test_zoo.py; the others are mapped by the
     same reading of transformers' styles but no model there uses them.
     """
+    _check_sequence_parallel("hf_plan", sequence_parallel)
+    if not isinstance(model, nn.Module):
+        what = f"the class {model.__name__}" if isinstance(model, type) else f"{model!r} of type {type(model).__name__}"
+        raise TypeError(f"hf_plan expects a model instance (e.g. LlamaForCausalLM(config)), got {what}")
     tp = _hf_tp_plan(model)
     if not tp:
         raise ValueError(f"hf_plan: {type(model).__name__} ships no tensor-parallel plan (its config's "
@@ -246,6 +259,7 @@ def gpt2_plan(*, sequence_parallel: bool = False) -> dict:
     ``Shard(0)``), vocabulary-parallel wte (tied with lm_head), logits gathered. The fused
     c_attn is split within each of its q, k and v blocks (weight ``InterleavedShard(1, 3)``,
     bias ``InterleavedShard(0, 3)``), so every rank runs its own heads."""
+    _check_sequence_parallel("gpt2_plan", sequence_parallel)
     h = r"transformer\.h\.\d+"
     stream = S1 if sequence_parallel else R
     forward = {
@@ -276,6 +290,7 @@ def bert_plan(*, sequence_parallel: bool = False) -> dict:
     """Hugging Face BERT (``BertForMaskedLM``): query/key/value and intermediate
     column-parallel, the two output denses row-parallel, vocabulary-parallel word
     embeddings (tied with the MLM decoder), logits gathered."""
+    _check_sequence_parallel("bert_plan", sequence_parallel)
     layer = r"bert\.encoder\.layer\.\d+"
     stream = S1 if sequence_parallel else R
     return {
@@ -305,6 +320,7 @@ def t5_plan(*, sequence_parallel: bool = False) -> dict:
     column-parallel, o and wo row-parallel, the relative position bias split by head (its
     heads meet the attention scores' heads), vocabulary-parallel shared embedding (tied
     with lm_head), logits gathered."""
+    _check_sequence_parallel("t5_plan", sequence_parallel)
     block = r"(encoder|decoder)\.block\.\d+\.layer\.\d+"
     stream = S1 if sequence_parallel else R
     return {
