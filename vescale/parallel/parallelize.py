@@ -62,7 +62,7 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, sharding_plan
 # ---- the plan's form, checked before anything changes -------------------------------------
 
 _SECTIONS = ("parameter", "forward")
-_PLACEMENT_FORMS = "Shard(d), Replicate() or Partial(), from vescale"
+_PLACEMENT_FORMS = "Shard(d), Replicate(), Partial() or InterleavedShard(d, groups), from vescale"
 _PARAM_KEY = r"mlp\.fc1\.weight"  # the keys of examples in messages
 _FORWARD_KEY = r"mlp\.fc1\.output"
 
