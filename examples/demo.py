@@ -3,13 +3,17 @@
     make demo          # or: .venv/bin/torchrun --standalone --nproc-per-node 4 examples/demo.py
 
 The model is the plain-PyTorch Llama of tests/models (RMSNorm, RoPE, SwiGLU, grouped-
-query attention); nothing in it knows about vescale. Three calls make it parallel:
+query attention); nothing in it knows about vescale. The veScale RFC's loop makes it
+parallel, with a hand-written plan (printed at the start):
 
-    parallelize_module(model, mesh["TP"], llama_plan(sequence_parallel=True))
-    model = DDP(model, mesh["DP"])
-    optimizer = DistributedOptimizer(torch.optim.AdamW, models=[model], zero_stage=1, ...)
+    model = vescale.deferred_init(LlamaForCausalLM, CONFIG)      # nothing allocated yet
+    plan = vescale.Plan({"mesh": {"DP": 2, "TP": 2}, ...})
+    model, optimizer, scheduler, data_loader = vescale.parallelize(plan, model, optimizer_fn,
+                                                                   lr_scheduler_fn, dataset)
+    for batch in data_loader:
+        optimizer.zero_grad(); loss = model(batch); loss.backward(); optimizer.step()
 
-and the training loop is the usual one. The data is a synthetic language (a sparse
+(each rank builds only its shards; the loss is the global batch's). The data is a synthetic language (a sparse
 random Markov chain), so the loss falls visibly towards the chain's entropy. After the
 parallel run, rank 0 trains the same model on the same batches in one plain process
 and compares the two loss curves; the script exits non-zero when they differ. The
@@ -30,7 +34,6 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import vescale  # noqa: E402
-from vescale.parallel import DDP, DistributedOptimizer, parallelize_module  # noqa: E402
 from vescale.parallel.plans import llama_plan  # noqa: E402
 from tests.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
@@ -74,31 +77,35 @@ def progress(steps: int, enabled: bool, desc: str):
     return tqdm(total=steps, desc=desc, disable=not enabled, unit="step", dynamic_ncols=True, file=sys.stdout)
 
 
-def train_parallel(mesh: vescale.DeviceMesh, batches, show: bool) -> list[float]:
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(CONFIG)  # the same initial weights on every rank
-    parallelize_module(model, mesh["TP"], llama_plan(sequence_parallel=True))
-    model = DDP(model, mesh["DP"])
-    optimizer = DistributedOptimizer(torch.optim.AdamW, models=[model], zero_stage=1, **OPTIM)
+PLAN = vescale.Plan({
+    "mesh": {"DP": 2, "TP": 2},
+    "tensor_parallel.sharding_plan": llama_plan(sequence_parallel=True),
+    "tensor_parallel.sequence_parallel": True,
+    "data_parallel.zero_stage": 1,
+    "data.global_batch_size": GLOBAL_BATCH,
+    "data.shuffle": False,  # the reference run takes the batches in order
+})
 
-    dp = mesh["DP"]
-    local_batch = GLOBAL_BATCH // dp.size()
-    rows = slice(dp.get_local_rank() * local_batch, (dp.get_local_rank() + 1) * local_batch)
+
+def train_parallel(batches, show: bool) -> list[float]:
+    torch.manual_seed(0)
+    model = vescale.deferred_init(LlamaForCausalLM, CONFIG)  # the same initial weights on every rank
+    dataset = torch.utils.data.TensorDataset(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
+    model, optimizer, _, data_loader = vescale.parallelize(
+        PLAN, model, lambda m: torch.optim.AdamW(m.parameters(), **OPTIM), None, dataset)
     losses = []
     bar = progress(len(batches), show, "DP2xTP2+SP")
-    for idx, targets in batches:
-        t0 = time.perf_counter()
+    t0 = time.perf_counter()
+    for batch in data_loader:  # the RFC's loop, unchanged
         optimizer.zero_grad()
-        loss = model(idx[rows], targets[rows])  # a DTensor, replicated over TP
+        loss = model(batch)  # the global batch's loss (a DTensor, replicated over TP)
         loss.backward()
         optimizer.step()
-        # the loss of the global batch: the mean over DP of the local losses
-        value = loss.full_tensor().detach().clone()
-        dist.all_reduce(value, group=dp.get_group())
-        losses.append(value.item() / dp.size())
+        losses.append(loss.full_tensor().item())
         tokens_per_s = GLOBAL_BATCH * SEQ_LEN / (time.perf_counter() - t0)
         bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_s:,.0f}")
         bar.update()
+        t0 = time.perf_counter()
     bar.close()
     return losses
 
@@ -164,12 +171,11 @@ def main() -> int:
         dist.destroy_process_group()
         return 2
 
-    mesh = vescale.init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
     n_params = sum(p.numel() for p in LlamaForCausalLM(CONFIG).parameters())
-    log(f"mesh {mesh}\nmodel {CONFIG}\n{n_params / 1e6:.2f}M parameters, batch {GLOBAL_BATCH} x {SEQ_LEN} tokens")
+    log(f"plan:\n{PLAN}\nmodel {CONFIG}\n{n_params / 1e6:.2f}M parameters, batch {GLOBAL_BATCH} x {SEQ_LEN} tokens")
     batches = markov_batches(args.steps)
 
-    losses = train_parallel(mesh, batches, show=rank == 0)
+    losses = train_parallel(batches, show=rank == 0)
     fallbacks = vescale.fallback_counts()
     ok = True
     if rank == 0:  # the other ranks wait at the barrier below

@@ -53,14 +53,12 @@ def _files(sizes: list[int], limit: int) -> list[int]:
     return out
 
 
-def export_hf(directory: str, model: nn.Module, *, max_shard_size: int | str = "5GB", optimizer=None) -> None:
-    """Writes the model as safetensors shards with an index. Every rank must call it.
-    Pass the DistributedOptimizer of a ZeRO-3 model (its parameters live as slices)."""
-    limit = _bytes(max_shard_size)
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _model_items(model: nn.Module, optimizer) -> list[tuple[str, Item, list]]:
+    """Every tensor of the model as (name, this rank's item, every rank's boxes of it),
+    in one order on every rank (pipeline stages hold different tensors)."""
+    world = dist.get_world_size()
     layout = build({"model": model, **({"optimizer": optimizer} if optimizer is not None else {})})
     mine = {k[len("model."):]: i for k, i in layout.items.items() if k.startswith("model.")}
-    # every rank's tensors with their boxes: who sends what (pipeline stages hold different tensors)
     held: list = [None] * world
     dist.all_gather_object(held, {n: (i.shape, i.dtype, [p.box.to_json() for p in i.pieces])
                                   for n, i in mine.items()})
@@ -70,8 +68,17 @@ def export_hf(directory: str, model: nn.Module, *, max_shard_size: int | str = "
             if n not in listed:
                 listed.add(n)
                 items.append((n, mine.get(n, Item(f"model.{n}", shape, dtype))))  # no pieces on this rank
-    boxes = [[theirs[n][2] if n in theirs else [] for n, _ in items] for theirs in held]
-    sizes = [math.prod(i.shape) * i.dtype.itemsize for _, i in items]
+    return [(n, item, [[Box.from_json(b) for b in theirs[n][2]] if n in theirs else [] for theirs in held])
+            for n, item in items]
+
+
+def export_hf(directory: str, model: nn.Module, *, max_shard_size: int | str = "5GB", optimizer=None) -> None:
+    """Writes the model as safetensors shards with an index. Every rank must call it.
+    Pass the DistributedOptimizer of a ZeRO-3 model (its parameters live as slices)."""
+    limit = _bytes(max_shard_size)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    items = _model_items(model, optimizer)
+    sizes = [math.prod(i.shape) * i.dtype.itemsize for _, i, _ in items]
     file_of = _files(sizes, limit)
     count = file_of[-1] + 1 if items else 0
     names = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors"
@@ -81,9 +88,9 @@ def export_hf(directory: str, model: nn.Module, *, max_shard_size: int | str = "
     from safetensors.torch import save_file
 
     pending: dict[str, torch.Tensor] = {}
-    for n, (name, item) in enumerate(items):
+    for n, (name, item, boxes) in enumerate(items):
         writer = file_of[n] % world
-        full = _gather_to(item, [[Box.from_json(b) for b in rb[n]] for rb in boxes], writer)
+        full = _gather_to(item, boxes, writer)
         if rank == writer:
             pending[name] = full
             if n + 1 == len(items) or file_of[n + 1] != file_of[n]:  # the file is complete
@@ -91,9 +98,28 @@ def export_hf(directory: str, model: nn.Module, *, max_shard_size: int | str = "
                 pending = {}
     if rank == 0 and count > 1:
         index = {"metadata": {"total_size": sum(sizes)},
-                 "weight_map": {name: names[f] for (name, _), f in zip(items, file_of)}}
+                 "weight_map": {name: names[f] for (name, _, _), f in zip(items, file_of)}}
         with open(os.path.join(directory, INDEX), "w") as f:
             json.dump(index, f, indent=2)
+    dist.barrier()
+
+
+def export_torch(path: str, model: nn.Module, *, optimizer=None) -> None:
+    """Writes the model's whole state_dict, gathered, as one ``torch.save`` file on rank 0
+    (the file a single-device ``model.load_state_dict(torch.load(path))`` reads; tied
+    parameters appear under their first name). Every rank must call it. Pass the
+    DistributedOptimizer of a ZeRO-3 model."""
+    rank = dist.get_rank()
+    state = {}
+    for name, item, boxes in _model_items(model, optimizer):
+        full = _gather_to(item, boxes, 0)
+        if rank == 0:
+            state[name] = full
+    if rank == 0:
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
     dist.barrier()
 
 

@@ -1,0 +1,385 @@
+"""vescale.parallelize: the veScale RFC loop, unchanged, under DP4, DP2xTP2+SP with ZeRO-2,
+TP4 and PP2xTP2 on 4 ranks, with the project's GPT and a Hugging Face Llama whose plan
+comes from its config; losses equal single device. Checkpoints carry the plan and resume
+under another one; accumulation, clipping, parameter groups, recomputation and the
+errors for plans that do not fit."""
+
+import functools
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import vescale
+from vescale import Plan, PlanError
+from vescale.data import DataLoader
+from vescale.parallel.plans import gpt_plan
+
+from dist_utils import mismatch
+from tests.models.gpt import GPT, GPTConfig
+
+VOCAB, SEQ, GLOBAL_BATCH, STEPS, LR = 64, 16, 8, 4, 1e-2
+
+
+def _dataset(n: int = GLOBAL_BATCH * STEPS) -> TensorDataset:
+    d = torch.randint(0, VOCAB, (n, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    return TensorDataset(d[:, :-1].contiguous(), d[:, 1:].contiguous())
+
+
+def _gpt(cfg: dict | None = None):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(dropout=0.0, bias=False, **(cfg or {})))
+
+
+def _llama():
+    import transformers as tf
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                              max_position_embeddings=64))
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def _nanogpt_groups(model):
+    """nanoGPT's configure_optimizers: decay for matrices, none for vectors."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=LR)
+
+
+def _single_device(make_model, optimizer_fn, batches, *, clip=None, call=None):
+    model = make_model()
+    opt = optimizer_fn(model)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = call(model, x, y) if call else model(x, y)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _rfc_loop(model, optimizer, data_loader, steps: int, call=None) -> list[float]:
+    losses = []
+    for _, batch in zip(range(steps), data_loader):  # (range first: no batch is drawn and dropped)
+        optimizer.zero_grad()
+        loss = model(batch) if call is None else call(model, batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.full_tensor().item() if isinstance(loss, vescale.DTensor) else loss.item())
+    return losses
+
+
+PLANS = {
+    "dp4": {"mesh": {"DP": 4}},
+    "dp2-tp2-sp-zero2": {"mesh": {"DP": 2, "TP": 2}, "tensor_parallel.sharding_plan": gpt_plan(sequence_parallel=True),
+                         "tensor_parallel.sequence_parallel": True, "data_parallel.zero_stage": 2},
+    "tp4": {"mesh": {"TP": 4}, "tensor_parallel.sharding_plan": gpt_plan()},
+    "pp2-tp2": {"mesh": {"PP": 2, "TP": 2}, "tensor_parallel.sharding_plan": gpt_plan(),
+                "pipeline_parallel.microbatches": 2},
+}
+
+
+def _case_gpt(name: str) -> tuple[list[float], list[float]]:
+    plan = Plan(PLANS[name])
+    plan.update({"data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), _adamw, None, _dataset())
+    losses = _rfc_loop(model, optimizer, loader, STEPS)
+    data = _dataset()
+    batches = [(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+               for i in range(0, GLOBAL_BATCH * STEPS, GLOBAL_BATCH)]
+    return losses, _single_device(lambda: _gpt({"n_layer": 4}), _adamw, batches)
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_rfc_loop_matches_single_device(pool4, name):
+    for losses, ref in pool4.run(_case_gpt, name):
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+
+
+# ---- a Hugging Face model, its plan from its config ----------------------------------------------
+
+class _Tokens(torch.utils.data.Dataset):
+    """Hugging Face style samples: dicts of input_ids and labels."""
+
+    def __init__(self):
+        self.ids = _dataset().tensors[0]
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _hf_loss(model, batch):
+    out = model(batch)
+    return out if isinstance(out, torch.Tensor) else out.loss  # under a pipeline: the loss itself
+
+
+def _case_hf(mesh: dict, extra: dict) -> tuple[list[float], list[float], str]:
+    model = _llama()
+    plan = Plan.from_hf(model, mesh=mesh, **{"data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False, **extra})
+    model, optimizer, _, loader = vescale.parallelize(plan, model, _adamw, None, _Tokens())
+    losses = _rfc_loop(model, optimizer, loader, STEPS, call=_hf_loss)
+    ids = _Tokens().ids
+    batches = [(ids[i:i + GLOBAL_BATCH], None) for i in range(0, GLOBAL_BATCH * STEPS, GLOBAL_BATCH)]
+    ref = _single_device(_llama, _adamw, batches, call=lambda m, x, _: m(input_ids=x, labels=x).loss)
+    return losses, ref, repr(plan)
+
+
+@pytest.mark.parametrize("mesh,extra", [({"DP": 2, "TP": 2}, {"data_parallel.zero_stage": 1}),
+                                        ({"PP": 2, "TP": 2}, {"pipeline_parallel.microbatches": 2})],
+                         ids=["dp2-tp2-zero1", "pp2-tp2"])
+def test_hugging_face_plan_from_its_config(pool4, mesh, extra):
+    for losses, ref, text in pool4.run(_case_hf, mesh, extra):
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+        assert "pipeline_parallel.blocks : \"model.layers\"" in text
+        assert 'model\\.layers\\.\\d+\\.self_attn\\.q_proj\\.weight -> ["Shard(0)"]' in text
+
+
+# ---- checkpoints carry the plan; resume under another ---------------------------------------------
+
+def _case_resume(path: str, first: str, second: str) -> tuple[list[float], list[float]]:
+    half = STEPS // 2
+
+    def setup(name):
+        plan = Plan(PLANS[name])
+        plan.update({"data.global_batch_size": GLOBAL_BATCH, "data.shuffle": True, "data.seed": 5})
+        return plan, *vescale.parallelize(plan, _gpt({"n_layer": 4}), _adamw, None, _dataset())
+
+    plan, model, optimizer, _, loader = setup(first)
+    losses = _rfc_loop(model, optimizer, loader, half)
+    vescale.save(path, {"plan": plan, "model": model, "optimizer": optimizer, "data": loader})
+    plan2, model2, optimizer2, _, loader2 = setup(second)
+    saved_plan = Plan()
+    vescale.load(path, {"plan": saved_plan, "model": model2, "optimizer": optimizer2, "data": loader2})
+    assert saved_plan == plan
+    losses += _rfc_loop(model2, optimizer2, loader2, half)
+    # the same shuffled order on one device: the loader's global batches
+    order = DataLoader(_dataset(), None, global_batch_size=GLOBAL_BATCH, shuffle=True, seed=5)
+    batches = [tuple(b) for _, b in zip(range(STEPS), order)]
+    return losses, _single_device(lambda: _gpt({"n_layer": 4}), _adamw, batches)
+
+
+@pytest.mark.parametrize("first,second", [("dp2-tp2-sp-zero2", "tp4"), ("tp4", "pp2-tp2")])
+def test_resume_under_another_plan(pool4, tmp_path, first, second):
+    for losses, ref in pool4.run(_case_resume, str(tmp_path / "ckpt"), first, second):
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+
+
+# ---- accumulation, clipping, parameter groups, recomputation, loss scaling --------------------------
+
+def _case_options(extra: dict, optimizer_fn, clip) -> tuple[list[float], list[float]]:
+    k = extra.get("gradient.accumulation_steps", 1)
+    plan = Plan({"mesh": {"DP": 2, "TP": 2}, "tensor_parallel.sharding_plan": gpt_plan(),
+                 "data.global_batch_size": GLOBAL_BATCH // k, "data.shuffle": False, **extra})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt(), optimizer_fn, None, _dataset())
+    micro = _rfc_loop(model, optimizer, loader, STEPS * k)
+    losses = [sum(micro[i:i + k]) / k for i in range(0, len(micro), k)]  # the mean over each window
+    data = _dataset()
+    batches = [(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+               for i in range(0, GLOBAL_BATCH * STEPS, GLOBAL_BATCH)]
+    if isinstance(optimizer_fn, functools.partial):  # an optimizer class: it takes the parameters
+        ref_fn = lambda m: optimizer_fn(m.parameters())  # noqa: E731
+    else:
+        ref_fn = optimizer_fn
+    return losses, _single_device(_gpt, ref_fn, batches, clip=clip)
+
+
+OPTIONS = {
+    "accumulate2": ({"gradient.accumulation_steps": 2}, _adamw, None),
+    "accumulate2-zero2": ({"gradient.accumulation_steps": 2, "data_parallel.zero_stage": 2}, _adamw, None),
+    "clip": ({"gradient.clip_norm": 0.05}, _adamw, 0.05),
+    "clip-zero1": ({"gradient.clip_norm": 0.05, "data_parallel.zero_stage": 1}, _adamw, 0.05),
+    "groups-zero1": ({"data_parallel.zero_stage": 1}, _nanogpt_groups, None),
+    "groups-sgd-class": ({}, functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9), None),
+    "recompute": ({"recompute.modules": [r"transformer\.h\.\d+"]}, _adamw, None),
+    "loss-scale": ({"data_parallel.zero_stage": 1, "mixed_precision.loss_scale": 1024.0}, _adamw, None),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_training_options_match_single_device(pool4, name):
+    extra, optimizer_fn, clip = OPTIONS[name]
+    for losses, ref in pool4.run(_case_options, extra, optimizer_fn, clip):
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+
+
+# ---- plans that do not fit: clear errors, nothing half done --------------------------------------
+
+def _case_errors() -> list[str]:
+    problems = []
+
+    def expect(match: str, plan: dict, dataset=None, model=None):
+        import re
+        try:
+            vescale.parallelize(Plan(plan), model or _gpt(), _adamw, None, dataset)
+            problems.append(f"{plan}: no error")
+        except (PlanError, ValueError, TypeError) as e:
+            if not re.search(match, str(e)):
+                problems.append(f"{plan}: {e}")
+
+    expect(r"holds 2 ranks but the world has 4", {"mesh": {"DP": 2}})
+    expect(r"data_parallel.dim is 'DP', which is not a dim of the mesh", {"mesh": {"TP": 4},
+                                                                              "data_parallel.zero_stage": 2})
+    expect(r"param_dtype .*set data_parallel.zero_stage", {"mesh": {"DP": 4}, "mixed_precision.param_dtype": "bfloat16"})
+    expect(r"accumulation_steps > 1 with a pipeline.*microbatches", {"mesh": {"PP": 4}, "gradient.accumulation_steps": 2})
+    expect(r"no data.global_batch_size", {"mesh": {"DP": 4}}, dataset=_dataset())
+    expect(r"recompute.modules .*matches no module", {"mesh": {"DP": 4}, "recompute.modules": [r"blocks\.\d+"]})
+    expect(r"split_points names 'transformer.h.9'", {"mesh": {"PP": 2, "DP": 2},
+                                                     "pipeline_parallel.split_points": ["transformer.h.9"]})
+    # the process goes on: a good plan afterwards trains
+    model, optimizer, _, _ = vescale.parallelize(Plan({"mesh": {"DP": 4}}), _gpt(), _adamw)
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    optimizer.zero_grad()
+    model((x, x)).backward()
+    optimizer.step()
+    return problems
+
+
+def test_plans_that_do_not_fit_are_clear_errors(pool4):
+    for problems in pool4.run(_case_errors):
+        assert problems == []
+
+
+def _case_eval() -> tuple[float, float]:
+    model, _, _, _ = vescale.parallelize(Plan({"mesh": {"DP": 2, "TP": 2}, "tensor_parallel.sharding_plan": gpt_plan()}),
+                                         _gpt())
+    x = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        loss = model((x, x))
+    ref = _gpt()
+    with torch.no_grad():
+        return float(loss.full_tensor() if isinstance(loss, vescale.DTensor) else loss), float(ref(x, x))
+
+
+def test_evaluation_without_an_optimizer(pool4):
+    """no_grad forward (no optimizer made): every DP rank evaluates the same batch here, so
+    the global loss is the single-device one."""
+    for loss, ref in pool4.run(_case_eval):
+        assert abs(loss - ref) <= 1e-5 * abs(ref)
+
+
+def _case_two_models() -> tuple[list[float], list[float], list[float], list[float]]:
+    """An actor and a critic, each with its own plan, in one program."""
+    data = _dataset()
+    batches = [(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+               for i in range(0, GLOBAL_BATCH * 2, GLOBAL_BATCH)]
+    actor, actor_opt, _, _ = vescale.parallelize(Plan({"mesh": {"TP": 4}, "tensor_parallel.sharding_plan": gpt_plan()}),
+                                                 _gpt(), _adamw)
+    critic, critic_opt, _, _ = vescale.parallelize(Plan({"mesh": {"DP": 2, "TP": 2},
+                                                         "tensor_parallel.sharding_plan": gpt_plan(),
+                                                         "data_parallel.zero_stage": 1}),
+                                                   _gpt({"n_layer": 1}), _adamw)
+    a_losses, c_losses = [], []
+    dp_rank = torch.distributed.get_rank() // 2
+    for x, y in batches:
+        for model, opt, losses, part in ((actor, actor_opt, a_losses, slice(None)),
+                                         (critic, critic_opt, c_losses, slice(dp_rank * 4, dp_rank * 4 + 4))):
+            opt.zero_grad()
+            loss = model((x[part], y[part]))
+            loss.backward()
+            opt.step()
+            losses.append(loss.full_tensor().item() if isinstance(loss, vescale.DTensor) else loss.item())
+    return (a_losses, _single_device(_gpt, _adamw, batches), c_losses,
+            _single_device(lambda: _gpt({"n_layer": 1}), _adamw, batches))
+
+
+def test_two_models_with_their_own_plans(pool4):
+    for a, a_ref, c, c_ref in pool4.run(_case_two_models):
+        assert mismatch(torch.tensor(a), torch.tensor(a_ref), rtol=1e-5, atol=1e-6) is None, (a, a_ref)
+        assert mismatch(torch.tensor(c), torch.tensor(c_ref), rtol=1e-5, atol=1e-6) is None, (c, c_ref)
+
+
+def _case_bf16() -> tuple[list[float], list[float], str]:
+    plan = Plan({"mesh": {"DP": 2, "TP": 2}, "tensor_parallel.sharding_plan": gpt_plan(),
+                 "data_parallel.zero_stage": 1, "mixed_precision.param_dtype": "bfloat16",
+                 "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt(), _adamw, None, _dataset())
+    dtype = str(next(model.parameters()).dtype)
+    losses = _rfc_loop(model, optimizer, loader, STEPS)
+    # one device, the same recipe: bf16 model, fp32 master weights in AdamW
+    ref = _gpt().to(torch.bfloat16)
+    masters = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
+    opt = torch.optim.AdamW(masters, lr=LR)
+    data = _dataset()
+    ref_losses = []
+    for i in range(0, GLOBAL_BATCH * STEPS, GLOBAL_BATCH):
+        for p in ref.parameters():
+            p.grad = None
+        loss = ref(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+        loss.backward()
+        for m, p in zip(masters, ref.parameters()):
+            m.grad = p.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, ref.parameters()):
+                p.copy_(m)
+        ref_losses.append(loss.item())
+    return losses, ref_losses, dtype
+
+
+def test_bf16_parameters_with_fp32_masters(pool4):
+    """The parameters are bf16 and the optimizer steps fp32 masters. bf16 sums in another
+    order on 4 ranks than on one, so the losses agree to bf16's precision only."""
+    for losses, ref, dtype in pool4.run(_case_bf16):
+        assert dtype == "torch.bfloat16"
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-2, atol=0) is None, (losses, ref)
+
+
+def _case_export(path: str, name: str) -> list[str]:
+    """The torch-style checkpoint: one file, gathered, that a single-device model loads."""
+    plan = Plan(PLANS[name])
+    model, optimizer, _, _ = vescale.parallelize(plan, _gpt({"n_layer": 4}), _adamw)
+    x = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(2))
+    optimizer.zero_grad()
+    model((x, x)).backward()
+    optimizer.step()
+    vescale.checkpoint.export_torch(path, model, optimizer=optimizer.inner if plan["data_parallel.zero_stage"] else None)
+    single = _gpt({"n_layer": 4})
+    missing, unexpected = single.load_state_dict(torch.load(path, weights_only=True), strict=False)
+    problems = [f"unexpected {unexpected}"] if unexpected else []
+    problems += [f"missing {k}" for k in missing if k != "lm_head.weight"]  # tied with the embedding
+    ref = _gpt({"n_layer": 4})  # the same step on one device
+    ref_opt = _adamw(ref)
+    ref(x, x).backward()
+    ref_opt.step()
+    with torch.no_grad():
+        loaded, want = float(single(x, x)), float(ref(x, x))
+    if abs(loaded - want) > 1e-5 * abs(want):
+        problems.append(f"loss of the exported weights {loaded} != single-device training's {want}")
+    return problems
+
+
+@pytest.mark.parametrize("name", ["dp2-tp2-sp-zero2", "pp2-tp2"])
+def test_torch_style_export_loads_on_one_device(pool4, tmp_path, name):
+    for problems in pool4.run(_case_export, str(tmp_path / "model.pt"), name):
+        assert problems == []
+
+
+def _case_sync_flag() -> tuple[bool, bool]:
+    """torch DDP's require_backward_grad_sync: False accumulates without reducing."""
+    from vescale.parallel import DDP
+    mesh = vescale.init_device_mesh("cpu", (4,), mesh_dim_names=("DP",))
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 1, bias=False), mesh["DP"])
+    x = torch.full((1, 4), float(torch.distributed.get_rank() + 1))
+    model.require_backward_grad_sync = False
+    model(x).sum().backward()
+    local = model.module.weight.grad.clone()  # this rank's own gradient: x
+    model.require_backward_grad_sync = True
+    model(x).sum().backward()  # reduces the accumulated 2x over the ranks
+    reduced = model.module.weight.grad
+    return torch.equal(local, x[0].unsqueeze(0)), torch.allclose(reduced, torch.full((1, 4), 2 * 2.5))
+
+
+def test_ddp_require_backward_grad_sync(pool4):
+    for unreduced, reduced in pool4.run(_case_sync_flag):
+        assert unreduced and reduced
