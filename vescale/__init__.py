@@ -14,6 +14,7 @@ from .dtensor import DTensor, distribute_tensor
 from .placement_types import InterleavedShard, Partial, Placement, Replicate, Shard
 from .parallel import DDP, DistributedOptimizer, parallelize_module
 from .checkpoint import load, save
+from .data import DataLoader
 from .deferred import deferred_init, materialize_module
 from .plan import Plan, PlanError
 from .train import parallelize
@@ -28,5 +29,6 @@ __all__ = [
     "fallback_counts", "reset_fallback_counts", "collective_counts", "reset_collective_counts", "debug_mode",
     "parallelize_module", "DDP", "DistributedOptimizer",
     "save", "load", "deferred_init", "materialize_module",
+    "DataLoader",
     "Plan", "PlanError", "parallelize",
 ]

@@ -144,6 +144,10 @@ def build(state: dict, saved: dict | None = None) -> Layout:
         elif hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
             layout.objects[key] = value.state_dict()
             layout.restore[key] = value.load_state_dict
+            check = getattr(value, "check_state_dict", None)  # e.g. vescale.DataLoader: a problem or None
+            if callable(check):
+                layout.validate[key] = lambda saved, c=check, k=key: (
+                    None if (problem := c(saved)) is None else f"'{k}': {problem}")
         else:
             layout.objects[key] = value
             layout.restore[key] = lambda v, k=key: state.__setitem__(k, v)
