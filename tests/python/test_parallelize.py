@@ -298,15 +298,17 @@ def test_two_models_with_their_own_plans(pool4):
         assert mismatch(torch.tensor(c), torch.tensor(c_ref), rtol=1e-5, atol=1e-6) is None, (c, c_ref)
 
 
-def _case_bf16() -> tuple[list[float], list[float], str]:
+def _case_low_precision(dtype_name: str, loss_scale) -> tuple[list[float], list[float], str]:
     plan = Plan({"mesh": {"DP": 2, "TP": 2}, "tensor_parallel.sharding_plan": gpt_plan(),
-                 "data_parallel.zero_stage": 1, "mixed_precision.param_dtype": "bfloat16",
+                 "data_parallel.zero_stage": 1, "mixed_precision.param_dtype": dtype_name,
+                 "mixed_precision.loss_scale": loss_scale,
                  "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
     model, optimizer, _, loader = vescale.parallelize(plan, _gpt(), _adamw, None, _dataset())
     dtype = str(next(model.parameters()).dtype)
     losses = _rfc_loop(model, optimizer, loader, STEPS)
-    # one device, the same recipe: bf16 model, fp32 master weights in AdamW
-    ref = _gpt().to(torch.bfloat16)
+    # one device, the same recipe: a low-precision model, fp32 master weights in AdamW (no
+    # scaling needed here: these gradients do not underflow)
+    ref = _gpt().to(getattr(torch, dtype_name))
     masters = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
     opt = torch.optim.AdamW(masters, lr=LR)
     data = _dataset()
@@ -326,11 +328,14 @@ def _case_bf16() -> tuple[list[float], list[float], str]:
     return losses, ref_losses, dtype
 
 
-def test_bf16_parameters_with_fp32_masters(pool4):
-    """The parameters are bf16 and the optimizer steps fp32 masters. bf16 sums in another
-    order on 4 ranks than on one, so the losses agree to bf16's precision only."""
-    for losses, ref, dtype in pool4.run(_case_bf16):
-        assert dtype == "torch.bfloat16"
+@pytest.mark.parametrize("dtype_name,loss_scale", [("bfloat16", None), ("float16", 128.0)])
+def test_low_precision_parameters_with_fp32_masters(pool4, dtype_name, loss_scale):
+    """The parameters are bf16 / fp16 (a loss scale of 128: a power of two that neither
+    overflows nor underflows here, so exact) and the optimizer steps
+    fp32 masters. Low precision sums in another order on 4 ranks than on one, so the
+    losses agree to its precision only."""
+    for losses, ref, dtype in pool4.run(_case_low_precision, dtype_name, loss_scale):
+        assert dtype == f"torch.{dtype_name}"
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-2, atol=0) is None, (losses, ref)
 
 
