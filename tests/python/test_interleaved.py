@@ -13,7 +13,7 @@ from vescale import InterleavedShard, Partial, Replicate, Shard
 from vescale.parallel import DDP, DistributedOptimizer, parallelize_module
 from vescale.parallel.plans import gpt_plan
 
-from dist_utils import describe, make_dtensor, mesh, mismatch, mismatch_to_max, rand
+from dist_utils import describe, make_dtensor, mesh, mismatch, rand, training_mismatches
 from tests.models.gpt import GPT, GPTConfig
 
 
@@ -190,15 +190,7 @@ def _case_gpt() -> tuple[list[str], dict, dict]:
         ref_grads = ref_grads or {n: p.grad.clone() for n, p in ref.named_parameters()}
         opt.step()
         ref_losses.append(loss.item())
-    failures = []
-    err = mismatch(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    if err:
-        failures.append(f"losses {losses} vs {ref_losses}: {err}")
-    for n, g in grads.items():
-        err = mismatch_to_max(g, ref_grads[n])
-        if err:
-            failures.append(f"first-step gradient of {n}: {err}")
-    return failures, counts, plain_counts
+    return training_mismatches(losses, ref_losses, grads, ref_grads), counts, plain_counts
 
 
 def test_gpt_plan_splits_heads_without_gathering(pool2):
