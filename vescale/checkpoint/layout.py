@@ -120,17 +120,20 @@ def build(state: dict, saved: dict | None = None) -> Layout:
     not created yet (no step taken) is made, to be filled, and put in place by
     ``Layout.installs``."""
     layout = Layout()
-    state = {k: v.inner if isinstance(v, ParallelOptimizer) else v for k, v in state.items()}
     fqn_of: dict[int, str] = {}
     zero3: dict[int, tuple] = {}  # param id -> (slice tensor, start): ZeRO-3 parameters live as slices
     for key, value in state.items():
         if isinstance(value, nn.Module):
             for name, p in unwrap(value).named_parameters(remove_duplicate=True):
                 fqn_of.setdefault(id(p), f"{key}.{name}")
+        if isinstance(value, ParallelOptimizer):
+            value = value.inner
         if isinstance(value, DistributedOptimizer) and value.sharded is not None:
             for o in value.owned:
                 zero3[id(o.param)] = (value.sharded.slice_of(o.param), o.start)
     for key, value in state.items():
+        if isinstance(value, ParallelOptimizer):  # what vescale.parallelize returns
+            value = value.inner
         if isinstance(value, nn.Module):
             _module(layout, key, unwrap(value), zero3)
         elif isinstance(value, DistributedOptimizer):
