@@ -100,10 +100,12 @@ class RankPool:
                 results[rank] = value
             else:
                 errors[rank] = value
-        if hung:
+        if errors or hung:
+            # A rank that raised may have left a collective half done (gloo then times
+            # out and closes its pairs), which would fail every later test on this
+            # pool: start afresh.
             self.close()
             self._start()
-        if errors or hung:
             report = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
             if hung:
                 report += f"\nranks {hung} did not answer (the pool was restarted)"

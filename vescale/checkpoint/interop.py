@@ -83,8 +83,7 @@ def export_hf(directory: str, model: nn.Module, *, max_shard_size: int | str = "
     count = file_of[-1] + 1 if items else 0
     names = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors"
                                                       for i in range(count)]
-    if rank == 0:
-        os.makedirs(directory, exist_ok=True)
+    os.makedirs(directory, exist_ok=True)  # on every rank: a writer other than 0 may not wait for rank 0
     from safetensors.torch import save_file
 
     pending: dict[str, torch.Tensor] = {}
