@@ -1,6 +1,7 @@
 // vescale._C: the thin binding layer the Python package calls into. Placements cross
 // the boundary as tuples: ("R",), ("S", dim), ("P", "sum"), ("I", dim, groups).
 
+#include "autoplan/pipeline_sim.h"
 #include "collectives/collectives.h"
 #include "collectives/redistribute_plan.h"
 #include "dispatch/api.h"
@@ -118,6 +119,36 @@ PYBIND11_MODULE(_C, m) {
   m.def("mesh_of", [](const at::Tensor& t) {
     return std::const_pointer_cast<Mesh>(spec_of(t).mesh);
   });
+  m.def("simulate_pipeline",
+        [](const std::string& name, const std::vector<std::vector<std::tuple<std::string, int32_t, int32_t>>>& orders,
+           std::vector<int32_t> placement, int32_t microbatches,
+           const std::vector<std::tuple<double, double, double, double>>& costs, std::vector<double> send_forward,
+           std::vector<double> send_backward) {
+          autoplan::PipelineModel model;
+          model.name = name;
+          for (const auto& order : orders) {
+            auto& out = model.orders.emplace_back();
+            for (const auto& [kind, stage, mb] : order) out.push_back({kind.at(0), stage, mb});
+          }
+          model.placement = std::move(placement);
+          model.microbatches = microbatches;
+          for (const auto& [f, b, i, w] : costs) model.costs.push_back({f, b, i, w});
+          model.send_forward = std::move(send_forward);
+          model.send_backward = std::move(send_backward);
+          const auto timeline = autoplan::simulate_pipeline(model);
+          py::list actions;
+          for (const auto& t : timeline.actions)
+            actions.append(py::make_tuple(std::string(1, t.action.kind), t.action.stage, t.action.mb, t.rank, t.start,
+                                          t.end));
+          py::dict out;
+          out["makespan"] = timeline.makespan;
+          out["bubble"] = timeline.bubble();
+          out["busy"] = timeline.busy;
+          out["actions"] = actions;
+          return out;
+        },
+        "The pipeline timeline simulator (autoplan/pipeline_sim.h): per-rank orders of (kind, stage, mb) on a "
+        "clock with per-stage (F, B, I, W) costs and per-boundary send times.");
   m.def("collective_counts", [] {
     py::dict out;
     for (const auto& c : collectives::collective_counts()) out[py::str(c.kind)] = py::make_tuple(c.calls, c.bytes);

@@ -380,3 +380,17 @@ def test_bad_splits_raise_clear_errors(pool4):
     assert "'emb'" in seen["skip to head"] and "split point 'blocks.3'" in seen["skip to head"]
     assert "'emb'" in seen["side input"] and "blocks.1" in seen["side input"]
     assert "step(" in seen["call"] and "step" in seen["model call"]
+
+
+def test_simulator_takes_stage_costs_and_sends():
+    """The schedules' clock (C++, autoplan/pipeline_sim) with costs per stage and link
+    times: one micro-batch through two ranks waits for each crossing once each way."""
+    sched = make_schedule("gpipe", 2, 1)
+    free = simulate(sched, stage_costs=[(1, 2, 1, 1), (1, 2, 1, 1)])
+    assert free["makespan"] == 6 and free == simulate(sched)
+    slow = simulate(sched, stage_costs=[(1, 2, 1, 1), (1, 2, 1, 1)], send_forward=[0.5], send_backward=[0.25])
+    assert slow["makespan"] == 6.75 and slow["busy"] == [3.0, 3.0]
+    timeline = {(k, s, mb): (start, end) for k, s, mb, _, start, end in slow["actions"]}
+    assert timeline[("F", 1, 0)] == (1.5, 2.5) and timeline[("B", 0, 0)] == (4.75, 6.75)
+    doubled = simulate(make_schedule("1f1b", 4, 8), stage_costs=[(2, 4, 2, 2)] * 4)
+    assert doubled["makespan"] == 2 * simulate(make_schedule("1f1b", 4, 8))["makespan"]

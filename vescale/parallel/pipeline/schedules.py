@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ... import _C
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 
 
@@ -174,51 +176,25 @@ def _zbv(p: int, m: int) -> tuple:
 DURATIONS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
-def simulate(sched: Schedule, durations: dict | None = None) -> dict:
-    """Runs the orders on an ideal clock (free communication): every rank takes its next
-    action as soon as what it depends on has finished. Raises if the orders cannot all
-    finish (they would hang) or miss an action; returns the makespan and the idle
-    fraction of the pipeline (the bubble), (p * makespan - busy) / (p * makespan)."""
-    durations = durations or DURATIONS
-    S, m = sched.stages, sched.microbatches
-    finish: dict = {}
-    pos, clock = [0] * sched.ranks, [0.0] * sched.ranks
-    busy = 0.0
-    expected = sum(len(o) for o in sched.orders)
-    while len(finish) < expected:
-        progressed = False
-        for r, order in enumerate(sched.orders):
-            while pos[r] < len(order):
-                a = order[pos[r]]
-                deps = _deps(a, S, sched.splits_backward)
-                if any(d not in finish for d in deps):
-                    break
-                start = max([clock[r]] + [finish[d] for d in deps])
-                clock[r] = finish[(a.kind, a.stage, a.mb)] = start + durations[a.kind]
-                busy += durations[a.kind]
-                pos[r] += 1
-                progressed = True
-        if not progressed:
-            stuck = {r: order[pos[r]] for r, order in enumerate(sched.orders) if pos[r] < len(order)}
-            raise RuntimeError(f"pipeline schedule {sched.name} cannot finish: ranks wait on each other at {stuck}")
-    backward = ("I", "W") if sched.splits_backward else ("B",)
-    for s in range(S):
-        for mb in range(m):
-            for kind in ("F",) + backward:
-                if (kind, s, mb) not in finish:
-                    raise RuntimeError(f"pipeline schedule {sched.name} never runs {kind}{s}.{mb}")
-    makespan = max(clock)
-    return {"makespan": makespan, "bubble": 1.0 - busy / (sched.ranks * makespan)}
+def simulate(sched: Schedule, durations: dict | None = None, *, stage_costs: list | None = None,
+             send_forward: list | None = None, send_backward: list | None = None) -> dict:
+    """Runs the orders on a clock (the C++ simulator, autoplan/pipeline_sim.h): every rank
+    takes its next action as soon as it is free and what it depends on has arrived.
+    Raises if the orders cannot all finish (they would hang) or miss an action.
 
-
-def _deps(a: Action, stages: int, split: bool) -> list[tuple]:
-    grad = "I" if split else "B"
-    if a.kind == "F":
-        return [("F", a.stage - 1, a.mb)] if a.stage > 0 else []
-    if a.kind == "W":
-        return [("I", a.stage, a.mb)]
-    own = [("F", a.stage, a.mb)]
-    return own + ([(grad, a.stage + 1, a.mb)] if a.stage < stages - 1 else [])
+    Costs: ``durations`` per kind (``DURATIONS``: F = I = W = 1, B = 2) for every stage, or
+    ``stage_costs``, one ``(F, B, I, W)`` in seconds per stage; ``send_forward`` /
+    ``send_backward``: per stage boundary, the time an activation / gradient takes to
+    reach another rank (free by default). Returns the makespan, the idle fraction of the
+    pipeline (the bubble), (p * makespan - busy) / (p * makespan), the busy time per rank
+    and the timeline, ``(kind, stage, mb, rank, start, end)`` per action."""
+    if stage_costs is None:
+        d = {**DURATIONS, **(durations or {})}
+        stage_costs = [(d["F"], d["B"], d["I"], d["W"])] * sched.stages
+    orders = [[(a.kind, a.stage, a.mb) for a in order] for order in sched.orders]
+    return _C.simulate_pipeline(sched.name, orders, list(sched.placement), sched.microbatches,
+                                [tuple(float(x) for x in c) for c in stage_costs], list(send_forward or []),
+                                list(send_backward or []))
 
 
 def analytic_bubble(name: str, p: int, m: int, v: int = 1) -> float:

@@ -1,0 +1,134 @@
+#include "autoplan/pipeline_sim.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <numeric>
+#include <sstream>
+#include <unordered_map>
+
+namespace vescale::autoplan {
+
+namespace {
+
+std::string name_of(const Action& a) {
+  std::ostringstream os;
+  os << a.kind << a.stage << "." << a.mb;
+  return os.str();
+}
+
+// Actions keyed densely: (kind, stage, mb) -> finish time, or < 0 while not done.
+class Finished {
+ public:
+  Finished(int32_t stages, int32_t microbatches)
+      : stages_(stages), mbs_(microbatches), end_(static_cast<size_t>(4 * stages * microbatches), -1.0) {}
+
+  bool valid(const Action& a) const { return kind_index(a.kind) >= 0 && a.stage >= 0 && a.stage < stages_ && a.mb >= 0 && a.mb < mbs_; }
+  double& at(const Action& a) { return end_[index(a)]; }
+  double get(char kind, int32_t stage, int32_t mb) const { return end_[index({kind, stage, mb})]; }
+
+ private:
+  static int kind_index(char k) { return k == 'F' ? 0 : k == 'B' ? 1 : k == 'I' ? 2 : k == 'W' ? 3 : -1; }
+  size_t index(const Action& a) const {
+    return static_cast<size_t>((kind_index(a.kind) * stages_ + a.stage) * mbs_ + a.mb);
+  }
+  int32_t stages_, mbs_;
+  std::vector<double> end_;
+};
+
+}  // namespace
+
+double Timeline::bubble() const {
+  const double total = std::accumulate(busy.begin(), busy.end(), 0.0);
+  return makespan > 0 ? 1.0 - total / (static_cast<double>(busy.size()) * makespan) : 0.0;
+}
+
+Timeline simulate_pipeline(const PipelineModel& model) {
+  const auto stages = static_cast<int32_t>(model.placement.size());
+  const auto ranks = model.orders.size();
+  TORCH_CHECK_VALUE(stages > 0 && model.microbatches > 0, "pipeline ", model.name, ": needs stages and micro-batches");
+  TORCH_CHECK_VALUE(model.costs.empty() || static_cast<int32_t>(model.costs.size()) == stages, "pipeline ",
+                    model.name, ": give one cost per stage (", stages, "), got ", model.costs.size());
+  for (const auto* sends : {&model.send_forward, &model.send_backward})
+    TORCH_CHECK_VALUE(sends->empty() || static_cast<int32_t>(sends->size()) == stages - 1, "pipeline ", model.name,
+                      ": give one send time per stage boundary (", stages - 1, "), got ", sends->size());
+  bool split = false;
+  for (const auto& order : model.orders)
+    for (const auto& a : order) split |= a.kind == 'I';
+  const char grad = split ? 'I' : 'B';
+
+  Finished finished(stages, model.microbatches);
+  const StageCost unit;
+  auto cost = [&](const Action& a) {
+    const auto& c = model.costs.empty() ? unit : model.costs[static_cast<size_t>(a.stage)];
+    return a.kind == 'F' ? c.forward : a.kind == 'B' ? c.backward : a.kind == 'I' ? c.input_backward : c.weight_backward;
+  };
+  auto rank_of = [&](int32_t s) { return model.placement[static_cast<size_t>(s)]; };
+  auto send = [&](const std::vector<double>& times, int32_t boundary, int32_t from, int32_t to) {
+    return times.empty() || rank_of(from) == rank_of(to) ? 0.0 : times[static_cast<size_t>(boundary)];
+  };
+  // When a's inputs are all there, or < 0 while one is missing.
+  auto ready = [&](const Action& a) -> double {
+    double t = 0;
+    auto need = [&](char kind, int32_t s, double delay) {
+      const double end = finished.get(kind, s, a.mb);
+      if (end < 0) return false;
+      t = std::max(t, end + delay);
+      return true;
+    };
+    if (a.kind == 'F')
+      return a.stage == 0 || need('F', a.stage - 1, send(model.send_forward, a.stage - 1, a.stage - 1, a.stage)) ? t : -1;
+    if (a.kind == 'W') return need('I', a.stage, 0) ? t : -1;
+    if (!need('F', a.stage, 0)) return -1;
+    if (a.stage + 1 < stages && !need(grad, a.stage + 1, send(model.send_backward, a.stage, a.stage + 1, a.stage)))
+      return -1;
+    return t;
+  };
+
+  Timeline out;
+  out.busy.assign(ranks, 0.0);
+  std::vector<size_t> pos(ranks, 0);
+  std::vector<double> clock(ranks, 0.0);
+  size_t remaining = 0;
+  for (const auto& order : model.orders) remaining += order.size();
+  while (remaining > 0) {
+    bool progressed = false;
+    for (size_t r = 0; r < ranks; ++r) {
+      const auto& order = model.orders[r];
+      while (pos[r] < order.size()) {
+        const Action& a = order[pos[r]];
+        TORCH_CHECK_VALUE(finished.valid(a), "pipeline ", model.name, ": rank ", r, " has an action ", name_of(a),
+                          " outside its ", stages, " stages and ", model.microbatches, " micro-batches");
+        TORCH_CHECK_VALUE(rank_of(a.stage) == static_cast<int32_t>(r), "pipeline ", model.name, ": rank ", r,
+                          " runs ", name_of(a), " of a stage placed on rank ", rank_of(a.stage));
+        const double t = ready(a);
+        if (t < 0) break;
+        const double start = std::max(clock[r], t);
+        const double end = start + cost(a);
+        TORCH_CHECK_VALUE(finished.at(a) < 0, "pipeline ", model.name, ": ", name_of(a), " runs twice");
+        finished.at(a) = end;
+        clock[r] = end;
+        out.busy[r] += end - start;
+        out.actions.push_back({a, static_cast<int32_t>(r), start, end});
+        ++pos[r];
+        --remaining;
+        progressed = true;
+      }
+    }
+    if (!progressed) {
+      std::ostringstream stuck;
+      for (size_t r = 0; r < ranks; ++r)
+        if (pos[r] < model.orders[r].size()) stuck << (stuck.tellp() ? ", " : "") << "rank " << r << " at " << name_of(model.orders[r][pos[r]]);
+      TORCH_CHECK(false, "pipeline schedule ", model.name, " cannot finish: ranks wait on each other (", stuck.str(), ")");
+    }
+  }
+  const std::vector<char> kinds = split ? std::vector<char>{'F', 'I', 'W'} : std::vector<char>{'F', 'B'};
+  for (int32_t s = 0; s < stages; ++s)
+    for (int32_t mb = 0; mb < model.microbatches; ++mb)
+      for (char k : kinds)
+        TORCH_CHECK(finished.get(k, s, mb) >= 0, "pipeline schedule ", model.name, " never runs ", name_of({k, s, mb}));
+  out.makespan = *std::max_element(clock.begin(), clock.end());
+  return out;
+}
+
+}  // namespace vescale::autoplan
