@@ -87,15 +87,25 @@ class RankPool:
     def run(self, fn, *args, timeout: float = 300, **kwargs) -> list:
         """Runs ``fn(*args, **kwargs)`` on every rank; returns the per-rank results."""
         msg = (fn.__module__, fn.__name__, args, kwargs)
-        for conn in self._conns:
-            conn.send(msg)
         results, errors, hung = [None] * self.world_size, {}, []
         for rank, conn in enumerate(self._conns):
-            wait = timeout if not errors else _RESTART_GRACE_S
-            if not conn.poll(wait):
-                hung.append(rank)
+            try:
+                conn.send(msg)
+            except (BrokenPipeError, EOFError, OSError):
+                errors[rank] = f"rank {rank} had died before this case (exit code {self._procs[rank].exitcode})"
+        for rank, conn in enumerate(self._conns):
+            if rank in errors:
                 continue
-            status, value = conn.recv()
+            wait = timeout if not errors else _RESTART_GRACE_S
+            try:
+                if not conn.poll(wait):
+                    hung.append(rank)
+                    continue
+                status, value = conn.recv()
+            except (EOFError, OSError):  # the process died (a crash in C++: its stderr has the frame)
+                self._procs[rank].join(5)
+                errors[rank] = f"rank {rank} died (exit code {self._procs[rank].exitcode}); see its stderr above"
+                continue
             if status == "ok":
                 results[rank] = value
             else:
