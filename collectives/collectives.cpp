@@ -151,7 +151,8 @@ at::Tensor chunk_step(const RedistStep& s, const Mesh& mesh, const at::Tensor& l
     out_shape[0] = extent / k;
     shape[0] = extent / (s.groups * k);
     shape.insert(shape.begin(), {s.groups, k});
-    return x.reshape(shape).select(1, c).reshape(out_shape).clone().movedim(0, s.dim);
+    // (one copy: the piece is cloned dense, then viewed with its groups merged)
+    return x.reshape(shape).select(1, c).clone(at::MemoryFormat::Contiguous).view(out_shape).movedim(0, s.dim);
   }
   return local.narrow(s.dim, chunk_offset(extent, k, c), chunk_size(extent, k, c)).clone();
 }

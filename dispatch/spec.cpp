@@ -110,8 +110,6 @@ SpecPtr make_spec(
   const auto ndim = static_cast<int64_t>(shape.size());
   for (auto& p : spec.placements)
     if (p.splits()) p.dim = normalize_shard_dim(p.dim, ndim, "placement");
-  const auto problem = interleaved_problem(shape, spec.placements, spec.mesh->shape);
-  TORCH_CHECK_VALUE(problem.empty(), problem);
   spec.shape.assign(shape.begin(), shape.end());
   spec.stride.assign(stride.begin(), stride.end());
   spec.dtype = dtype;
@@ -124,6 +122,9 @@ SpecPtr make_spec(
   std::lock_guard<std::mutex> lock(mu);
   auto it = interned.find(&spec);
   if (it != interned.end()) return *it;
+  // Checked once per distinct spec: an interned one was laid out before.
+  const auto problem = interleaved_problem(spec.shape, spec.placements, spec.mesh->shape);
+  TORCH_CHECK_VALUE(problem.empty(), problem);
   spec.local = local_box(spec.shape, spec.placements, spec.mesh->shape, spec.mesh->coordinate);
   auto ptr = std::make_shared<const TensorSpec>(std::move(spec));
   interned.insert(ptr);

@@ -23,6 +23,8 @@ import math
 import re
 from typing import Any
 
+import torch.nn as nn
+
 from .parallel.pipeline.engine import SPLIT_METHODS
 from .parallel.pipeline.schedules import SCHEDULES, make_schedule
 from .placement_types import InterleavedShard, Partial, Placement, Replicate, Shard
@@ -368,8 +370,6 @@ def _check_mesh(mesh: dict) -> None:
 def _hf_blocks(model) -> str | None:
     """The FQN of a Hugging Face model's block list from ``config.base_model_pp_plan``
     (its keys are modules of the base model; the layers are the one that is a ModuleList)."""
-    import torch.nn as nn
-
     pp_plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None) or {}
     prefix = getattr(model, "base_model_prefix", "")
     prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""

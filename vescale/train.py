@@ -80,7 +80,6 @@ def parallelize(plan: Plan | dict, model: nn.Module, optimizer_fn: Callable | No
     mp_dtype = plan["mixed_precision.param_dtype"]
     _check_combination(plan, size, pp, dp, zero, mp_dtype)
 
-    user_model = model
     if mp_dtype is not None:
         model.to(getattr(torch, mp_dtype))
     inner: nn.Module = model
@@ -93,8 +92,8 @@ def parallelize(plan: Plan | dict, model: nn.Module, optimizer_fn: Callable | No
         inner = pipeline
     sharding = plan["tensor_parallel.sharding_plan"]
     if sharding and tp in size:
-        parallelize_module(user_model, mesh[tp], sharding)
-    _recompute(user_model, plan["recompute.modules"])
+        parallelize_module(model, mesh[tp], sharding)
+    _recompute(model, plan["recompute.modules"])
     ddp = None
     if dp in size:
         ddp = DDP(inner, mesh[dp], bucket_cap_mb=plan["data_parallel.bucket_cap_mb"])
@@ -103,11 +102,11 @@ def parallelize(plan: Plan | dict, model: nn.Module, optimizer_fn: Callable | No
     steps = _Steps(plan["gradient.accumulation_steps"])
     optimizer = None
     if optimizer_fn is not None:
-        optimizer = _optimizer(optimizer_fn, user_model, pipeline or user_model, ddp, zero,
+        optimizer = _optimizer(optimizer_fn, model, pipeline or model, ddp, zero,
                                plan["mixed_precision.loss_scale"])
         optimizer = ParallelOptimizer(optimizer, steps, plan["gradient.clip_norm"], mesh, pp)
     scaler = getattr(getattr(optimizer, "inner", None), "scaler", None)
-    wrapped = ParallelModel(inner, user_model, pipeline, ddp, mesh, dp, steps, scaler)
+    wrapped = ParallelModel(inner, pipeline, ddp, mesh, dp, steps, scaler)
     scheduler = lr_scheduler_fn(optimizer) if lr_scheduler_fn is not None else None
     loader = None
     if dataset is not None:
@@ -216,11 +215,9 @@ class ParallelModel(nn.Module):
     """The model ``vescale.parallelize`` returns: calls the parallel model with a batch
     and returns its output with the loss made global (see the module docstring)."""
 
-    def __init__(self, inner: nn.Module, user_model: nn.Module, pipeline, ddp, mesh, dp_dim: str, steps: _Steps,
-                 scaler):
+    def __init__(self, inner: nn.Module, pipeline, ddp, mesh, dp_dim: str, steps: _Steps, scaler):
         super().__init__()
         self.module = inner
-        self.user_model = user_model
         self.pipeline, self.ddp, self.mesh = pipeline, ddp, mesh
         self._dp_group = mesh.get_group(dp_dim) if dp_dim in mesh.mesh_dim_names and mesh.size(dp_dim) > 1 else None
         self._dp_size = mesh.size(dp_dim) if self._dp_group is not None else 1
@@ -262,11 +259,11 @@ class ParallelModel(nn.Module):
         """The mean over DP ranks as the value; the gradient is this rank's loss's."""
         if self._dp_group is None:
             return loss
-        value = loss.detach()
-        value = (value.full_tensor() if isinstance(value, DTensor) else value).clone()
-        mine = value.clone()
-        dist.all_reduce(value, group=self._dp_group)
-        return loss + (value / self._dp_size - mine)
+        mine = loss.detach()
+        mine = mine.full_tensor() if isinstance(mine, DTensor) else mine
+        total = mine.clone()  # (mine may share the loss's storage)
+        dist.all_reduce(total, group=self._dp_group)
+        return loss + (total / self._dp_size - mine)
 
     def _pipeline_step(self, args, kwargs) -> torch.Tensor:
         if not (torch.is_grad_enabled() and self.training):
@@ -279,6 +276,7 @@ class ParallelModel(nn.Module):
             loss = loss / self._dp_size
         return loss.float().requires_grad_()  # gradients are in place already: backward() has nothing to do
 
+    # The inner model's own views: a pipeline stage lists only the parameters it holds.
     def parameters(self, recurse: bool = True):
         return self.module.parameters(recurse)
 
@@ -295,15 +293,11 @@ class ParallelOptimizer(torch.optim.Optimizer):
     (LR schedulers and logging see them)."""
 
     def __init__(self, inner: torch.optim.Optimizer, steps: _Steps, clip_norm: float | None, mesh, pp_dim: str):
+        super().__init__([p for g in inner.param_groups for p in g["params"]], inner.defaults)
         self.inner, self._steps, self.clip_norm = inner, steps, clip_norm
         self._pp_size = mesh.size(pp_dim) if pp_dim in mesh.mesh_dim_names else 1
-        self.defaults = inner.defaults
-        self.param_groups = inner.param_groups
+        self.param_groups = inner.param_groups  # the inner optimizer's own, as DistributedOptimizer does
         self.state = inner.state
-        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
-        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
-        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
-        self._zero_grad_profile_name = "ParallelOptimizer.zero_grad"
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._steps.micro == 0:  # inside an accumulation window the gradients add up
