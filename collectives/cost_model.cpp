@@ -33,4 +33,6 @@ double all_to_all_cost(const LinkCost& c, double bytes, int64_t k) {
 
 double local_copy_cost(const LinkCost& c, double bytes) { return c.copy_s_per_byte * bytes; }
 
+double p2p_cost(const LinkCost& c, double bytes) { return c.alpha_s + c.beta_s_per_byte * bytes; }
+
 }  // namespace vescale

@@ -1,6 +1,7 @@
 #pragma once
 // Alpha-beta cost model for collectives, shared by the redistribution planner, the
-// sharding-rule selection and (later) the auto-planner.
+// sharding-rule selection and the auto-planner (autoplan/comm_time.h places these on a
+// machine's NVLink and InfiniBand links).
 //
 // A ring collective over k ranks costs (k-1) latency terms plus the bytes each rank
 // sends times the per-byte time. The numbers are rough defaults per device type;
@@ -27,5 +28,7 @@ double all_reduce_cost(const LinkCost& c, double bytes, int64_t k);
 double reduce_scatter_cost(const LinkCost& c, double bytes, int64_t k);
 double all_to_all_cost(const LinkCost& c, double bytes, int64_t k);
 double local_copy_cost(const LinkCost& c, double bytes);
+// One message of `bytes` from one rank to another (a pipeline send).
+double p2p_cost(const LinkCost& c, double bytes);
 
 }  // namespace vescale

@@ -15,6 +15,10 @@
 
 namespace py = pybind11;
 
+namespace vescale::autoplan {
+void bind_autoplan(py::module& m);  // autoplan/python_bindings.cpp
+}
+
 namespace vescale {
 namespace {
 
@@ -187,4 +191,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("cache_misses", &decision_cache_misses);
   m.def("rule_names", [] { return rules().names(); });
   m.def("missing_rule_ops", [] { return rules().missing(); });
+  autoplan::bind_autoplan(m);
 }

@@ -1,0 +1,86 @@
+#include "autoplan/hardware.h"
+
+#include <c10/util/Exception.h>
+
+namespace vescale::autoplan {
+
+namespace {
+
+constexpr double GiB = 1024.0 * 1024.0 * 1024.0;
+
+// DGX A100 80GB, the node of NVIDIA's Selene (the machine of Megatron-LM's published runs):
+// 8 x A100-SXM4-80GB, NVLink 3 through NVSwitch (600 GB/s per GPU both ways, 300 one way),
+// 8 x HDR InfiniBand 200 Gb/s = 25 GB/s per GPU one way. A100 datasheet: 312 TFLOP/s dense
+// fp16/bf16, 2,039 GB/s HBM2e.
+Hardware a100() {
+  Hardware h;
+  h.name = "a100_80gb";
+  h.gpus_per_node = 8;
+  h.hbm_bytes = 80 * GiB;
+  h.reserved_bytes = 3 * GiB;
+  h.peak_flops = 312e12;
+  // The one number fitted to published runs: the four Megatron runs on Selene of
+  // Korthikanti et al. 2022 (Table 5), least mean absolute relative error over all four
+  // (bench/autoplan_scale.py --fit; docs/benchmarks.md shows the fit and the leave-one-out
+  // error). It is the whole-step achieved fraction of peak of the GEMMs (clocks under power
+  // limits, kernel tails, small launch gaps), not a single-GEMM benchmark.
+  h.gemm_efficiency = 0.72;
+  // FlashAttention-2 forward/backward on A100 reaches 50-70% of peak (Dao 2023, fig. 4-6).
+  h.attention_efficiency = 0.55;
+  h.hbm_bw = 2.039e12;
+  h.hbm_efficiency = 0.8;  // STREAM-like copies on A100 reach ~1.6-1.7 TB/s
+  h.nvlink_bw = 300e9;
+  h.nvlink_efficiency = 0.78;  // nccl-tests all_reduce busbw on DGX A100: ~230-240 GB/s
+  h.nvlink_latency = 5e-6;
+  h.ib_bw = 25e9;
+  h.ib_efficiency = 0.9;  // nccl-tests across HDR nodes: ~22-23 GB/s busbw per NIC
+  h.ib_latency = 10e-6;
+  return h;
+}
+
+// DGX H100: 8 x H100-SXM5-80GB, NVLink 4 through NVSwitch (900 GB/s per GPU both ways, 450
+// one way), 8 x NDR InfiniBand 400 Gb/s = 50 GB/s per GPU one way. H100 SXM datasheet:
+// 989 TFLOP/s dense bf16, 3,350 GB/s HBM3.
+Hardware h100() {
+  Hardware h;
+  h.name = "h100_sxm";
+  h.gpus_per_node = 8;
+  h.hbm_bytes = 80 * GiB;
+  h.reserved_bytes = 3 * GiB;
+  h.peak_flops = 989e12;
+  // No published H100 run is fitted: the A100's achieved fraction is carried over (large
+  // bf16 GEMMs on H100 reach 650-750 TFLOP/s in cuBLAS benchmarks, 0.66-0.76 of peak).
+  h.gemm_efficiency = 0.72;
+  // cuDNN / FlashAttention-3 fused attention on H100: 500-650 TFLOP/s forward, less backward.
+  h.attention_efficiency = 0.5;
+  h.hbm_bw = 3.35e12;
+  h.hbm_efficiency = 0.8;
+  h.nvlink_bw = 450e9;
+  h.nvlink_efficiency = 0.8;  // nccl-tests all_reduce busbw on DGX H100: ~360-380 GB/s
+  h.nvlink_latency = 5e-6;
+  h.ib_bw = 50e9;
+  h.ib_efficiency = 0.9;
+  h.ib_latency = 10e-6;
+  return h;
+}
+
+}  // namespace
+
+LinkCost Hardware::nvlink() const {
+  return {nvlink_latency, 1.0 / (nvlink_bw * nvlink_efficiency), 1.0 / (hbm_bw * hbm_efficiency)};
+}
+
+LinkCost Hardware::ib() const {
+  return {ib_latency, 1.0 / (ib_bw * ib_efficiency), 1.0 / (hbm_bw * hbm_efficiency)};
+}
+
+const Hardware& hardware(const std::string& name) {
+  static const Hardware table[] = {a100(), h100()};
+  for (const auto& h : table)
+    if (h.name == name) return h;
+  TORCH_CHECK_VALUE(false, "unknown hardware '", name, "'; known: a100_80gb, h100_sxm");
+}
+
+std::vector<std::string> hardware_names() { return {"a100_80gb", "h100_sxm"}; }
+
+}  // namespace vescale::autoplan

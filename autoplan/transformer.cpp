@@ -1,0 +1,195 @@
+#include "autoplan/transformer.h"
+
+#include <c10/util/Exception.h>
+
+namespace vescale::autoplan {
+
+const char* recompute_name(Recompute r) {
+  return r == Recompute::none ? "none" : r == Recompute::selective ? "selective" : "full";
+}
+
+Recompute parse_recompute(const std::string& s) {
+  if (s == "none") return Recompute::none;
+  if (s == "selective") return Recompute::selective;
+  if (s == "full") return Recompute::full;
+  TORCH_CHECK_VALUE(false, "unknown recompute '", s, "'; use 'none', 'selective' or 'full'");
+}
+
+Work& Work::operator+=(const Work& o) {
+  gemm_flops += o.gemm_flops;
+  attn_flops += o.attn_flops;
+  hbm_bytes += o.hbm_bytes;
+  return *this;
+}
+
+namespace {
+
+Work scaled(const Work& w, double gemm, double attn, double hbm) {
+  return {w.gemm_flops * gemm, w.attn_flops * attn, w.hbm_bytes * hbm};
+}
+
+// Backward costs two matmuls per forward matmul (input and weight gradients); a fused
+// attention backward runs five block matmuls against the forward's two (it recomputes the
+// scores); memory-bound kernels read the saved input and the incoming gradient and write
+// one gradient, about twice a forward's traffic.
+Work backward_of(const Work& fwd) { return scaled(fwd, 2.0, 2.5, 2.0); }
+
+}  // namespace
+
+LayerWork layer_work(const Transformer& m, const Shard& sh) {
+  const double b = static_cast<double>(sh.micro_batch), S = static_cast<double>(m.seq);
+  const double T = b * S, h = static_cast<double>(m.hidden), f = static_cast<double>(m.ffn);
+  const double t = static_cast<double>(sh.tp), e = m.dtype_bytes;
+  const double hq = static_cast<double>(m.q_dim()), hkv = static_cast<double>(m.kv_dim());
+  const double heads = static_cast<double>(m.heads);
+  // The parts outside the tensor-parallel matmuls (norms, residual adds, dropout) are
+  // split by t only with sequence parallelism.
+  const double r = sh.sequence_parallel ? 1.0 / t : 1.0;
+  const double x = T * h * e;  // one full activation
+  const double P = b * (heads / t) * S * S;  // elements of this rank's s x s attention scores
+
+  LayerWork out;
+  Work& fwd = out.forward;
+  fwd.gemm_flops = 2 * T * h * (hq + 2 * hkv) / t  // QKV
+                   + 2 * T * hq * h / t            // output projection
+                   + 2 * T * h * f * (m.gated_mlp ? 3 : 2) / t;
+  const double core_flops = 4 * b * S * S * hq / t;  // Q K^T and scores x V
+  Work core;  // the attention between the QKV and output projections
+  if (m.flash_attention) {
+    core.attn_flops = core_flops * (m.causal ? 0.5 : 1.0);
+  } else {
+    core.gemm_flops = core_flops;
+    core.hbm_bytes = 2 * P * e + (m.dropout ? P * (2 * e + 1) : 0);  // fused softmax; dropout + mask
+  }
+  fwd += core;
+  fwd.hbm_bytes += 4 * x * r                                    // two norms: read, write
+                   + 2 * (m.dropout ? 3 * e + 1 : 3 * e) * T * h * r  // two (bias-dropout-)residual adds
+                   + (m.gated_mlp ? 3 : 2) * T * f * e / t       // (bias-)activation
+                   + (m.learned_positions ? 0 : 2 * T * (hq + hkv) * e / t);  // rotary on q, k
+  out.backward = backward_of(fwd);
+
+  // Saved for backward (Korthikanti et al. 2022, section 4.1, term by term).
+  double saved_core = 0, s2 = 0;
+  if (m.flash_attention) {
+    saved_core = T * (hq + 2 * hkv) * e / t + T * hq * e / t  // q, k, v and the output (= projection input)
+                 + b * (heads / t) * S * 4;                   // fp32 log-sum-exp per row
+  } else {
+    saved_core = T * (hq + hkv) * e / t      // q, k for Q K^T
+                 + T * hkv * e / t           // v for scores x V
+                 + T * hq * e / t;           // context: the output projection's input
+    s2 = P * e + (m.dropout ? P * (1 + e) : 0);  // softmax output; dropout mask and output
+  }
+  const double saved_outside = 2 * x * r  // norm inputs
+                               + x * r    // QKV input
+                               + x * r    // MLP input
+                               + (m.dropout ? 2 * T * h * r : 0)  // the two hidden-dropout masks, 1 byte
+                               + (m.gated_mlp ? 3 : 2) * T * f * e / t;  // activation input(s) and output
+  const double saved_all = saved_outside + saved_core + s2;
+
+  if (sh.tp > 1) {
+    if (sh.sequence_parallel) {
+      out.tp_forward = {0, 2, 2};   // gather before QKV and MLP, reduce-scatter after projections
+      out.tp_backward = {0, 2, 2};  // the transposes
+    } else {
+      out.tp_forward = {2, 0, 0};   // after the output projection and the MLP
+      out.tp_backward = {2, 0, 0};  // before QKV and the MLP (the gradient of their input)
+    }
+  }
+  out.tp_bytes = x;
+
+  switch (sh.recompute) {
+    case Recompute::none:
+      out.saved_bytes = saved_all;
+      break;
+    case Recompute::selective:
+      // Only the s x s part is recomputed; with fused attention there is none to drop.
+      out.saved_bytes = saved_all - s2;
+      if (!m.flash_attention) out.recompute = core;
+      out.peak_extra_bytes = s2;
+      break;
+    case Recompute::full:
+      out.saved_bytes = x * r;  // the layer input
+      out.recompute = fwd;
+      out.tp_recompute = out.tp_forward;
+      out.peak_extra_bytes = saved_all;
+      break;
+  }
+  return out;
+}
+
+LayerWork embedding_work(const Transformer& m, const Shard& sh) {
+  const double T = static_cast<double>(sh.micro_batch * m.seq), h = static_cast<double>(m.hidden);
+  const double t = static_cast<double>(sh.tp), e = m.dtype_bytes;
+  const double r = sh.sequence_parallel ? 1.0 / t : 1.0;
+  LayerWork out;
+  // Each rank looks up its vocabulary slice (zeros elsewhere), the slices are summed over
+  // the tensor-parallel group; positions added; dropout.
+  out.forward.hbm_bytes = T * h * e + (m.learned_positions ? 2 * T * h * e * r : 0) +
+                          (m.dropout ? (2 * e + 1) * T * h * r : 0);
+  out.backward = backward_of(out.forward);
+  if (sh.tp > 1) {
+    if (sh.sequence_parallel) {
+      out.tp_forward = {0, 0, 1};
+      out.tp_backward = {0, 1, 0};
+    } else {
+      out.tp_forward = {1, 0, 0};
+    }
+  }
+  out.tp_bytes = T * h * e;
+  out.saved_bytes = m.dropout ? T * h * r : 0;
+  return out;
+}
+
+LayerWork head_work(const Transformer& m, const Shard& sh) {
+  const double T = static_cast<double>(sh.micro_batch * m.seq), h = static_cast<double>(m.hidden);
+  const double V = static_cast<double>(m.vocab), t = static_cast<double>(sh.tp), e = m.dtype_bytes;
+  const double r = sh.sequence_parallel ? 1.0 / t : 1.0;
+  LayerWork out;
+  out.forward.gemm_flops = 2 * T * h * V / t;
+  // Final norm; vocabulary-parallel cross-entropy in fp32: read the logits, write and
+  // reread fp32 exponentials.
+  out.forward.hbm_bytes = 2 * T * h * e * r + (e + 8) * T * V / t;
+  out.backward.gemm_flops = 2 * out.forward.gemm_flops;
+  out.backward.hbm_bytes = 4 * T * h * e * r + (4 + e) * T * V / t;
+  if (sh.tp > 1) {
+    if (sh.sequence_parallel) {
+      out.tp_forward = {0, 1, 0};   // gather the sequence before the head
+      out.tp_backward = {0, 0, 1};
+    } else {
+      out.tp_backward = {1, 0, 0};  // the gradient of the head's (replicated) input
+    }
+  }
+  out.tp_bytes = T * h * e;
+  out.saved_bytes = T * h * e * r  // norm input
+                    + T * h * e * r  // head input
+                    + 4 * T * V / t; // fp32 softmax for the cross-entropy gradient
+  return out;
+}
+
+double layer_params(const Transformer& m, int64_t tp) {
+  const double h = static_cast<double>(m.hidden), f = static_cast<double>(m.ffn), t = static_cast<double>(tp);
+  const double hq = static_cast<double>(m.q_dim()), hkv = static_cast<double>(m.kv_dim());
+  const double mlp_in = m.gated_mlp ? 2 * f : f;  // gate and up, or one
+  const double split = h * (hq + 2 * hkv) + hq * h + h * mlp_in + f * h +
+                       (m.biases ? (hq + 2 * hkv) + mlp_in : 0);  // column-parallel biases split too
+  const double replicated = (m.biases ? 2 * h : 0)  // row-parallel biases
+                            + (m.biases ? 4 * h : 2 * h);  // two norms (LayerNorm: weight and bias)
+  return split / t + replicated;
+}
+
+double embedding_params(const Transformer& m, int64_t tp) {
+  const double h = static_cast<double>(m.hidden);
+  return static_cast<double>(m.vocab) * h / static_cast<double>(tp) +
+         (m.learned_positions ? static_cast<double>(m.seq) * h : 0);
+}
+
+double head_params(const Transformer& m, int64_t tp) {
+  const double h = static_cast<double>(m.hidden);
+  return (m.biases ? 2 * h : h) + (m.tied_embeddings ? 0 : static_cast<double>(m.vocab) * h / static_cast<double>(tp));
+}
+
+double total_params(const Transformer& m) {
+  return static_cast<double>(m.layers) * layer_params(m, 1) + embedding_params(m, 1) + head_params(m, 1);
+}
+
+}  // namespace vescale::autoplan

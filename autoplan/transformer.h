@@ -1,0 +1,86 @@
+#pragma once
+// A decoder-only transformer as the planner sees it: the shapes, and what one layer costs
+// one tensor-parallel rank for one micro-batch (FLOPs, memory traffic, collectives, bytes
+// saved for backward), derived from the shapes.
+//
+// Activation bytes follow Korthikanti et al. 2022, "Reducing Activation Recomputation in
+// Large Transformer Models", section 4, generalised term by term to grouped-query
+// attention, gated MLPs (SwiGLU), no dropout and fused (flash) attention: for GPT with
+// dropout the per-layer bytes are s*b*h*(34 + 5*a*s/h) on one rank, s*b*h*(10 + 24/t +
+// 5*a*s/(h*t)) with tensor parallelism, s*b*h/t*(34 + 5*a*s/h) with sequence parallelism,
+// 34*s*b*h/t with selective recomputation (the s x s attention tensors recomputed) and
+// 2*s*b*h (/t with sequence parallelism) with full recomputation (only the layer input).
+
+#include <cstdint>
+#include <string>
+
+namespace vescale::autoplan {
+
+enum class Recompute : int { none = 0, selective = 1, full = 2 };
+const char* recompute_name(Recompute r);
+Recompute parse_recompute(const std::string& s);
+
+struct Transformer {
+  std::string name;
+  int64_t layers = 0, hidden = 0, heads = 0, kv_heads = 0, ffn = 0, vocab = 0;
+  int64_t seq = 0;           // tokens per sequence
+  int64_t global_batch = 0;  // sequences per step
+  double dtype_bytes = 2;    // parameters and activations (bf16 / fp16)
+  double grad_bytes = 4;     // gradients kept and reduced in fp32 (Megatron's main_grad)
+  double optimizer_bytes = 12;  // Adam: fp32 master weights, first and second moments
+  bool gated_mlp = false;       // SwiGLU: gate and up projections, then down
+  bool flash_attention = false; // fused attention: no s x s tensor in memory or HBM traffic
+  bool causal = true;           // a fused kernel skips the masked half of the s x s blocks
+  bool dropout = true;          // hidden and attention dropout (1-byte masks saved)
+  bool biases = true;           // linear layers and norms with biases (GPT), none (Llama)
+  bool learned_positions = true;  // GPT's position embedding table; false: rotary (RoPE)
+  bool tied_embeddings = true;    // the head reuses the input embedding
+
+  int64_t head_dim() const { return hidden / heads; }
+  int64_t q_dim() const { return heads * head_dim(); }
+  int64_t kv_dim() const { return kv_heads * head_dim(); }
+};
+
+// The things one piece of the model does, per micro-batch, on one tensor-parallel rank.
+struct Work {
+  double gemm_flops = 0;  // dense matmuls (the linear layers, and s x s matmuls without fused attention)
+  double attn_flops = 0;  // inside a fused attention kernel
+  double hbm_bytes = 0;   // traffic of memory-bound kernels (norms, activations, softmax, dropout, adds)
+  Work& operator+=(const Work& o);
+};
+
+// Tensor-parallel collectives, each over the full (b, s, h) activation of tp_bytes.
+struct TpCollectives {
+  int all_reduce = 0, all_gather = 0, reduce_scatter = 0;
+};
+
+struct LayerWork {
+  Work forward, backward;
+  Work recompute;            // forward work redone inside the backward
+  TpCollectives tp_forward, tp_backward, tp_recompute;
+  double tp_bytes = 0;       // one collective's buffer: b * s * h * dtype_bytes
+  double saved_bytes = 0;    // kept from forward to backward for this micro-batch
+  double peak_extra_bytes = 0;  // transient during this piece's own backward (recomputed activations)
+};
+
+// Shapes a layer is run at.
+struct Shard {
+  int64_t micro_batch = 1;
+  int64_t tp = 1;
+  bool sequence_parallel = false;
+  Recompute recompute = Recompute::none;
+};
+
+LayerWork layer_work(const Transformer& m, const Shard& s);
+// The first stage's extra: token (and position) embedding lookup.
+LayerWork embedding_work(const Transformer& m, const Shard& s);
+// The last stage's extra: final norm, vocabulary-parallel head and cross-entropy.
+LayerWork head_work(const Transformer& m, const Shard& s);
+
+// Parameters of one tensor-parallel rank (tp = 1: the whole piece).
+double layer_params(const Transformer& m, int64_t tp);
+double embedding_params(const Transformer& m, int64_t tp);  // token (and position) tables
+double head_params(const Transformer& m, int64_t tp);       // final norm, and the head when untied
+double total_params(const Transformer& m);
+
+}  // namespace vescale::autoplan
