@@ -16,7 +16,9 @@ Hardware a100() {
   Hardware h;
   h.name = "a100_80gb";
   h.gpus_per_node = 8;
-  h.hbm_bytes = 80 * GiB;
+  h.hbm_bytes = 80 * GiB;  // nvidia-smi: 81920 MiB
+  // CUDA context and kernels, NCCL's buffers per communicator, cuBLAS workspaces and the
+  // caching allocator's slack: an assumption, not a measurement.
   h.reserved_bytes = 3 * GiB;
   h.peak_flops = 312e12;
   // The one number fitted to published runs: the four Megatron runs on Selene of
@@ -35,6 +37,9 @@ Hardware a100() {
   h.ib_bw = 25e9;
   h.ib_efficiency = 0.9;  // nccl-tests across HDR nodes: ~22-23 GB/s busbw per NIC
   h.ib_latency = 10e-6;
+  // NCCL runs a CTA per channel, typically 8-16 channels, on the 108 SMs: an overlapped
+  // collective takes about a tenth of the GPU from the compute beside it. An assumption.
+  h.overlap_compute_share = 0.1;
   return h;
 }
 
@@ -45,7 +50,7 @@ Hardware h100() {
   Hardware h;
   h.name = "h100_sxm";
   h.gpus_per_node = 8;
-  h.hbm_bytes = 80 * GiB;
+  h.hbm_bytes = 81559.0 * 1024 * 1024;  // what the driver reports (nvidia-smi: 81559 MiB)
   h.reserved_bytes = 3 * GiB;
   h.peak_flops = 989e12;
   // No published H100 run is fitted: the A100's achieved fraction is carried over (large
@@ -61,6 +66,7 @@ Hardware h100() {
   h.ib_bw = 50e9;
   h.ib_efficiency = 0.9;
   h.ib_latency = 10e-6;
+  h.overlap_compute_share = 0.1;  // as on A100 (132 SMs, 8-32 NCCL channels)
   return h;
 }
 

@@ -29,6 +29,9 @@ struct Hardware {
   double ib_bw = 0;                 // per GPU (its own NIC), per direction, bytes/s
   double ib_efficiency = 0;         // NCCL bus bandwidth / ib_bw on large messages
   double ib_latency = 0;            // seconds per ring step between nodes
+  // Compute lost to a collective running beside it (its kernels occupy SMs and HBM
+  // bandwidth): c seconds of overlapped communication slow the compute by share * c.
+  double overlap_compute_share = 0;
 
   // The alpha-beta links of collectives/cost_model.h with the achieved bandwidths.
   LinkCost nvlink() const;

@@ -85,7 +85,8 @@ const std::vector<Field<Hardware>>& hardware_fields() {
       field("nvlink_latency", &Hardware::nvlink_latency),
       field("ib_bw", &Hardware::ib_bw),
       field("ib_efficiency", &Hardware::ib_efficiency),
-      field("ib_latency", &Hardware::ib_latency)};
+      field("ib_latency", &Hardware::ib_latency),
+      field("overlap_compute_share", &Hardware::overlap_compute_share)};
   return f;
 }
 

@@ -124,7 +124,9 @@ SearchResult search(const Transformer& m, const Hardware& hw, const SearchConstr
   size_t next = 0;
   for (; next < fits.size(); ++next) {
     if (ranked.size() >= k && fits[next].lower_bound_s >= ranked.back().step_s) break;
-    StepEstimate e = estimate_step(m, hw, fits[next].config, full, &cache);
+    ParallelConfig cfg = fits[next].config;
+    cfg.layers_per_stage.clear();  // let the simulation pick the split again, among the same choices
+    StepEstimate e = estimate_step(m, hw, cfg, full, &cache);
     ++out.simulated;
     const auto at = std::upper_bound(ranked.begin(), ranked.end(), e.step_s,
                                      [](double s, const StepEstimate& x) { return s < x.step_s; });

@@ -175,6 +175,21 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
       const Split split = split_stages(sp_problem, S);
       // No split fits: fall back to equal counts, so that the memory check below says by how much.
       layers = split.feasible ? split.blocks : uniform_split(L, S);
+      const auto even = uniform_split(L, S);
+      if (c.vp > 1 && layers != even) {
+        // A rank runs all its chunks: evening out the slowest chunk can load one rank more
+        // than equal counts do, or stall the interleaved rounds less. Both are evaluated
+        // (simulated when simulating) and the faster kept; without a timeline the smaller
+        // lower bound, which stays a lower bound of the step kept when simulating.
+        ParallelConfig a = c, b = c;
+        a.layers_per_stage = layers;
+        b.layers_per_stage = even;
+        StepEstimate ea = estimate_step(m, hw, a, opt, cache), eb = estimate_step(m, hw, b, opt, cache);
+        if (!ea.feasible) return eb;
+        if (!eb.feasible) return ea;
+        if (!opt.simulate) return ea.lower_bound_s < eb.lower_bound_s ? ea : eb;
+        return ea.step_s < eb.step_s ? ea : eb;
+      }
     }
   }
   est.config.layers_per_stage = layers;
@@ -214,7 +229,8 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
     if (c.dp > 1 && c.zero >= 2) {
       const double rs = collective_time(hw, Collective::reduce_scatter, stage_params[us] * m.grad_bytes, dp_group);
       const double ag = c.zero >= 3 ? collective_time(hw, Collective::all_gather, stage_params[us] * m.dtype_bytes, dp_group) : 0;
-      const double F2 = std::max(F, ag), B2 = std::max(B, ag + rs);
+      const double u = hw.overlap_compute_share;
+      const double F2 = std::max(ag, F + u * ag), B2 = std::max(ag + rs, B + u * (ag + rs));
       zero_comm[us] = (F2 - F) + (B2 - B);
       F = F2;
       B = B2;
@@ -342,7 +358,7 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
       std::sort(mine.begin(), mine.end(), [&](int64_t a, int64_t b) {
         return last_b_start[static_cast<size_t>(a)] < last_b_start[static_cast<size_t>(b)];
       });
-      double stream = 0;
+      double stream = 0, overlapped = 0;
       for (int64_t s : mine) {
         const auto us = static_cast<size_t>(s);
         const double bytes = stage_params[us] * m.grad_bytes;
@@ -350,12 +366,15 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
                                            bytes, dp_group);
         const double start = std::max(stream, last_b_start[us]);
         stream = std::max(start + dur, last_b_end[us] + dur * std::min(1.0, opt.bucket_bytes / bytes));
+        overlapped += std::max(0.0, std::min(stream, rank_end[uq]) - start);
       }
-      exposed += std::max(0.0, stream - rank_end[uq]);
+      // The backward it overlaps runs slower by the share of the GPU the reduction takes.
+      const double end = rank_end[uq] + hw.overlap_compute_share * overlapped;
+      exposed += std::max(0.0, stream - end) + (end - rank_end[uq]);
     }
     if (c.dp > 1 && (c.zero == 1 || c.zero == 2)) {
       const double ag = collective_time(hw, Collective::all_gather, rank_params[uq] * m.dtype_bytes, dp_group);
-      exposed += std::max(0.0, ag - first_f_end[uq]);
+      exposed += std::max(0.0, ag - first_f_end[uq]) + hw.overlap_compute_share * std::min(ag, first_f_end[uq]);
     }
     dp_exposed[uq] = exposed;
     if (rank_end[uq] + exposed > step) {

@@ -97,21 +97,24 @@ LayerWork layer_work(const Transformer& m, const Shard& sh) {
   }
   out.tp_bytes = x;
 
+  // While a layer runs its backward it holds gradients about as large as what it saved
+  // (one per saved tensor, freed as it goes), on top of whatever it recomputed.
   switch (sh.recompute) {
     case Recompute::none:
       out.saved_bytes = saved_all;
+      out.peak_extra_bytes = saved_all;
       break;
     case Recompute::selective:
       // Only the s x s part is recomputed; with fused attention there is none to drop.
       out.saved_bytes = saved_all - s2;
       if (!m.flash_attention) out.recompute = core;
-      out.peak_extra_bytes = s2;
+      out.peak_extra_bytes = saved_all + s2;
       break;
     case Recompute::full:
       out.saved_bytes = x * r;  // the layer input
       out.recompute = fwd;
       out.tp_recompute = out.tp_forward;
-      out.peak_extra_bytes = saved_all;
+      out.peak_extra_bytes = 2 * saved_all;
       break;
   }
   return out;

@@ -60,7 +60,7 @@ struct LayerWork {
   TpCollectives tp_forward, tp_backward, tp_recompute;
   double tp_bytes = 0;       // one collective's buffer: b * s * h * dtype_bytes
   double saved_bytes = 0;    // kept from forward to backward for this micro-batch
-  double peak_extra_bytes = 0;  // transient during this piece's own backward (recomputed activations)
+  double peak_extra_bytes = 0;  // transient during its own backward: gradients, recomputed activations
 };
 
 // Shapes a layer is run at.
