@@ -181,6 +181,7 @@ SearchConstraints to_constraints(const py::dict& d) {
       field("pp", &SearchConstraints::pp),
       field("dp", &SearchConstraints::dp),
       field("vp", &SearchConstraints::vp),
+      field("min_vp", &SearchConstraints::min_vp),
       field("micro_batch", &SearchConstraints::micro_batch),
       field("microbatches", &SearchConstraints::microbatches),
       field("zero", &SearchConstraints::zero),

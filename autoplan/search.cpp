@@ -76,6 +76,7 @@ SearchResult search(const Transformer& m, const Hardware& hw, const SearchConstr
         else if (p == 1) vps = {1};
         else
           for (int64_t v = 1; v * p <= m.layers; ++v) vps.push_back(v);
+        vps.erase(std::remove_if(vps.begin(), vps.end(), [&](int64_t v) { return v < c.min_vp; }), vps.end());
         for (int64_t v : vps) {
           std::vector<int> sps = c.sequence_parallel >= 0 ? std::vector<int>{c.sequence_parallel}
                                  : t > 1                 ? std::vector<int>{0, 1}

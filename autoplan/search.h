@@ -23,6 +23,7 @@ struct SearchConstraints {
   double memory_limit = 0;  // bytes for tensors per GPU; <= 0: the hardware's memory less its reserve
   // Fixed by the user when > 0 (or >= 0 for zero, sequence_parallel, recompute); searched otherwise.
   int64_t tp = 0, pp = 0, dp = 0, vp = 0, micro_batch = 0, microbatches = 0;
+  int64_t min_vp = 1;          // 2: interleaved schedules only
   int zero = -1;
   int sequence_parallel = -1;  // 0 or 1
   int recompute = -1;          // Recompute as int
