@@ -166,6 +166,7 @@ py::dict from_estimate(const StepEstimate& e) {
                          py::arg("activations") = m.activations, py::arg("other") = m.other,
                          py::arg("total") = m.total());
   d["memory_rank"] = e.memory_rank;
+  d["rank_memory"] = e.rank_memory;
   d["stage_forward"] = e.stage_forward;
   d["stage_backward"] = e.stage_backward;
   d["model_flops"] = e.model_flops;

@@ -252,6 +252,7 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
     mem.optimizer = params * opt_b;
     mem.activations = held[static_cast<size_t>(q)];
     mem.other = extra;
+    est.rank_memory.push_back(mem.total());
     if (mem.total() > worst) {
       worst = mem.total();
       est.memory = mem;

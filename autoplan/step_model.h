@@ -75,6 +75,7 @@ struct StepEstimate {
   Breakdown breakdown;            // of the rank that finishes last
   Memory memory;                  // of the rank with the most
   int64_t memory_rank = 0;        // that pipeline rank
+  std::vector<double> rank_memory;  // bytes per GPU, per pipeline rank (the same along TP and DP)
   std::vector<double> stage_forward, stage_backward;  // seconds per micro-batch, per stage
   double model_flops = 0;         // 6 * params-per-token FLOPs + attention, the step, all ranks (MFU numerator)
 };

@@ -63,6 +63,7 @@ def test_llama3_70b_on_1024_h100_has_a_known_recipe_in_its_top_three():
     for c in result.ranked:
         assert c.feasible and c.memory["total"] <= limit
         assert c.config["dp"] * c.config["tp"] * c.config["pp"] == 1024
+        assert len(c.rank_memory) == c.config["pp"] and max(c.rank_memory) == pytest.approx(c.memory["total"])
     plan = result.to_plan()
     plan.validate(world_size=1024)
 

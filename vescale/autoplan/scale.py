@@ -276,6 +276,7 @@ class Candidate:
     bubble = property(lambda self: self._d["bubble"])
     breakdown = property(lambda self: self._d["breakdown"])
     microbatches = property(lambda self: self._d["microbatches"])
+    rank_memory = property(lambda self: self._d["rank_memory"])  # bytes per GPU, per pipeline rank
 
     @property
     def mfu(self) -> float:
