@@ -73,6 +73,7 @@ bench: build
 	$(PY) bench/checkpoint.py
 	$(PY) bench/deferred_init.py
 	$(PY) bench/pipeline.py
+	$(PY) bench/autoplan_scale.py
 
 clean:
 	rm -rf build $(STAMPS) vescale/_C*.so
