@@ -8,7 +8,8 @@
 // split and exact per-rank memory; only the ones that fit are simulated, best lower bound
 // first, and the simulation stops once the next lower bound cannot beat the k-th best
 // simulated step (a lower bound is the busiest rank's work with no waiting, so nothing
-// skipped could have ranked). Every candidate not ranked keeps the reason it lost.
+// skipped could have ranked). Candidates not ranked come back, the closest few of each kind
+// (over memory, simulated but outside the top k, pruned), with the reason they lost.
 
 #include "autoplan/step_model.h"
 
