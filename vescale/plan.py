@@ -226,6 +226,9 @@ class Plan:
                                      f"{json.dumps(placements)}")
                 continue
             lines.append(f"{key} : {json.dumps(value)}")
+        report = getattr(self, "_report", None)  # vescale.generate_plan's prediction, runners-up and why
+        if report is not None:
+            lines += ["# " + line for line in str(report).splitlines()]
         return "\n".join(lines)
 
     # ---- checks against the world and the model ----

@@ -8,8 +8,13 @@ reduce-scatter, the message for a send). Analytic ring models are off by a facto
 several on gloo (loopback TCP, ranks sharing cores), which is why they are measured.
 
 ``measure_comm(world)`` is collective: every rank of the default group calls it. Groups
-of size g run ``world / g`` at once (as the rows of a mesh dim do), so contention is in
-the numbers. The fit minimises relative error (small messages matter as much as big).
+of size g run ``world / g`` at once (as the rows of a mesh dim do), and every collective
+follows a burst of compute on each rank (``gap_s``, 2 ms by default), as collectives in
+a training step follow pieces of the model: when ranks share cores, a collective's time
+is mostly the time its peers take to be scheduled, which a tight loop of collectives
+after a barrier never sees (on 4 gloo ranks sharing 2 cores, an all-reduce over 4 ranks
+takes ~0.6 ms back to back and ~10 ms between bursts of compute). The fit minimises
+relative error (small messages matter as much as big).
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ import torch.distributed as dist
 __all__ = ["CommModel", "measure_comm", "KINDS"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
+# message sizes per kind where fewer will do: a broadcast only carries a loss in a step
+_FEW = {"broadcast": (1 << 10,), "all_to_all": (1 << 10, 1 << 20)}
 # bytes of this rank's input per measurement
-SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
+SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 22)
 
 
 @dataclass
@@ -123,8 +130,25 @@ def _groups(world: int, g: int):
     return mine
 
 
-def _one(kind: str, pg, ranks: list[int], nbytes: int) -> float:
+_burst_x = None
+
+
+def _burst(seconds: float) -> None:
+    """Compute for ``seconds`` (small matmuls), as a model's layers would between collectives."""
+    global _burst_x
+    if seconds <= 0:
+        return
+    if _burst_x is None:
+        _burst_x = torch.randn(96, 96)
+    t = time.perf_counter()
+    x = _burst_x
+    while time.perf_counter() - t < seconds:
+        x = torch.tanh(x @ _burst_x * 0.01)
+
+
+def _one(kind: str, pg, ranks: list[int], nbytes: int, gap_s: float = 0.0) -> float:
     g = len(ranks)
+    _burst(gap_s)
     me = dist.get_rank()
     n = max(1, nbytes // 4)
     if kind == "all_reduce":
@@ -167,8 +191,8 @@ def _one(kind: str, pg, ranks: list[int], nbytes: int) -> float:
     return time.perf_counter() - t0
 
 
-def measure_comm(world: int | None = None, *, group_sizes=None, sizes=SIZES, reps: int = 5,
-                 kinds=KINDS) -> CommModel:
+def measure_comm(world: int | None = None, *, group_sizes=None, sizes=SIZES, reps: int = 4,
+                 kinds=KINDS, gap_s: float = 0.002) -> CommModel:
     """Microbenchmarks every collective kind at every group size that divides the world
     (collective: every rank calls it) and fits alpha-beta to each. The ranks' medians
     are averaged, so every rank returns the same model."""
@@ -184,11 +208,11 @@ def measure_comm(world: int | None = None, *, group_sizes=None, sizes=SIZES, rep
     for g in group_sizes:
         pg, ranks = _groups(world, g)
         for kind in kinds:
-            for nbytes in sizes:
+            for nbytes in (_FEW.get(kind, sizes) if sizes is SIZES else sizes):
                 runs = []
+                dist.barrier(group=pg)
                 for i in range(reps + 1):
-                    dist.barrier(group=pg)
-                    t = _one(kind, pg, ranks, nbytes)
+                    t = _one(kind, pg, ranks, nbytes, gap_s)
                     if i:
                         runs.append(t)
                 keys.append((kind, g, nbytes))
@@ -196,9 +220,11 @@ def measure_comm(world: int | None = None, *, group_sizes=None, sizes=SIZES, rep
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)
     t /= world
+    dist.barrier()
     points: dict = {}
     for (kind, g, nbytes), v in zip(keys, t.tolist()):
         points.setdefault((kind, g), []).append((float(nbytes), v))
     table = {k: fit(v) for k, v in points.items()}
-    return CommModel(table, points, source=f"{dist.get_backend()}, measured on {world} ranks",
+    return CommModel(table, points, source=f"{dist.get_backend()}, measured on {world} ranks, {1e3 * gap_s:g} ms "
+                                           f"compute between collectives",
                      seconds=time.perf_counter() - start)

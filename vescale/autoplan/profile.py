@@ -103,7 +103,10 @@ class Profile:
     param_bytes: int
     dtype_bytes: int
     seconds: float = 0.0           # how long profiling took
-    ranks: int = 1                 # how many ranks averaged their timings
+    ranks: int = 1                 # how many ranks profiled at once (and averaged their timings)
+    cores: float = 0.0             # processors the ranks effectively share (0: one each)
+    working: tuple = (0.0, 0.0)    # bytes a forward + backward adds at its peak beyond the gradients (a + b n)
+    optimizer_temp: float = 0.0    # bytes the optimizer step adds at its peak, per parameter element
 
     @property
     def blocks_list(self) -> list[UnitProfile]:
@@ -123,7 +126,8 @@ class Profile:
         return list(groups.values())
 
     def summary(self) -> str:
-        lines = [f"profile of {self.model_class}: {len(self.blocks_list)} blocks in {self.blocks!r}, "
+        lines = [f"profile of {self.model_class}: {len(self.blocks_list)} blocks in {self.blocks!r}"
+                 f"{f', ranks share {self.cores:.2f} cores' if self.cores else ''}, "
                  f"{self.param_bytes / 2**20:.2f} MiB of parameters, batch {self.batch} (timed at "
                  f"{self.measured_at[0]} and {self.measured_at[1]} samples, {self.ranks} rank(s)), "
                  f"forward {1e3 * self.step['forward_s']:.2f} ms, backward {1e3 * self.step['backward_s']:.2f} ms, "
@@ -276,7 +280,7 @@ def _structure(model: nn.Module, layout: Layout, batch, loss_fn, linears: list[L
     def post(mod, args, kwargs, out):
         n = stack.pop() if stack else ""
         if mod in unit_of and current_unit:
-            current_unit.pop()
+            last_unit[0] = current_unit.pop()
         if n in linear_names and isinstance(out, torch.Tensor):
             linear_outputs[id(out)] = n
         u = next((x for x in layout.blocks if x.module is mod), None)
@@ -287,12 +291,16 @@ def _structure(model: nn.Module, layout: Layout, batch, loss_fn, linears: list[L
         handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(m.register_forward_hook(post, with_kwargs=True))
 
+    last_unit = [layout.units[0].name if layout.units else ""]
+
     def pack(t):
         st = t.untyped_storage()
         ptr = st.data_ptr()
-        if current_unit and ptr not in param_storages and ptr not in seen_storages:
+        if ptr not in param_storages and ptr not in seen_storages and not recorder.in_backward:
             seen_storages.add(ptr)
-            saved[current_unit[-1]] += st.nbytes()
+            # glue before the first unit counts with it, glue after a unit (the loss) with that unit
+            owner = current_unit[-1] if current_unit else last_unit[0]
+            saved[owner] += st.nbytes()
         return t
 
     recorder = _OpRecorder(stack, linear_outputs)
@@ -408,6 +416,59 @@ class _Timer:
         return fwd, bwd, t1 - t0, t2 - t1
 
 
+def saved_per_unit(model: nn.Module, layout: Layout, batch, loss_fn=None) -> dict[str, int]:
+    """Bytes saved for backward during one forward, per unit (storages counted once, the
+    parameters' not; a DTensor counts its local shard; glue counts with the unit before it,
+    or the first unit)."""
+    from ..dtensor import DTensor
+    from .. import _C
+
+    def storage(t):
+        return (_C.local_tensor(t) if isinstance(t, DTensor) else t).untyped_storage()
+
+    params = set()
+    for t in list(model.parameters()) + list(model.buffers()):
+        try:
+            params.add(storage(t).data_ptr())
+        except RuntimeError:
+            pass
+    current: list[str] = []
+    last = [layout.units[0].name if layout.units else ""]
+    saved: dict[str, int] = defaultdict(int)
+    seen: set = set()
+    handles = []
+    for u in layout.units:
+        handles.append(u.module.register_forward_pre_hook(lambda m, a, n=u.name: current.append(n)))
+        handles.append(u.module.register_forward_hook(lambda m, a, o: last.__setitem__(0, current.pop())))
+
+    def pack(t):
+        try:
+            st = storage(t)
+        except RuntimeError:
+            return t
+        ptr = st.data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            saved[current[-1] if current else last[0]] += st.nbytes()
+        return t
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = loss_of(call_model(model, batch), loss_fn)
+        del loss
+    finally:
+        for h in handles:
+            h.remove()
+    return dict(saved)
+
+
+def robust(values) -> float:
+    """The mean of the faster half of some timings: on a shared machine, noise only ever
+    adds time, and a single lucky run is not typical either."""
+    v = sorted(values)
+    half = v[: max(1, len(v) // 2)]
+    return sum(half) / len(half)
+
+
 def _median_times(model, layout, batch, loss_fn, steps: int) -> tuple[dict, dict, float, float, dict]:
     timer = _Timer(layout)
     fwds, bwds, tf, tb = defaultdict(list), defaultdict(list), [], []
@@ -424,12 +485,22 @@ def _median_times(model, layout, batch, loss_fn, steps: int) -> tuple[dict, dict
             tb.append(c)
     finally:
         timer.remove()
-    med = statistics.median
+    med = robust
     return ({k: med(v) for k, v in fwds.items()}, {k: med(v) for k, v in bwds.items()}, med(tf), med(tb),
             dict(timer.out_bytes))
 
 
 _CACHE_KWARGS = {"past_key_values", "past_key_value", "layer_past", "use_cache"}
+
+
+def without_cache(args, kwargs):
+    """A module's captured arguments without a KV cache (Hugging Face's default forward
+    keeps one: reused, it would chain one call's graph to the next)."""
+    args = [None if type(v).__name__.endswith("Cache") else v for v in args]
+    kwargs = {k: None if type(v).__name__.endswith("Cache") else v for k, v in kwargs.items()}
+    for k in _CACHE_KWARGS & set(kwargs):
+        kwargs[k] = False if k == "use_cache" else None
+    return args, kwargs
 
 
 def _input_share(block: nn.Module, inputs: list, steps: int = 3) -> float:
@@ -444,13 +515,9 @@ def _input_share(block: nn.Module, inputs: list, steps: int = 3) -> float:
             ins.append((k, v.detach().clone().requires_grad_()))
         else:
             ins.append((k, v))
-    # a KV cache would chain one call's graph to the next: none here
-    ins = [(k, None if type(v).__name__.endswith("Cache") else v) for k, v in ins]
     positional = {k: v for k, v in ins if isinstance(k, int)}
-    args = [positional.get(i) for i in range(max(positional, default=-1) + 1)]
-    kwargs = {k: v for k, v in ins if not isinstance(k, int)}
-    for k in _CACHE_KWARGS & set(kwargs):
-        kwargs[k] = False if k == "use_cache" else None
+    args, kwargs = without_cache([positional.get(i) for i in range(max(positional, default=-1) + 1)],
+                                 {k: v for k, v in ins if not isinstance(k, int)})
     leaves = [v for _, v in ins if isinstance(v, torch.Tensor) and v.requires_grad]
     if not leaves:
         return 0.5
@@ -482,19 +549,114 @@ def _optimizer_times(model: nn.Module, steps: int = 3) -> tuple[float, float]:
             c.grad = torch.zeros_like(c)
         opt = torch.optim.AdamW(copies, lr=1e-4)
         runs = []
-        for i in range(steps + 1):
+        for i in range(steps + 2):
             t0 = time.perf_counter()
             opt.step()
-            if i:
+            if i > 1:
                 runs.append(time.perf_counter() - t0)
-        return statistics.median(runs)
+        return robust(runs)
 
     full = timed(params)
-    quarter = timed([p.detach().reshape(-1)[: max(1, p.numel() // 4)] for p in params])
+    small = timed([p.detach().reshape(-1)[: max(1, p.numel() // 8)] for p in params])
     n = sum(p.numel() for p in params)
-    b = max(0.0, (full - quarter) / (0.75 * n)) if n else 0.0
+    if not n:
+        return 0.0, 0.0
+    b = (full - small) / (0.875 * n)
+    if b <= 0:  # noise: all of it per element
+        return 0.0, full / n
     a = max(0.0, (full - b * n) / max(len(params), 1))
     return a, b
+
+
+def _burst(seconds: float) -> float:
+    """Seconds a fixed piece of compute takes (small matmuls, about ``seconds`` on a free core)."""
+    x = torch.randn(96, 96)
+    y = x
+    t = time.perf_counter()
+    for _ in range(max(1, int(seconds / 40e-6))):
+        y = torch.tanh(y @ x * 0.01)
+    return time.perf_counter() - t
+
+
+def effective_cores(reps: int = 3) -> float:
+    """How many processors the ranks share, in effect: a piece of compute timed on each rank
+    alone (the others waiting) and on all at once; k ranks on c cores slow by k / c.
+    Collective; 0 without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return 0.0
+    k, me = dist.get_world_size(), dist.get_rank()
+    _burst(0.002)
+    alone = []
+    for r in range(k):
+        dist.barrier()
+        if r == me:
+            alone = [_burst(0.01) for _ in range(reps)]
+        dist.barrier()
+    together = [_burst(0.01) for _ in range(reps)]
+    out = [None] * k
+    dist.all_gather_object(out, (statistics.median(alone), statistics.median(together)))
+    t_alone = statistics.median(a for a, _ in out)
+    t_all = statistics.median(b for _, b in out)
+    slow = t_all / t_alone if t_alone > 0 else 1.0
+    return float(k) if slow <= 1.0 else k / slow
+
+
+def _status_kb() -> dict:
+    with open("/proc/self/status") as f:
+        return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if v.strip().endswith("kB")}
+
+
+def _settle() -> int:
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    return _status_kb()["RssAnon"] * 1024
+
+
+def _peak_since_reset() -> int:
+    st = _status_kb()
+    return (st["VmHWM"] - st["RssFile"] - st["RssShmem"]) * 1024
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _step_memory(model: nn.Module, batch, loss_fn, sizes) -> tuple[dict, float]:
+    """Peak bytes a forward + backward adds (resident, anonymous) at each batch size, less
+    the gradients; and what an AdamW step adds beyond its state, per element. Measured on
+    a copy of the model (Linux; zeros elsewhere)."""
+    try:
+        _status_kb()
+    except OSError:
+        return {n: 0.0 for n in sizes}, 0.0
+    mod = copy.deepcopy(model)
+    params = [p for p in mod.parameters() if p.requires_grad]
+    grads = sum(p.numel() * p.element_size() for p in params)
+    opt = torch.optim.AdamW(params, lr=1e-6)
+    loss_of(call_model(mod, slice_batch(batch, min(sizes))), loss_fn).backward()
+    opt.step()  # the state exists from here on
+    out = {}
+    for n in sizes:
+        opt.zero_grad(set_to_none=True)
+        sub = slice_batch(batch, n)
+        base = _settle()
+        _reset_peak()
+        loss_of(call_model(mod, sub), loss_fn).backward()
+        out[n] = max(0.0, float(_peak_since_reset() - base - grads))
+    base = _settle()
+    _reset_peak()
+    opt.step()
+    temp = max(0.0, float(_peak_since_reset() - base)) / max(sum(p.numel() for p in params), 1)
+    del mod, opt
+    _settle()
+    return out, temp
 
 
 def _line(x1: float, y1: float, x2: float, y2: float) -> tuple[float, float]:
@@ -520,6 +682,7 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
     batch size timed (default: a quarter of the batch, at least 1)."""
     start = time.perf_counter()
     layout = find_layout(model, blocks)
+    cores = effective_cores() if average_over_ranks else 0.0
     B = batch_size_of(sample_batch)
     small = small or max(1, B // 4)
     was_training = model.training
@@ -529,7 +692,9 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
     try:
         small_batch = slice_batch(sample_batch, small)
         st = _structure(model, layout, sample_batch, loss_fn, linears)
-        st_small = _structure(model, layout, small_batch, loss_fn, [])
+        saved_small = saved_per_unit(model, layout, small_batch, loss_fn)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # the ranks time together, as they will train
         f2, b2, tf2, tb2, out2 = _median_times(model, layout, sample_batch, loss_fn, steps)
         f1, b1, tf1, tb1, out1 = _median_times(model, layout, small_batch, loss_fn, steps)
         # the input-gradient share of each block cluster's backward
@@ -540,6 +705,7 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
             if sig not in shares and u.block in block_inputs:
                 shares[sig] = _input_share(u.module, block_inputs[u.block])
         opt = _optimizer_times(model)
+        working, opt_temp = _step_memory(model, sample_batch, loss_fn, (small, B))
     finally:
         for p in model.parameters():
             p.grad = saved_grads.get(id(p))
@@ -552,10 +718,9 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         vec = [f1.get(n, 0.0) for n in names] + [f2.get(n, 0.0) for n in names] + \
               [b1.get(n, 0.0) for n in names] + [b2.get(n, 0.0) for n in names] + \
               [tf1, tf2, tb1, tb2, opt[0], opt[1]] + list(shares.values())
-        t = torch.tensor(vec, dtype=torch.float64)
-        dist.all_reduce(t)
-        t /= ranks
-        v = t.tolist()
+        gathered = [None] * ranks  # the median over ranks: one rank descheduled for a while does not count
+        dist.all_gather_object(gathered, vec)
+        v = [statistics.median(col) for col in zip(*gathered)]
         k = len(names)
         f1, f2 = dict(zip(names, v[:k])), dict(zip(names, v[k:2 * k]))
         b1, b2 = dict(zip(names, v[2 * k:3 * k])), dict(zip(names, v[3 * k:4 * k]))
@@ -564,19 +729,22 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         shares = dict(zip(shares.keys(), v[4 * k + 6:]))
 
     units = []
+    counted: set = set()  # a tensor under two names (tied weights) counts with the first unit that holds it
     for u in layout.units:
         kind = "block" if u.block is not None else ("pre" if u.before else "post")
-        named = [f"{u.name}.{n}" for n, _ in u.module.named_parameters()]
-        pbytes = sum(p.numel() * p.element_size() for p in u.module.parameters())
+        own = [(n, p) for n, p in u.module.named_parameters() if id(p) not in counted]
+        counted.update(id(p) for _, p in own)
+        named = [f"{u.name}.{n}" for n, _ in own]
+        pbytes = sum(p.numel() * p.element_size() for _, p in own)
         units.append(UnitProfile(
             name=u.name, kind=kind, index=u.block, cls=type(u.module).__name__, signature=_signature(u.module),
-            param_bytes=pbytes, param_numel=sum(p.numel() for p in u.module.parameters()), params=named,
+            param_bytes=pbytes, param_numel=sum(p.numel() for _, p in own), params=named,
             forward=_line(small, f1.get(u.name, 0.0), B, f2.get(u.name, 0.0)),
             backward=_line(small, b1.get(u.name, 0.0), B, b2.get(u.name, 0.0)),
             input_backward_share=shares.get(_signature(u.module), 0.5) if kind == "block" else 0.5,
-            saved=_line(small, st_small["saved"].get(u.name, 0), B, st["saved"].get(u.name, 0)),
+            saved=_line(small, saved_small.get(u.name, 0), B, st["saved"].get(u.name, 0)),
             out_bytes=_line(small, out1.get(u.name, 0), B, out2.get(u.name, 0)),
-            flops=_line(small, st_small["flops"].get(u.name, 0.0), B, st["flops"].get(u.name, 0.0)),
+            flops=(0.0, st["flops"].get(u.name, 0.0) / B),
             ops=st["ops"].get(u.name, {}),
             side_inputs=st["side"].get(u.block, []) if u.block is not None else []))
     names_of: dict[int, list[str]] = defaultdict(list)
@@ -591,7 +759,8 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         legal_cuts=[not p for p in st["cut_problems"]], cut_problems=st["cut_problems"], batch=B,
         measured_at=(small, B), step=dict(forward_s=tf2, backward_s=tb2, forward_small_s=tf1, backward_small_s=tb1),
         optimizer=opt, backward_ops=st["backward_ops"], param_bytes=sum(p.numel() * p.element_size() for p in params),
-        dtype_bytes=dtype_bytes, seconds=time.perf_counter() - start, ranks=ranks)
+        dtype_bytes=dtype_bytes, seconds=time.perf_counter() - start, ranks=ranks, cores=cores,
+        working=_line(small, working[small], B, working[B]), optimizer_temp=opt_temp)
 
 
 def _capture_block_inputs(model, layout: Layout, batch, loss_fn) -> dict[int, list]:

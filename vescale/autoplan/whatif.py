@@ -47,12 +47,13 @@ from ..parallel import parallelize as _parallelize
 from ..parallel.parallelize import parallelize_module
 from ..placement_types import InterleavedShard, Placement, Replicate, Shard, to_c
 from .commfit import CommModel
-from .profile import Linear, Profile, call_model, loss_of, slice_batch
+from .profile import Linear, Profile, call_model, loss_of, slice_batch, without_cache
 
 __all__ = ["VirtualMesh", "what_if", "meta_copy", "tensor_parallel_plan", "unit_collectives", "TPChoice",
            "sharded_times", "placement_cost"]
 
 R = Replicate()
+_DEBUG = False
 
 # ---- a mesh of fake process groups ---------------------------------------------------------------
 
@@ -300,7 +301,7 @@ def _capture_inputs(model: nn.Module, batch, names: set[str]) -> dict[str, tuple
     for n, m in model.named_modules():
         if n in names:
             def pre(mod, args, kwargs, n=n):
-                got.setdefault(n, (args, dict(kwargs)))
+                got.setdefault(n, tuple(without_cache(list(args), dict(kwargs))))
             handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
     try:
         with what_if():
@@ -406,8 +407,11 @@ def tensor_parallel_plan(profile: Profile, model: nn.Module, batch, tp: int, com
                 try:
                     events = _run_region(region_mod, inputs[region.name], assignment, mesh, sequence_parallel,
                                          lambda n, p=prefix: n[len(p):])
-                except Exception:  # noqa: BLE001  (a layout the rules cannot run: not a candidate)
+                except Exception as e:  # noqa: BLE001  (a layout the rules cannot run: not a candidate)
                     failed += 1
+                    if _DEBUG:
+                        import traceback
+                        traceback.print_exc()
                     continue
                 cost = placement_cost(events, comm)
                 scored.append((cost, sum(b for _, _, b in events), len(events), len(scored), combo, events))
@@ -663,9 +667,10 @@ def sharded_times(profile: Profile, model: nn.Module, batch, plan: dict, tp: int
                   batch_sizes=None) -> dict:
     """Forward and backward seconds per unit of one TP rank (coordinate 0) running the model
     sharded by ``plan`` on real local tensors over a virtual mesh: the compute at sharded
-    shapes and the dispatcher's work, without the collectives' time. Returns
-    {batch size: (forward per unit, backward per unit)}."""
-    from .profile import _median_times
+    shapes and the dispatcher's work, without the collectives' time, and the bytes each
+    unit saves for backward on that rank. Returns {batch size: (forward per unit, backward
+    per unit, saved bytes per unit)}."""
+    from .profile import _median_times, saved_per_unit
     from ..parallel.pipeline.split import find_layout
 
     real = copy.deepcopy(model)
@@ -679,7 +684,7 @@ def sharded_times(profile: Profile, model: nn.Module, batch, plan: dict, tp: int
             layout = find_layout(real, profile.blocks)
             for n in batch_sizes:
                 f, b, _, _, _ = _median_times(real, layout, slice_batch(batch, n), None, steps)
-                out[n] = (f, b)
+                out[n] = (f, b, saved_per_unit(real, layout, slice_batch(batch, n)))
     finally:
         torch.set_flush_denormal(False)
     return out
