@@ -27,6 +27,7 @@ from tests.models.llama import LlamaConfig, LlamaForCausalLM
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
 COMM = CommModel({(k, g): (300e-6 * (g - 1), 1e-9 * (g - 1)) for k in KINDS for g in (2, 4)}, source="synthetic")
 SEQ, BATCH, VOCAB = 16, 8, 64
+R = Replicate()
 
 
 def _tokens(seed: int = 3, n: int = BATCH):
@@ -34,9 +35,9 @@ def _tokens(seed: int = 3, n: int = BATCH):
     return d[:, :-1].contiguous(), d[:, 1:].contiguous()
 
 
-def _gpt(**kw):
+def _gpt(bias: bool = False):
     torch.manual_seed(0)
-    return GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=32, bias=False, **kw))
+    return GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=32, bias=bias))
 
 
 def _llama():
@@ -53,7 +54,10 @@ def _hf(name: str):
                                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                                                   max_position_embeddings=SEQ))
     if name == "gpt2":
-        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ))
+        # no dropout: with attention dropout the CPU runs the math attention, whose reshapes
+        # make InterleavedShard of c_attn cost gathers (the what-if runs see that too)
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ,
+                                                attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0))
     return tf.Qwen2ForCausalLM(tf.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                                               max_position_embeddings=SEQ))
@@ -80,12 +84,12 @@ def test_profile_of_an_unmodified_gpt():
     assert fused["transformer.h.0.attn.c_attn"] == 3 and fused["transformer.h.0.mlp.c_fc"] == 1
     block = p.blocks_list[0]
     assert block.param_bytes == sum(t.numel() * 4 for t in model.transformer.h[0].parameters())
-    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in block.ops and "aten::mm" in block.ops
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in block.ops and "aten::addmm" in block.ops
     assert block.at("saved", BATCH) > block.at("saved", 1) > 0
     assert block.at("out_bytes", BATCH) == BATCH * SEQ * 32 * 4  # what a pipeline sends on
     assert 0 < block.input_backward_share < 1
     assert block.at("forward", BATCH) > 0 and block.at("backward", BATCH) > 0
-    assert block.at("flops", BATCH) == pytest.approx(2 * BATCH * SEQ * (32 * 96 + 32 * 32 + 2 * 32 * 128), rel=0.3)
+    assert block.at("flops", BATCH) == pytest.approx(2 * BATCH * SEQ * (32 * 96 + 32 * 32 + 2 * 32 * 128) + 4 * BATCH * SEQ * SEQ * 32, rel=0.1)
     for n, t in model.named_parameters():  # profiling changed nothing
         assert torch.equal(t, before[n]) and t.grad is None
 
@@ -157,10 +161,21 @@ def test_megatron_pairs_are_found(name, tp):
     for name_, p in model.named_parameters():
         if p.dim() == 2 and name_.startswith(prof.blocks + "."):
             assert _hand_placement(found, name_) == _hand_placement(hand, name_), name_
-    # the whole model as the rules run it: the found plan sends no more than the hand plan
-    ours, _, ev_ours = unit_collectives(prof, model, batch, found, tp, False)
-    theirs, _, ev_hand = unit_collectives(prof, model, batch, hand, tp, False)
-    assert placement_cost(ev_ours, COMM) <= placement_cost(ev_hand, COMM) * (1 + 1e-9), (ev_ours, ev_hand)
+    # the whole model as the rules run it, the embedding and head split as the hand plan
+    # splits them (the search chooses those separately): the blocks' collectives cost no
+    # more than under the hand plan
+    ends = {}
+    for w in choice.end_modules:  # a tied weight is one tensor: the placement of any of its names
+        names = next((g for g in prof.tied if w in g), [w])
+        ends[w] = next((_hand_placement(hand, n) for n in names if _hand_placement(hand, n) != Replicate()),
+                       Replicate())
+    ours, _, _ = unit_collectives(prof, model, batch, choice.plan(ends={w: p for w, p in ends.items() if p != R}),
+                                  tp, False)
+    theirs, _, _ = unit_collectives(prof, model, batch, hand, tp, False)
+
+    def blocks_cost(per):
+        return sum(placement_cost(per[u.name]["forward"] + per[u.name]["backward"], COMM) for u in prof.blocks_list)
+    assert blocks_cost(ours) <= blocks_cost(theirs) * (1 + 1e-9), (ours, theirs)
 
 
 def test_fused_qkv_is_split_within_its_blocks():
@@ -212,7 +227,7 @@ def _check(c, k: dict) -> None:
     {"pipeline_parallel.schedule": "interleaved_1f1b", "pipeline_parallel.virtual_stages": 2},
     {"data_parallel.zero_stage": 3},
     {"mesh.DP": 2, "data_parallel.zero_stage": 2, "tensor_parallel.sharding_policy": "megatron"},
-    {"world_size": 4, "memory_per_device": 30_000},
+    {"world_size": 4, "memory_per_device": 900_000},
 ], ids=["tp2", "tp4-sp", "pp2-1f1b-m4", "interleaved", "zero3", "dp2-zero2", "memory"])
 def test_the_search_respects_every_constraint(gpt_profile, constraints):
     model, prof = gpt_profile
@@ -223,7 +238,8 @@ def test_the_search_respects_every_constraint(gpt_profile, constraints):
     plan = result.to_plan()
     plan.validate(world_size=4, model=model)
     text = repr(plan)
-    assert "# predicted best: " + result.best.label in text and "runners-up" in text
+    assert "# predicted best: " + result.best.label in text
+    assert ("runners-up" in text) == (len(result.ranked) > 1)
 
 
 def test_split_methods_and_memory_limits(gpt_profile):
@@ -232,7 +248,7 @@ def test_split_methods_and_memory_limits(gpt_profile):
     assert all(c.config["blocks_per_stage"] == [1, 1, 1, 1] for c in free.ranked)
     # a limit below every plan's need: refused, and the error says why
     result = _plan(model, prof, {"memory_per_device": 1000})
-    assert not result.ranked and all("over the limit" in c.verdict for c in result.rejected if c.config)
+    assert not result.ranked and all("limit" in c.verdict or "ZB-V with ZeRO-3" in c.verdict for c in result.rejected)
     with pytest.raises(PlanError, match="no plan for GPT fits"):
         result.best
     # a limit between plans: the ones above it are refused, none of those ranked exceeds it

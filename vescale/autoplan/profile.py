@@ -306,8 +306,9 @@ def _structure(model: nn.Module, layout: Layout, batch, loss_fn, linears: list[L
     recorder = _OpRecorder(stack, linear_outputs)
     flops = FlopCounterMode(display=False)
     try:
-        with flops, recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = loss_of(call_model(model, batch), loss_fn)
+        with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with flops:  # forward FLOPs only
+                loss = loss_of(call_model(model, batch), loss_fn)
             recorder.in_backward = True
             loss.backward()
     finally:
@@ -703,7 +704,10 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         for u in layout.blocks:
             sig = _signature(u.module)
             if sig not in shares and u.block in block_inputs:
-                shares[sig] = _input_share(u.module, block_inputs[u.block])
+                try:
+                    shares[sig] = _input_share(u.module, block_inputs[u.block])
+                except RuntimeError:  # a block torch's split backward cannot take apart: half and half
+                    shares[sig] = 0.5
         opt = _optimizer_times(model)
         working, opt_temp = _step_memory(model, sample_batch, loss_fn, (small, B))
     finally:

@@ -133,8 +133,12 @@ def _meta_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=No
         try:
             choice = torch._fused_sdp_choice(_stand_in(q), _stand_in(k), _stand_in(v), _stand_in(attn_mask),
                                              dropout_p, is_causal, scale=scale)
-        except RuntimeError:
+        except RuntimeError as e:
+            if _DEBUG:
+                print("SDPA choice failed", e)
             choice = 0
+        if _DEBUG:
+            print("SDPA", type(q).__name__, tuple(q.shape), q.stride(), None if attn_mask is None else tuple(attn_mask.shape), is_causal, scale, choice)
         if choice == 1:  # the CPU flash kernel
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
@@ -349,8 +353,9 @@ def _run_region(region_mod: nn.Module, inputs: tuple, assignment, mesh, sp: bool
     stream = _stream(sp)
     plan = {"parameter": _param_rules(assignment, lambda n: "r." + rel_name(n)),
             "forward": {r"r\.output": [[stream]]}}
-    if sp:  # the stream is gathered once where the region starts
-        plan["forward"][r"r\.input"] = _input_spec(_stream_argument(inputs), R)
+    # the stream enters replicated (gathered once there under SP); in the backward this is
+    # where its gradient is summed, once for the region (Megatron's f and g operators)
+    plan["forward"][r"r\.input"] = _input_spec(_stream_argument(inputs), R)
     with what_if():
         parallelize_module(holder, mesh, plan)
         args, kwargs = inputs
@@ -414,6 +419,8 @@ def tensor_parallel_plan(profile: Profile, model: nn.Module, batch, tp: int, com
                         traceback.print_exc()
                     continue
                 cost = placement_cost(events, comm)
+                if _DEBUG:
+                    print("LAYOUT", region.name, combo, events)
                 scored.append((cost, sum(b for _, _, b in events), len(events), len(scored), combo, events))
             if not scored:
                 problems.append(f"{region.name}: no split of its linear layers runs")
@@ -454,45 +461,38 @@ def _token_embeddings(profile: Profile) -> tuple[list[Linear], list[Linear]]:
 
 
 def _choose_ends(choice: "TPChoice", profile: Profile, meta: nn.Module, batch, mesh, comm: CommModel) -> None:
+    """The token embeddings' and the head's split (rows or columns), by the whole model's
+    collectives: how the head is split changes how every block's backward runs."""
     tokens, heads = _token_embeddings(profile)
     tp = choice.tp
-    tied_groups = [set(g) for g in profile.tied]
-    options = []
-    for lin in tokens + heads:
-        cands = [p for p in (Shard(0), Shard(1)) if lin.shape[p.dim] % tp == 0 and lin.shape[p.dim] >= tp]
-        options.append((lin, cands))
+    options = [(lin, [p for p in (Shard(0), Shard(1)) if lin.shape[p.dim] % tp == 0 and lin.shape[p.dim] >= tp])
+               for lin in tokens + heads]
+    options = [(lin, c) for lin, c in options if c]
     choice.end_modules = {lin.weight: lin for lin, _ in options}
-    # the two layouts: every end split along its rows (0), or its columns (1); ties share a tensor
-    trials = {}
-    for d in (0, 1):
-        assignment = {lin.weight: Shard(d) for lin, c in options if Shard(d) in c}
+    # tied weights are one tensor: one choice for the group
+    groups: list[list[Linear]] = []
+    for lin, _ in options:
+        tied = next((set(g) for g in profile.tied if lin.weight in g), {lin.weight})
+        group = next((g for g in groups if g[0].weight in tied), None)
+        if group is None:
+            groups.append([lin])
+        else:
+            group.append(lin)
+    cands = {lin.weight: c for lin, c in options}
+    per_group = [[d for d in (0, 1) if all(Shard(d) in cands[x.weight] for x in g)] for g in groups]
+    best = None
+    for combo in itertools.product(*per_group):
+        assignment = {x.weight: Shard(d) for g, d in zip(groups, combo) for x in g}
         try:
-            per_unit, _, _ = unit_collectives(profile, meta, batch, choice.plan(ends=assignment), tp,
-                                              choice.sequence_parallel, comm=None, meta_model=True)
+            _, _, events = unit_collectives(profile, meta, batch, choice.plan(ends=assignment), tp,
+                                            choice.sequence_parallel, comm=None, meta_model=True)
         except Exception as e:  # noqa: BLE001
-            choice.problems.append(f"ends split along dim {d}: {type(e).__name__}: {str(e).splitlines()[0]}")
+            choice.problems.append(f"ends {assignment}: {type(e).__name__}: {str(e).splitlines()[0]}")
             continue
-        trials[d] = (assignment, per_unit)
-    ends: dict = {}
-    decided = set()
-    for lin, cands in options:
-        if lin.weight in decided:
-            continue
-        group = next((g for g in tied_groups if lin.weight in g), {lin.weight})
-        members = [x for x, _ in options if x.weight in group]
-        units = {u.name for u in profile.units for m in members if m.name == u.name or m.name.startswith(u.name + ".")}
-        best = None
-        for d, (assignment, per_unit) in trials.items():
-            if lin.weight not in assignment:
-                continue
-            cost = sum(placement_cost(per_unit[u]["forward"] + per_unit[u]["backward"], comm) for u in units)
-            if best is None or cost < best[0]:
-                best = (cost, d)
-        if best is not None:
-            for m in members:
-                ends[m.weight] = Shard(best[1])
-                decided.add(m.weight)
-    choice.ends = ends
+        cost = placement_cost(events, comm)
+        if best is None or cost < best[0]:
+            best = (cost, assignment)
+    choice.ends = best[1] if best else {}
 
 
 @dataclass
@@ -539,10 +539,8 @@ class TPChoice:
                 if b is not None and b != R:
                     parameter[self._block_pattern(lin.bias, cluster)] = [b]
             if res.region != cluster[0]:
+                forward[self._block_pattern(res.region, cluster) + r"\.input"] = _input_spec(res.stream_argument, R)
                 forward[self._block_pattern(res.region, cluster) + r"\.output"] = [[stream]]
-                if self.sequence_parallel:
-                    forward[self._block_pattern(res.region, cluster) + r"\.input"] = _input_spec(
-                        res.stream_argument, R)
         for weight, p in ends.items():
             lin = self.end_modules[weight]
             parameter[re.escape(weight)] = [p]
