@@ -301,12 +301,25 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
   for (size_t i = 0; i < p.units.size(); ++i)
     if (p.units[i].kind != 1) root_bytes += l.units[i].param_bytes;
   root_bytes += p.glue_param_bytes / static_cast<double>(c.tp);
+  bool splits_backward = false;
+  if (sched)
+    for (const auto& o : sched->orders)
+      for (const auto& a : o) splits_backward |= a.kind == 'I';
   for (int64_t s = 0; s < S; ++s) {
     const auto us = static_cast<size_t>(s);
     double f = 0, b = 0, bi = 0, tpf = 0, tpb = 0, z = 0;
+    if (s > 0) {  // the units before this stage run as shadows on meta in its forward
+      for (size_t i = 0; i < p.units.size(); ++i) {
+        const bool before = p.units[i].kind == 0 ||
+                            (p.units[i].kind == 1 && std::find(stages.units[us].begin(), stages.units[us].end(), i) ==
+                                                         stages.units[us].end() && i < stages.units[us].front());
+        if (before) f += l.units[i].shadow;
+      }
+    }
     for (const auto i : stages.units[us]) {
       const auto& u = l.units[i];
-      const double uf = u.fwd_a + u.fwd_b * n, ub = u.bwd_a + u.bwd_b * n;
+      const double uf = u.fwd_a + u.fwd_b * n;
+      const double ub = (u.bwd_a + u.bwd_b * n) * (splits_backward && p.units[i].kind == 1 ? u.split_cost : 1.0);
       f += uf;
       b += ub;
       bi += ub * (p.units[i].kind == 1 ? u.input_share : 0.5);
@@ -317,12 +330,13 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       pnumel[us] += u.param_numel;
       ptensors[us] += static_cast<double>(u.param_tensors);
       if (c.zero == 3 && p.units[i].kind == 1) {
-        z += 2 * cost.time("all_gather", c.dp, std::ceil(u.param_bytes / dpd));
+        // gathered (and unpacked into the parameters) for the forward and the backward
+        z += 2 * (cost.time("all_gather", c.dp, std::ceil(u.param_bytes / dpd)) + p.copy_per_byte * u.param_bytes);
         pmax[us] = std::max(pmax[us], u.param_bytes);
       }
     }
     if (c.zero == 3) {  // the root's parameters, gathered for every micro-batch's forward and backward
-      z += 2 * cost.time("all_gather", c.dp, std::ceil(root_bytes / dpd));
+      z += 2 * (cost.time("all_gather", c.dp, std::ceil(root_bytes / dpd)) + p.copy_per_byte * root_bytes);
       pmax[us] = std::max(pmax[us], root_bytes);
     }
     if ((c.pp > 1 ? sched->placement[us] : 0) == 0) {
@@ -446,7 +460,11 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       // without a pipeline the buckets but the last overlap the rest of the backward
       const double hidden = c.pp == 1 && nb > 1 ? std::min(red * (nb - 1) / nb, 0.5 * rbk) : 0.0;
       dp_t += red - hidden;
-      if (c.zero == 1 || c.zero == 2) dp_t += cost.time("all_gather", c.dp, std::ceil(rb / dpd));
+      // DDP packs the gradients into its bucket, averages and unpacks them (ZeRO-2/3 keep a slice)
+      dp_t += p.copy_per_byte * grads * (c.zero >= 2 ? 2.0 + 1.0 / dpd : 3.0);
+      if (c.zero == 1 || c.zero == 2)  // the updated slices gathered and unpacked into the parameters
+        dp_t += cost.time("all_gather", c.dp, std::ceil(rb / dpd)) + p.copy_per_byte * (rb + rb / dpd);
+      if (c.zero == 3) dp_t += p.copy_per_byte * rb / dpd;  // the updated slices into the parameters' slices
       dp_t += cost.time("all_reduce", c.dp, 8);
     }
     double pp_t = 0;

@@ -71,6 +71,8 @@ class CommCost {
 struct UnitCost {
   double fwd_a = 0, fwd_b = 0, bwd_a = 0, bwd_b = 0;
   double input_share = 0.5;  // the input-gradient part of the backward (zero-bubble schedules)
+  double split_cost = 1.0;   // the two parts of a split backward against a plain one
+  double shadow = 0;         // its forward on meta: what a later pipeline stage pays per micro-batch
   double saved_a = 0, saved_b = 0;
   double out_a = 0, out_b = 0;  // bytes of what it hands on (one TP rank's part)
   double param_bytes = 0;       // one TP rank's
@@ -125,6 +127,9 @@ struct Problem {
   // and what the optimizer step adds beyond its state, per element.
   double working_a = 0, working_b = 0;
   double optimizer_temp_per_element = 0;
+  // Seconds per byte of a tensor copy: DDP flattens gradients into its buckets and back,
+  // ZeRO packs and unpacks slices around its collectives.
+  double copy_per_byte = 0;
 };
 
 struct Constraints {

@@ -245,6 +245,8 @@ eager::Problem to_problem(const py::dict& d) {
       c.out_a = ud["out"].cast<py::tuple>()[0].cast<double>();
       c.out_b = ud["out"].cast<py::tuple>()[1].cast<double>();
       c.input_share = get_or<double>(ud, "input_share", 0.5);
+      c.split_cost = get_or<double>(ud, "split_cost", 1.0);
+      c.shadow = get_or<double>(ud, "shadow", 0.0);
       c.param_bytes = ud["param_bytes"].cast<double>();
       c.param_numel = ud["param_numel"].cast<double>();
       c.param_tensors = ud["param_tensors"].cast<int64_t>();
@@ -294,6 +296,7 @@ eager::Problem to_problem(const py::dict& d) {
   p.working_a = get_or<double>(d, "working_a", 0.0);
   p.working_b = get_or<double>(d, "working_b", 0.0);
   p.optimizer_temp_per_element = get_or<double>(d, "optimizer_temp_per_element", 0.0);
+  p.copy_per_byte = get_or<double>(d, "copy_per_byte", 0.0);
   TORCH_CHECK_VALUE(p.world >= 1 && p.batch >= 1, "eager problem: world and batch must be >= 1");
   return p;
 }

@@ -13,8 +13,12 @@ thread each, on a machine that may be shared):
    factorisation, ZeRO stage, sequence parallelism, schedule, micro-batches, with the
    planner's split), in a random order, ``--rounds`` times: ``vescale.parallelize`` on a
    fresh seed-0 model, 2 warm-up steps, then timed steps (a barrier before each; a step
-   takes as long as its slowest rank; the median of the steps); the peak anonymous RSS
-   over the timed steps less the RSS before the plan was built;
+   takes as long as its slowest rank; the median of the steps); memory: the most bytes malloc had handed out
+   (glibc mallinfo2, sampled at every module's forward start and end, every gradient's
+   accumulation and around the optimizer step) during the two warm-up steps (the
+   optimizer's state is made in the first), less those in use before the plan was built,
+   the largest rank's; and the resident memory that stays per timed step
+   (tensor-parallel steps leak, see docs/benchmarks.md);
 3. compare: regret of the planner's choice (its measured step over the best measured),
    Kendall's tau between predicted and measured step times, the predicted peak memory
    against the measured, the noise floor (how much the rounds of one plan disagree), a
@@ -55,6 +59,7 @@ import vescale  # noqa: E402
 import vescale.train as _train  # noqa: E402
 from vescale.autoplan import plan_eager  # noqa: E402
 from vescale.autoplan.eager import EagerCandidate  # noqa: E402
+from vescale.autoplan.profile import PeakInUse, in_use  # noqa: E402
 from bench.common import free_port  # noqa: E402
 
 WORLD = 4
@@ -182,7 +187,8 @@ def measure(result, cand: EagerCandidate, make, kind: str, steps: int) -> dict:
     plan = result.to_plan(cand)
     plan.update({"data.shuffle": False})
     dataset, _ = _data(kind, BATCH * (steps + 3))
-    base = settle_memory()
+    settle_memory()
+    base = in_use()
     t_build = time.perf_counter()
     model = make()
     model, opt, _, loader = vescale.parallelize(plan, model, functools.partial(torch.optim.AdamW, lr=LR), None,
@@ -190,11 +196,13 @@ def measure(result, cand: EagerCandidate, make, kind: str, steps: int) -> dict:
     build_s = time.perf_counter() - t_build
     times, losses = [], []
     it = iter(loader)
+    watch = PeakInUse().watch(model)  # the peak of the first two steps (the optimizer's state appears in the first)
+    peak = growth_from = None
     for i in range(2 + steps):
         batch = next(it)
         if i == 2:
-            settle_memory()
-            reset_peak()
+            peak = (watch.close() - base) // 1024
+            growth_from = settle_memory()
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
@@ -205,14 +213,15 @@ def measure(result, cand: EagerCandidate, make, kind: str, steps: int) -> dict:
         if i >= 2:
             times.append(t1 - t0)
         losses.append(float((loss.full_tensor() if isinstance(loss, vescale.DTensor) else loss).detach()))
-    peak = peak_anon_kb() - base
+    growth = (settle_memory() - growth_from) / max(steps, 1)  # resident memory that stays, per step
     del model, opt, loader, it
     settle_memory()
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (times, peak, losses[0], build_s))
+    dist.all_gather_object(every, (times, peak, losses[0], build_s, growth))
     slowest = [max(ts) for ts in zip(*(e[0] for e in every))]
     return {"step_s": statistics.median(slowest), "steps_s": slowest, "peak_bytes": max(e[1] for e in every) * 1024,
-            "rank_peak_bytes": [e[1] * 1024 for e in every], "first_loss": every[0][2], "build_s": every[0][3]}
+            "rank_peak_bytes": [e[1] * 1024 for e in every], "first_loss": every[0][2], "build_s": every[0][3],
+            "growth_bytes_per_step": max(e[4] for e in every) * 1024}
 
 
 # ---- statistics -----------------------------------------------------------------------------------
@@ -298,7 +307,8 @@ def run_model(name: str, cfg: dict, log) -> dict:
                          rounds_s=[m["step_s"] for m in ms], predicted_bytes=c.memory["total"],
                          measured_bytes=statistics.mean(m["peak_bytes"] for m in ms),
                          predicted_rank_bytes=[r["total"] for r in c.rank_memory],
-                         first_loss=ms[0]["first_loss"], verdict=c.verdict))
+                         first_loss=ms[0]["first_loss"], verdict=c.verdict,
+                         growth_bytes_per_step=max(m["growth_bytes_per_step"] for m in ms)))
     return dict(model=name, planning_s=planning_s, planning_breakdown=result.seconds, rows=rows,
                 failures={str(k): v for k, v in failures.items()}, choice=result.best.label,
                 choice_key=list(result.best.key()), profile=result.profile.summary(), comm=str(result.comm),

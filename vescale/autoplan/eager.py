@@ -291,7 +291,8 @@ def _layout_tp1(profile: Profile) -> dict:
     units = []
     for u in profile.units:
         units.append(dict(fwd=u.forward, bwd=u.backward, saved=u.saved, out=u.out_bytes,
-                          input_share=u.input_backward_share, param_bytes=float(u.param_bytes),
+                          input_share=u.input_backward_share, split_cost=u.split_backward_cost, shadow=u.shadow_s,
+                          param_bytes=float(u.param_bytes),
                           param_numel=float(u.param_numel), param_tensors=len(u.params), fwd_comm=[], bwd_comm=[]))
     return {"tp": 1, "sp": False, "units": units}
 
@@ -317,7 +318,8 @@ def _layout_sharded(profile: Profile, model, batch, tp: int, sp: bool, comm: Com
         units.append(dict(fwd=_line(n1, f1.get(u.name, 0.0), n2, f2.get(u.name, 0.0)),
                           bwd=_line(n1, b1.get(u.name, 0.0), n2, b2.get(u.name, 0.0)),
                           saved=_line(n1, s1.get(u.name, 0), n2, s2.get(u.name, 0)), out=out,
-                          input_share=u.input_backward_share, param_bytes=float(pb[u.name]),
+                          input_share=u.input_backward_share, split_cost=u.split_backward_cost,
+                          shadow=u.shadow_s, param_bytes=float(pb[u.name]),
                           param_numel=float(u.param_numel * local), param_tensors=len(u.params),
                           fwd_comm=_comms(ev1[u.name]["forward"], ev2[u.name]["forward"], n1, n2),
                           bwd_comm=_comms(ev1[u.name]["backward"], ev2[u.name]["backward"], n1, n2)))
@@ -420,7 +422,7 @@ def plan_eager(model: nn.Module, sample_batch, *, world: int | None = None, cons
                "grad_bytes_per_param_byte": 1.0, "cores": float(profile.cores),
                "profiled_busy": profile.ranks if profile.cores else 1,
                "working_a": profile.working[0], "working_b": profile.working[1],
-               "optimizer_temp_per_element": profile.optimizer_temp}
+               "optimizer_temp_per_element": profile.optimizer_temp, "copy_per_byte": profile.copy_per_byte}
     search = {key: k[key] for key in ("pp", "dp", "tp", "zero", "sp", "microbatches", "vp", "schedule", "split",
                                       "memory_limit") if key in k}
     r = _C.autoplan_eager_search(problem, search)

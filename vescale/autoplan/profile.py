@@ -73,6 +73,8 @@ class UnitProfile:
     forward: tuple = (0.0, 0.0)  # seconds = a + b * samples
     backward: tuple = (0.0, 0.0)
     input_backward_share: float = 0.5  # of the backward: the input-gradient half (I), the rest W
+    split_backward_cost: float = 1.0   # (I + W) / a plain backward: what splitting the backward costs
+    shadow_s: float = 0.0              # its forward on meta (a pipeline stage that does not own it runs that)
     saved: tuple = (0.0, 0.0)    # bytes saved for backward
     out_bytes: tuple = (0.0, 0.0)  # bytes of the outputs that need a gradient (what a pipeline sends on)
     flops: tuple = (0.0, 0.0)    # forward FLOPs
@@ -107,6 +109,7 @@ class Profile:
     cores: float = 0.0             # processors the ranks effectively share (0: one each)
     working: tuple = (0.0, 0.0)    # bytes a forward + backward adds at its peak beyond the gradients (a + b n)
     optimizer_temp: float = 0.0    # bytes the optimizer step adds at its peak, per parameter element
+    copy_per_byte: float = 0.0     # seconds per byte of a tensor copy (DDP buckets, ZeRO slices)
 
     @property
     def blocks_list(self) -> list[UnitProfile]:
@@ -504,13 +507,14 @@ def without_cache(args, kwargs):
     return args, kwargs
 
 
-def _input_share(block: nn.Module, inputs: list, steps: int = 3) -> float:
+def _input_share(block: nn.Module, inputs: list, steps: int = 3) -> tuple[float, float]:
     """The input-gradient part of a block's backward (torch's split of the autograd graph,
-    as the zero-bubble schedules run it), measured on a copy of the block."""
+    as the zero-bubble schedules run it), and what the split costs: (input-gradient part
+    / both parts, both parts / a plain backward), measured on a copy of the block."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     mod = copy.deepcopy(block)
-    ins, shares = [], []
+    ins, shares, costs = [], [], []
     for k, v in inputs:
         if isinstance(v, torch.Tensor) and v.requires_grad:
             ins.append((k, v.detach().clone().requires_grad_()))
@@ -521,7 +525,8 @@ def _input_share(block: nn.Module, inputs: list, steps: int = 3) -> float:
                                  {k: v for k, v in ins if not isinstance(k, int)})
     leaves = [v for _, v in ins if isinstance(v, torch.Tensor) and v.requires_grad]
     if not leaves:
-        return 0.5
+        return 0.5, 1.0
+    plain = []
     for i in range(steps + 1):
         out = mod(*args, **kwargs)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -531,12 +536,54 @@ def _input_share(block: nn.Module, inputs: list, steps: int = 3) -> float:
         t1 = time.perf_counter()
         stage_backward_weight(iter(list(mod.parameters())), groups)
         t2 = time.perf_counter()
+        out = mod(*args, **kwargs)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        t3 = time.perf_counter()
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        t4 = time.perf_counter()
         for lf in leaves:
             lf.grad = None
         mod.zero_grad(set_to_none=True)
         if i:
             shares.append((t1 - t0) / max(t2 - t0, 1e-9))
-    return statistics.median(shares)
+            costs.append(t2 - t0)
+            plain.append(t4 - t3)
+    return statistics.median(shares), max(1.0, robust(costs) / max(robust(plain), 1e-9))
+
+
+def meta_forward_times(model: nn.Module, layout: Layout, batch, loss_fn=None, steps: int = 2) -> dict[str, float]:
+    """Seconds each unit's forward takes on meta tensors: what a pipeline stage pays to run
+    the units of the stages before it as shadows (vescale's stages run the model's own
+    forward; units they do not own run on meta so that glue code keeps working)."""
+    from .whatif import meta_copy  # (whatif imports this module)
+
+    meta = meta_copy(model)
+    mlayout = find_layout(meta, layout.blocks_name)
+    timer = _Timer(mlayout)
+    out: dict[str, list] = defaultdict(list)
+    try:
+        with torch.no_grad():
+            for i in range(steps + 1):
+                timer.fwd_events.clear()
+                t0 = time.perf_counter()
+                try:
+                    call_model(meta, tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, batch))
+                except Exception:  # noqa: BLE001  (a model that cannot run on meta: no shadow cost known)
+                    return {}
+                if not i:
+                    continue
+                spans: dict[str, float] = defaultdict(float)
+                open_at: dict[str, float] = {}
+                for name, kind, t in timer.fwd_events:
+                    if kind == "pre":
+                        open_at[name] = t
+                    elif name in open_at:
+                        spans[name] += t - open_at.pop(name)
+                for n, v in spans.items():
+                    out[n].append(v)
+    finally:
+        timer.remove()
+    return {n: robust(v) for n, v in out.items()}
 
 
 def _optimizer_times(model: nn.Module, steps: int = 3) -> tuple[float, float]:
@@ -602,40 +649,88 @@ def effective_cores(reps: int = 3) -> float:
     return float(k) if slow <= 1.0 else k / slow
 
 
-def _status_kb() -> dict:
-    with open("/proc/self/status") as f:
-        return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if v.strip().endswith("kB")}
+def copy_seconds_per_byte(nbytes: int = 8 << 20, reps: int = 5) -> float:
+    """Seconds per byte of a large tensor copy (what DDP's buckets and ZeRO's slices cost
+    around their collectives)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    runs = []
+    for i in range(reps + 1):
+        t = time.perf_counter()
+        dst.copy_(src)
+        if i:
+            runs.append(time.perf_counter() - t)
+    return robust(runs) / nbytes
 
 
-def _settle() -> int:
-    import ctypes
-    import gc
+class _MallInfo2:
+    lib = None
 
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-    return _status_kb()["RssAnon"] * 1024
+    @classmethod
+    def get(cls):
+        if cls.lib is None:
+            import ctypes
+
+            class Info(ctypes.Structure):
+                _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                           "fsmblks", "uordblks", "fordblks", "keepcost")]
+            try:
+                lib = ctypes.CDLL("libc.so.6")
+                lib.mallinfo2.restype = Info
+                lib.mallinfo2()
+                cls.lib = lib
+            except (OSError, AttributeError):
+                cls.lib = False
+        return cls.lib
 
 
-def _peak_since_reset() -> int:
-    st = _status_kb()
-    return (st["VmHWM"] - st["RssFile"] - st["RssShmem"]) * 1024
+def in_use() -> int:
+    """Bytes malloc has handed out and not taken back (glibc's mallinfo2: in-use chunks and
+    mmapped ones): the CPU tensors' memory, unlike the resident set, which keeps what the
+    allocator freed but did not return. 0 where glibc is not there."""
+    lib = _MallInfo2.get()
+    if not lib:
+        return 0
+    m = lib.mallinfo2()
+    return m.uordblks + m.hblkhd
 
 
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+class PeakInUse:
+    """The most bytes in use (``in_use``), sampled at every module's forward start and end,
+    whenever a parameter's gradient is accumulated, and around every optimizer step."""
+
+    def __init__(self):
+        self.peak = 0
+        self.handles = []
+
+    def sample(self, *args, **kwargs):
+        self.peak = max(self.peak, in_use())
+
+    def watch(self, model: nn.Module) -> "PeakInUse":
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self.sample()
+        self.handles += [register_module_forward_pre_hook(self.sample), register_module_forward_hook(self.sample),
+                         register_optimizer_step_pre_hook(self.sample), register_optimizer_step_post_hook(self.sample)]
+        for p in model.parameters():
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(self.sample))
+        return self
+
+    def close(self) -> int:
+        self.sample()
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        return self.peak
 
 
 def _step_memory(model: nn.Module, batch, loss_fn, sizes) -> tuple[dict, float]:
-    """Peak bytes a forward + backward adds (resident, anonymous) at each batch size, less
+    """Peak bytes a forward + backward adds (in use, ``in_use``) at each batch size, less
     the gradients; and what an AdamW step adds beyond its state, per element. Measured on
-    a copy of the model (Linux; zeros elsewhere)."""
-    try:
-        _status_kb()
-    except OSError:
+    a copy of the model (zeros where glibc's counters are not there)."""
+    if not _MallInfo2.get():
         return {n: 0.0 for n in sizes}, 0.0
     mod = copy.deepcopy(model)
     params = [p for p in mod.parameters() if p.requires_grad]
@@ -647,16 +742,15 @@ def _step_memory(model: nn.Module, batch, loss_fn, sizes) -> tuple[dict, float]:
     for n in sizes:
         opt.zero_grad(set_to_none=True)
         sub = slice_batch(batch, n)
-        base = _settle()
-        _reset_peak()
+        base = in_use()
+        watch = PeakInUse().watch(mod)
         loss_of(call_model(mod, sub), loss_fn).backward()
-        out[n] = max(0.0, float(_peak_since_reset() - base - grads))
-    base = _settle()
-    _reset_peak()
+        out[n] = max(0.0, float(watch.close() - base - grads))
+    base = in_use()
+    watch = PeakInUse().watch(mod)
     opt.step()
-    temp = max(0.0, float(_peak_since_reset() - base)) / max(sum(p.numel() for p in params), 1)
+    temp = max(0.0, float(watch.close() - base)) / max(sum(p.numel() for p in params), 1)
     del mod, opt
-    _settle()
     return out, temp
 
 
@@ -698,17 +792,20 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
             dist.barrier()  # the ranks time together, as they will train
         f2, b2, tf2, tb2, out2 = _median_times(model, layout, sample_batch, loss_fn, steps)
         f1, b1, tf1, tb1, out1 = _median_times(model, layout, small_batch, loss_fn, steps)
-        # the input-gradient share of each block cluster's backward
+        # the input-gradient share of each block cluster's backward, and the split's cost
         shares: dict = {}
+        split_costs: dict = {}
         block_inputs = _capture_block_inputs(model, layout, small_batch, loss_fn)
         for u in layout.blocks:
             sig = _signature(u.module)
             if sig not in shares and u.block in block_inputs:
                 try:
-                    shares[sig] = _input_share(u.module, block_inputs[u.block])
+                    shares[sig], split_costs[sig] = _input_share(u.module, block_inputs[u.block])
                 except RuntimeError:  # a block torch's split backward cannot take apart: half and half
-                    shares[sig] = 0.5
+                    shares[sig], split_costs[sig] = 0.5, 1.0
         opt = _optimizer_times(model)
+        copy_s = copy_seconds_per_byte()
+        shadows = meta_forward_times(model, layout, small_batch, loss_fn)
         working, opt_temp = _step_memory(model, sample_batch, loss_fn, (small, B))
     finally:
         for p in model.parameters():
@@ -721,7 +818,8 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         names = [u.name for u in layout.units]
         vec = [f1.get(n, 0.0) for n in names] + [f2.get(n, 0.0) for n in names] + \
               [b1.get(n, 0.0) for n in names] + [b2.get(n, 0.0) for n in names] + \
-              [tf1, tf2, tb1, tb2, opt[0], opt[1]] + list(shares.values())
+              [tf1, tf2, tb1, tb2, opt[0], opt[1], copy_s] + list(shares.values()) + list(split_costs.values()) + \
+              [shadows.get(n, 0.0) for n in names]
         gathered = [None] * ranks  # the median over ranks: one rank descheduled for a while does not count
         dist.all_gather_object(gathered, vec)
         v = [statistics.median(col) for col in zip(*gathered)]
@@ -730,7 +828,11 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         b1, b2 = dict(zip(names, v[2 * k:3 * k])), dict(zip(names, v[3 * k:4 * k]))
         tf1, tf2, tb1, tb2 = v[4 * k:4 * k + 4]
         opt = (v[4 * k + 4], v[4 * k + 5])
-        shares = dict(zip(shares.keys(), v[4 * k + 6:]))
+        copy_s = v[4 * k + 6]
+        ns = len(shares)
+        shares = dict(zip(shares.keys(), v[4 * k + 7:4 * k + 7 + ns]))
+        split_costs = dict(zip(split_costs.keys(), v[4 * k + 7 + ns:4 * k + 7 + 2 * ns]))
+        shadows = dict(zip(names, v[4 * k + 7 + 2 * ns:]))
 
     units = []
     counted: set = set()  # a tensor under two names (tied weights) counts with the first unit that holds it
@@ -746,6 +848,8 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
             forward=_line(small, f1.get(u.name, 0.0), B, f2.get(u.name, 0.0)),
             backward=_line(small, b1.get(u.name, 0.0), B, b2.get(u.name, 0.0)),
             input_backward_share=shares.get(_signature(u.module), 0.5) if kind == "block" else 0.5,
+            split_backward_cost=split_costs.get(_signature(u.module), 1.0) if kind == "block" else 1.0,
+            shadow_s=shadows.get(u.name, 0.0),
             saved=_line(small, saved_small.get(u.name, 0), B, st["saved"].get(u.name, 0)),
             out_bytes=_line(small, out1.get(u.name, 0), B, out2.get(u.name, 0)),
             flops=(0.0, st["flops"].get(u.name, 0.0) / B),
@@ -764,7 +868,7 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         measured_at=(small, B), step=dict(forward_s=tf2, backward_s=tb2, forward_small_s=tf1, backward_small_s=tb1),
         optimizer=opt, backward_ops=st["backward_ops"], param_bytes=sum(p.numel() * p.element_size() for p in params),
         dtype_bytes=dtype_bytes, seconds=time.perf_counter() - start, ranks=ranks, cores=cores,
-        working=_line(small, working[small], B, working[B]), optimizer_temp=opt_temp)
+        working=_line(small, working[small], B, working[B]), optimizer_temp=opt_temp, copy_per_byte=copy_s)
 
 
 def _capture_block_inputs(model, layout: Layout, batch, loss_fn) -> dict[int, list]:
