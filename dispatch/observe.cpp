@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <algorithm>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -33,6 +34,10 @@ std::string micros(double seconds) {
   std::snprintf(buf, sizeof buf, "%.3f us", seconds * 1e6);
   return buf;
 }
+
+// Explanations list every candidate up to this many, else the cheapest few.
+constexpr size_t kMaxCandidatesShown = 16;
+constexpr size_t kCheapestShown = 8;
 
 std::string arg_name(const c10::OperatorHandle& op, const TensorSlot& slot) {
   std::string name = op.schema().arguments()[slot.arg].name();
@@ -260,10 +265,24 @@ std::string OpExplanation::str() const {
     }
     os << "\n";
   }
-  if (!candidates.candidates.empty()) {
-    os << pad << "  candidates (inputs -> results: cost of moving the inputs; * chosen):\n";
-    for (size_t k = 0; k < candidates.candidates.size(); ++k) {
-      const auto& c = candidates.candidates[k];
+  const auto& all = candidates.candidates;
+  if (!all.empty()) {
+    // All of them while they fit on a screen (in the rule's order), else the cheapest.
+    std::vector<size_t> shown(all.size());
+    for (size_t k = 0; k < all.size(); ++k) shown[k] = k;
+    if (all.size() > kMaxCandidatesShown) {
+      std::stable_sort(shown.begin(), shown.end(), [&](size_t a, size_t b) { return all[a].cost < all[b].cost; });
+      shown.resize(kCheapestShown);
+      if (candidates.chosen >= 0 &&
+          std::find(shown.begin(), shown.end(), static_cast<size_t>(candidates.chosen)) == shown.end())
+        shown.push_back(static_cast<size_t>(candidates.chosen));
+      os << pad << "  candidates, the " << shown.size() << " cheapest of " << all.size()
+         << " (inputs -> results: cost of moving the inputs; * chosen):\n";
+    } else {
+      os << pad << "  candidates (inputs -> results: cost of moving the inputs; * chosen):\n";
+    }
+    for (const size_t k : shown) {
+      const auto& c = all[k];
       os << pad << (static_cast<int>(k) == candidates.chosen ? "  * " : "    ") << to_string(c) << ": "
          << micros(c.cost) << (c.keeps_written ? "" : " (moves an input the op writes)") << "\n";
     }

@@ -386,7 +386,9 @@ class _AnomalyDetector:
         reports = [None] * world
         dist.all_gather_object(reports, mine, group=self.group)
         found = [r for r in reports if r is not None]
-        first = min(found, key=lambda r: r["rank"])
+        # Where it starts: an op whose inputs were finite, on the lowest such rank (a rank
+        # whose first non-finite op took NaN from another rank's data saw a later symptom).
+        first = min(found, key=lambda r: (not r["inputs_finite"], r["rank"]))
         message = first["message"]
         others = [r for r in found if r is not first]
         if others:

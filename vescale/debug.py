@@ -216,7 +216,8 @@ def _grid(shape: list[int], holders: dict) -> list[str]:
             box_c = (0, 1) if len(shape) == 1 else (off[1], off[1] + size[1])
             if box_r[0] <= r0 and r1 <= box_r[1] and box_c[0] <= c0 and c1 <= box_c[1]:
                 ranks.extend(rs)
-        return "ranks " + ",".join(str(r) for r in sorted(set(ranks))) if ranks else "-"
+        ranks = sorted(set(ranks))
+        return ("ranks " if len(ranks) > 1 else "rank ") + ",".join(map(str, ranks)) if ranks else "-"
 
     col_spans = list(zip(cols_at, cols_at[1:]))
     row_spans = list(zip(rows_at, rows_at[1:]))
