@@ -1,5 +1,7 @@
 #include "collectives/collectives.h"
 
+#include "collectives/trace.h"
+
 #include <ATen/ATen.h>
 #include <ATen/ThreadLocalPythonObjects.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -36,9 +38,16 @@ constexpr const char* kKindNames[kKinds] = {"all_gather", "all_reduce", "reduce_
 std::atomic<uint64_t> calls[kKinds];
 std::atomic<uint64_t> bytes[kKinds];
 
-void count(Kind kind, const at::Tensor& x) {
+uint64_t nbytes(const at::Tensor& x) { return static_cast<uint64_t>(x.numel()) * x.element_size(); }
+
+// Counts the call and, while an observer is on, times and records it.
+trace::Timed count(Kind kind, const at::Tensor& x, const Mesh& mesh, int32_t mesh_dim) {
+  const auto m = static_cast<size_t>(mesh_dim);
+  const uint64_t n = nbytes(x);
   calls[kind].fetch_add(1, std::memory_order_relaxed);
-  bytes[kind].fetch_add(static_cast<uint64_t>(x.numel()) * x.element_size(), std::memory_order_relaxed);
+  bytes[kind].fetch_add(n, std::memory_order_relaxed);
+  return trace::Timed(kKindNames[kind], mesh.group_names[m], mesh.shape[m], mesh_dim,
+                      m < mesh.dim_names.size() ? &mesh.dim_names[m] : nullptr, n);
 }
 
 // Boxed call: the group_name argument is typed `Any`, which typed calls can't express.
@@ -91,14 +100,14 @@ at::Tensor gather_step(const RedistStep& s, const Mesh& mesh, c10::ArrayRef<int6
   const auto m = static_cast<size_t>(s.mesh_dim);
   const int64_t k = mesh.shape[m];
   if (s.groups > 1) {  // even pieces: rank-major after the gather, group-major wanted
-    auto gathered = all_gather_dim0(local.movedim(s.dim, 0).contiguous(), k, mesh.group_names[m]);
+    auto gathered = all_gather_dim0(local.movedim(s.dim, 0).contiguous(), mesh, s.mesh_dim);
     return swap_groups_and_ranks(gathered, k, s.groups).movedim(0, s.dim);
   }
   const int64_t extent = parent_extent(mesh, shape, s.before, s.mesh_dim, s.dim);
   const int64_t full = (extent + k - 1) / k;
   if (extent == 0) return local.clone();
   auto x = pad_dim0(local.movedim(s.dim, 0), full).contiguous();
-  auto gathered = all_gather_dim0(x, k, mesh.group_names[m]);
+  auto gathered = all_gather_dim0(x, mesh, s.mesh_dim);
   if (extent != full * k) {
     std::vector<at::Tensor> pieces;
     for (int64_t j = 0; j < k; ++j) {
@@ -115,14 +124,14 @@ at::Tensor reduce_scatter_step(const RedistStep& s, const Mesh& mesh, const at::
   const int64_t k = mesh.shape[m];
   if (s.groups > 1) {  // rank j's pieces of every group side by side, then scatter
     auto x = swap_groups_and_ranks(local.movedim(s.dim, 0), s.groups, k).contiguous();
-    return reduce_scatter_dim0(x, s.op, k, mesh.group_names[m]).movedim(0, s.dim);
+    return reduce_scatter_dim0(x, s.op, mesh, s.mesh_dim).movedim(0, s.dim);
   }
   const int64_t extent = local.size(s.dim);
   const int64_t full = (extent + k - 1) / k;
   const int64_t mine = chunk_size(extent, k, mesh.coordinate[m]);
-  if (extent == 0) return all_reduce(local, s.op, mesh.group_names[m]);
+  if (extent == 0) return all_reduce(local, s.op, mesh, s.mesh_dim);
   auto x = pad_dim0(local.movedim(s.dim, 0), full * k).contiguous();
-  auto out = reduce_scatter_dim0(x, s.op, k, mesh.group_names[m]);
+  auto out = reduce_scatter_dim0(x, s.op, mesh, s.mesh_dim);
   return out.narrow(0, 0, mine).movedim(0, s.dim);
 }
 
@@ -132,7 +141,7 @@ at::Tensor all_to_all_step(const RedistStep& s, const Mesh& mesh, const at::Tens
   const auto m = static_cast<size_t>(s.mesh_dim);
   const int64_t k = mesh.shape[m];
   auto x = local.movedim(s.to_dim, 0).contiguous();
-  auto received = all_to_all_dim0(x, k, mesh.group_names[m]);
+  auto received = all_to_all_dim0(x, mesh, s.mesh_dim);
   auto pieces = received.chunk(k, 0);
   // In the moved layout, `dim` sits one place later when it came before `to_dim`.
   const int64_t dim_in_moved = s.dim < s.to_dim ? s.dim + 1 : s.dim;
@@ -180,35 +189,39 @@ void reset_collective_counts() {
   }
 }
 
-at::Tensor all_gather_dim0(const at::Tensor& x, int64_t k, const std::string& group) {
+at::Tensor all_gather_dim0(const at::Tensor& x, const Mesh& mesh, int32_t mesh_dim) {
   static const auto op = functional_op("_c10d_functional::all_gather_into_tensor");
-  count(kAllGather, x);
-  return call_and_wait(op, {x, k, group});
+  const auto m = static_cast<size_t>(mesh_dim);
+  auto timed = count(kAllGather, x, mesh, mesh_dim);
+  return call_and_wait(op, {x, mesh.shape[m], mesh.group_names[m]});
 }
 
-at::Tensor all_reduce(const at::Tensor& x, ReduceOp op, const std::string& group) {
+at::Tensor all_reduce(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_t mesh_dim) {
   static const auto fn = functional_op("_c10d_functional::all_reduce");
-  count(kAllReduce, x);
-  return call_and_wait(fn, {x.contiguous(), reduce_name(op), group});
+  auto timed = count(kAllReduce, x, mesh, mesh_dim);
+  return call_and_wait(fn, {x.contiguous(), reduce_name(op), mesh.group_names[static_cast<size_t>(mesh_dim)]});
 }
 
-at::Tensor reduce_scatter_dim0(const at::Tensor& x, ReduceOp op, int64_t k, const std::string& group) {
+at::Tensor reduce_scatter_dim0(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_t mesh_dim) {
   static const auto fn = functional_op("_c10d_functional::reduce_scatter_tensor");
-  count(kReduceScatter, x);
-  return call_and_wait(fn, {x, reduce_name(op), k, group});
+  const auto m = static_cast<size_t>(mesh_dim);
+  auto timed = count(kReduceScatter, x, mesh, mesh_dim);
+  return call_and_wait(fn, {x, reduce_name(op), mesh.shape[m], mesh.group_names[m]});
 }
 
-at::Tensor all_to_all_dim0(const at::Tensor& x, int64_t k, const std::string& group) {
+at::Tensor all_to_all_dim0(const at::Tensor& x, const Mesh& mesh, int32_t mesh_dim) {
   static const auto fn = functional_op("_c10d_functional::all_to_all_single");
-  count(kAllToAll, x);
+  const auto m = static_cast<size_t>(mesh_dim);
+  const int64_t k = mesh.shape[m];
+  auto timed = count(kAllToAll, x, mesh, mesh_dim);
   std::vector<int64_t> splits(static_cast<size_t>(k), x.size(0) / k);
-  return call_and_wait(fn, {x, c10::IValue(splits), c10::IValue(splits), group});
+  return call_and_wait(fn, {x, c10::IValue(splits), c10::IValue(splits), mesh.group_names[m]});
 }
 
-at::Tensor broadcast(const at::Tensor& x, int64_t src, const std::string& group) {
+at::Tensor broadcast(const at::Tensor& x, int64_t src, const Mesh& mesh, int32_t mesh_dim) {
   static const auto fn = functional_op("_c10d_functional::broadcast");
-  count(kBroadcast, x);
-  return call_and_wait(fn, {x.contiguous(), src, group});
+  auto timed = count(kBroadcast, x, mesh, mesh_dim);
+  return call_and_wait(fn, {x.contiguous(), src, mesh.group_names[static_cast<size_t>(mesh_dim)]});
 }
 
 bool all_ranks(const Mesh& mesh, bool value) { return all_ranks(mesh, std::vector<bool>{value})[0]; }
@@ -219,7 +232,7 @@ std::vector<bool> all_ranks(const Mesh& mesh, const std::vector<bool>& values) {
   for (size_t k = 0; k < values.size(); ++k) in[k] = values[k] ? 1 : 0;
   flags = flags.to(mesh.device_type);
   for (size_t m = 0; m < mesh.shape.size(); ++m)
-    if (mesh.shape[m] > 1) flags = all_reduce(flags, ReduceOp::Min, mesh.group_names[m]);
+    if (mesh.shape[m] > 1) flags = all_reduce(flags, ReduceOp::Min, mesh, static_cast<int32_t>(m));
   flags = flags.cpu().contiguous();
   const int32_t* out_flags = flags.data_ptr<int32_t>();
   std::vector<bool> out(values.size());
@@ -249,13 +262,12 @@ at::Tensor execute_redistribution(
   using K = RedistStep::Kind;
   for (const auto& s : plan.steps) {
     const auto m = static_cast<size_t>(s.mesh_dim);
-    const auto& group = mesh.group_names[m];
     const bool local_step = s.kind == K::Chunk || s.kind == K::ToPartial;
     if (mesh.shape[m] == 1 && !local_step) continue;  // a group of one: nothing moves
     switch (s.kind) {
       case K::AllGather: x = gather_step(s, mesh, global_shape, x); break;
       case K::AllToAll: x = all_to_all_step(s, mesh, x); break;
-      case K::AllReduce: x = all_reduce(x, s.op, group); break;
+      case K::AllReduce: x = all_reduce(x, s.op, mesh, s.mesh_dim); break;
       case K::ReduceScatter: x = reduce_scatter_step(s, mesh, x); break;
       case K::Chunk: x = chunk_step(s, mesh, x); break;
       case K::ToPartial: x = to_partial_step(s, mesh, x); break;

@@ -12,13 +12,15 @@
 namespace vescale::collectives {
 
 // Each call blocks until the result is ready (wait_tensor), so the returned tensor
-// is safe to use at once. `group` is a c10d group name; `k` its size.
-at::Tensor all_gather_dim0(const at::Tensor& x, int64_t k, const std::string& group);
-at::Tensor all_reduce(const at::Tensor& x, ReduceOp op, const std::string& group);
-at::Tensor reduce_scatter_dim0(const at::Tensor& x, ReduceOp op, int64_t k, const std::string& group);
-at::Tensor all_to_all_dim0(const at::Tensor& x, int64_t k, const std::string& group);
-// `src` is the source's index within the group.
-at::Tensor broadcast(const at::Tensor& x, int64_t src, const std::string& group);
+// is safe to use at once. The group is this rank's process group along `mesh_dim` of
+// `mesh`; each call is counted and, while vescale.debug observes, recorded
+// (collectives/trace.h).
+at::Tensor all_gather_dim0(const at::Tensor& x, const Mesh& mesh, int32_t mesh_dim);
+at::Tensor all_reduce(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_t mesh_dim);
+at::Tensor reduce_scatter_dim0(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_t mesh_dim);
+at::Tensor all_to_all_dim0(const at::Tensor& x, const Mesh& mesh, int32_t mesh_dim);
+// `src` is the source's coordinate along `mesh_dim`.
+at::Tensor broadcast(const at::Tensor& x, int64_t src, const Mesh& mesh, int32_t mesh_dim);
 
 // How many collectives of each kind this process has issued, and their input bytes,
 // since start-up or the last reset: for tests and tools that check what a step sends.

@@ -1,6 +1,7 @@
 #include "dispatch/api.h"
 
 #include "collectives/collectives.h"
+#include "collectives/trace.h"
 #include "dispatch/dtensor_impl.h"
 
 #include <ATen/ATen.h>
@@ -114,6 +115,8 @@ at::Tensor to_local(const at::Tensor& dtensor, std::optional<Placements> grad_pl
 
 at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placements) {
   auto* impl = checked_dtensor_impl(dtensor, "redistribute");
+  static const std::string kName = "redistribute";
+  const trace::ApiContext context(kName);
   const auto& src = impl->spec();
   auto dst = with_placements(src, placements);
   const auto plan = plan_redistribution(*src, dst->placements);
@@ -162,6 +165,8 @@ at::Tensor distribute_tensor(const at::Tensor& full, MeshPtr mesh, PlacementsRef
                     full.device(), " but the mesh is a ", c10::DeviceTypeName(mesh->device_type, true),
                     " mesh; move the tensor to that device first");
   at::NoGradGuard no_grad;
+  static const std::string kName = "distribute_tensor";
+  const trace::ApiContext context(kName);
   const auto shape = full.sizes();
   auto spec = make_spec(mesh, placements, shape, strides_like(shape, full.strides()), full.scalar_type());
   at::Tensor data = full.detach();
@@ -179,7 +184,7 @@ at::Tensor distribute_tensor(const at::Tensor& full, MeshPtr mesh, PlacementsRef
       flat /= mesh->shape[m];
     }
     for (size_t m = 0; m < mesh->shape.size(); ++m)
-      if (mesh->shape[m] > 1) data = collectives::broadcast(data, src_coord[m], mesh->group_names[m]);
+      if (mesh->shape[m] > 1) data = collectives::broadcast(data, src_coord[m], *mesh, static_cast<int32_t>(m));
   }
   const Placements replicated(placements.size(), Placement::replicate());
   auto full_spec = with_placements(spec, replicated);

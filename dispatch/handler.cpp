@@ -4,6 +4,7 @@
 #include "dispatch/api.h"
 #include "dispatch/call_scan.h"
 #include "dispatch/dtensor_impl.h"
+#include "dispatch/observe.h"
 #include "dispatch/propagation.h"
 #include "dispatch/reduce_once.h"
 #include "dispatch/view_copies.h"
@@ -45,7 +46,9 @@ size_t tensor_count(const c10::IValue& v, ReturnKind kind) {
 
 }  // namespace
 
-void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+namespace {
+
+void run_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const OpInfo& info = op_info(op);
   const size_t base = stack->size() - info.num_args;
   const c10::ArrayRef<c10::IValue> args(stack->data() + base, info.num_args);
@@ -178,6 +181,17 @@ void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
         break;
     }
   }
+}
+
+}  // namespace
+
+void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  // The only cost of vescale.debug's observers while they are off: one relaxed load.
+  if (C10_UNLIKELY(trace::flags() != 0)) {
+    observed_kernel(op, stack, &run_kernel);
+    return;
+  }
+  run_kernel(op, stack);
 }
 
 // Every op on a DTensor must reach dtensor_kernel. A backend fallback loses to a

@@ -142,8 +142,12 @@ std::unique_ptr<Decision> from_choice(const OpCall& call, const CallScan& scan,
   return d;
 }
 
+// Set while trace_decision runs decide(): the reason of a fallback.
+thread_local std::string* t_fallback_reason = nullptr;
+
 std::unique_ptr<Decision> fallback(const OpCall& call, const CallScan& scan, const MeshPtr& mesh,
                                    const std::string& op_name, const std::string& why) {
+  if (C10_UNLIKELY(t_fallback_reason != nullptr)) *t_fallback_reason = why;
   const Placements r(static_cast<size_t>(mesh->ndim()), Placement::replicate());
   ShardingChoice choice;
   choice.inputs.assign(call.inputs.size(), r);
@@ -182,8 +186,18 @@ std::unique_ptr<Decision> decide(const c10::OperatorHandle& op, const OpInfo& in
 
 // ---- the cache -------------------------------------------------------------------
 
+// Each thread caches its decisions in a map that is cleared when it reaches the limit
+// (a hit then stays free of book-keeping; a run whose shapes change every step
+// recomputes its decisions once per `limit` new ones instead of growing without end).
+// A Decision reference handed out stays valid until this thread's next lookup: the
+// handler makes none while it uses one (a decomposition's nested calls come after
+// its last use of its own).
+constexpr size_t kDefaultDecisionLimit = 16384;
+std::atomic<size_t> g_limit{kDefaultDecisionLimit};
 std::atomic<uint64_t> g_generation{0};
 std::atomic<int64_t> g_misses{0};
+std::atomic<int64_t> g_entries{0};    // cached decisions, all threads
+std::atomic<int64_t> g_evictions{0};  // caches cleared because they were full
 
 using Key = std::vector<uint64_t>;
 
@@ -193,29 +207,105 @@ struct ThreadCache {
   // copy of the scanned key, whose capacity is reused, keeps a hit free of allocation.
   Key probe;
   ska::flat_hash_map<Key, std::unique_ptr<Decision>, c10::hash<Key>> map;
+
+  void clear() {
+    g_entries.fetch_sub(static_cast<int64_t>(map.size()), std::memory_order_relaxed);
+    map.clear();
+  }
+  ~ThreadCache() { clear(); }
 };
+
+ThreadCache& thread_cache() {
+  thread_local ThreadCache cache;
+  return cache;
+}
 
 }  // namespace
 
 const Decision& lookup_decision(const c10::OperatorHandle& op, const OpInfo& info,
                                 c10::ArrayRef<c10::IValue> args, const CallScan& scan) {
-  thread_local ThreadCache cache;
+  auto& cache = thread_cache();
   const auto generation = g_generation.load(std::memory_order_relaxed);
   if (C10_UNLIKELY(cache.generation != generation)) {
-    cache.map.clear();
+    cache.clear();
     cache.generation = generation;
   }
   cache.probe.assign(scan.key.begin(), scan.key.end());
   if (auto it = cache.map.find(cache.probe); C10_LIKELY(it != cache.map.end())) return *it->second;
   g_misses.fetch_add(1, std::memory_order_relaxed);
   auto decision = decide(op, info, args, scan);
+  if (C10_UNLIKELY(cache.map.size() >= g_limit.load(std::memory_order_relaxed))) {
+    cache.clear();
+    g_evictions.fetch_add(1, std::memory_order_relaxed);
+  }
   auto& slot = cache.map[Key(scan.key.begin(), scan.key.end())];
   slot = std::move(decision);
+  g_entries.fetch_add(1, std::memory_order_relaxed);
   return *slot;
+}
+
+bool decision_cached(const CallScan& scan) {
+  auto& cache = thread_cache();
+  if (cache.generation != g_generation.load(std::memory_order_relaxed)) return false;
+  const Key key(scan.key.begin(), scan.key.end());
+  return cache.map.find(key) != cache.map.end();
+}
+
+DecisionTrace trace_decision(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRef<c10::IValue> args,
+                             const CallScan& scan) {
+  DecisionTrace out;
+  out.cached = decision_cached(scan);
+  std::string reason;
+  t_fallback_reason = &reason;
+  CandidateCapture capture(out.candidates);
+  try {
+    out.decision = decide(op, info, args, scan);
+  } catch (...) {
+    t_fallback_reason = nullptr;
+    throw;
+  }
+  t_fallback_reason = nullptr;
+  out.fallback_reason = std::move(reason);
+  return out;
+}
+
+std::string to_string(const Decision& d) {
+  if (d.decompose) return "Decision(decomposed into other DTensor ops)";
+  std::string s = d.fallback_counter ? "Decision(replicate fallback; inputs " : "Decision(inputs ";
+  for (size_t i = 0; i < d.sources.size(); ++i) {
+    s += i ? "; " : "";
+    if (!d.sources[i]) {
+      s += "-";
+      continue;
+    }
+    s += to_string(d.sources[i]->placements);
+    if (!d.to_target[i].empty()) s += " -> " + to_string(d.targets[i]->placements) + " by " + d.to_target[i].str();
+  }
+  s += "; results ";
+  if (d.fallback_counter) {
+    s += "replicated";
+  } else {
+    for (size_t j = 0; j < d.outputs.size(); ++j)
+      s += (j ? ", " : "") + (d.outputs[j] ? to_string(d.outputs[j]->placements) : std::string("-"));
+  }
+  if (d.local_fn) s += "; a local computation of its own";
+  return s + ")";
 }
 
 void clear_decision_cache() { g_generation.fetch_add(1); }
 
 int64_t decision_cache_misses() { return g_misses.load(); }
+
+DecisionCacheSize decision_cache_size() {
+  return {g_entries.load(std::memory_order_relaxed), g_limit.load(std::memory_order_relaxed),
+          g_evictions.load(std::memory_order_relaxed)};
+}
+
+void set_decision_cache_limit(size_t limit) {
+  TORCH_CHECK_VALUE(limit > 0, "the decision cache limit must be positive, got ", limit);
+  g_limit.store(limit, std::memory_order_relaxed);
+}
+
+size_t default_decision_cache_limit() { return kDefaultDecisionLimit; }
 
 }  // namespace vescale

@@ -4,10 +4,12 @@
 #include "autoplan/pipeline_sim.h"
 #include "collectives/collectives.h"
 #include "collectives/redistribute_plan.h"
+#include "collectives/trace.h"
 #include "dispatch/api.h"
 #include "dispatch/dtensor_impl.h"
 #include "dispatch/fallback_stats.h"
 #include "dispatch/handler.h"
+#include "dispatch/observe.h"
 #include "dispatch/propagation.h"
 #include "sharding_rules/rule.h"
 
@@ -50,6 +52,37 @@ py::list from_placements(PlacementsRef placements) {
 c10::DeviceType parse_device_type(const std::string& s) { return c10::Device(s).type(); }
 
 const TensorSpec& spec_of(const at::Tensor& t) { return *checked_dtensor_impl(t, "spec")->spec(); }
+
+py::dict event_dict(const trace::CollectiveEvent& e) {
+  py::dict d;
+  d["kind"] = e.kind;
+  d["group"] = e.group;
+  d["group_size"] = e.group_size;
+  d["mesh_dim"] = e.mesh_dim;
+  d["mesh_dim_name"] = e.mesh_dim_name;
+  d["bytes"] = e.bytes;
+  d["start_ns"] = e.start_ns;
+  d["end_ns"] = e.end_ns;
+  d["op"] = e.op;
+  d["scope"] = e.scope;
+  d["peer"] = e.peer;
+  d["source"] = e.source;
+  return d;
+}
+
+py::dict tensor_dict(const ExplainedTensor& t) {
+  py::dict d;
+  d["name"] = t.name;
+  d["defined"] = t.defined;
+  d["is_dtensor"] = t.is_dtensor;
+  d["shape"] = std::vector<int64_t>(t.shape.begin(), t.shape.end());
+  d["dtype"] = std::string(c10::toString(t.dtype));
+  d["placements"] = from_placements(t.placements);
+  d["target"] = from_placements(t.target);
+  d["moves"] = t.moves;
+  d["cost"] = t.cost;
+  return d;
+}
 
 }  // namespace
 }  // namespace vescale
@@ -159,6 +192,139 @@ PYBIND11_MODULE(_C, m) {
     return out;
   }, "Collectives vescale issued since start-up or the last reset: {kind: (calls, bytes)}.");
   m.def("reset_collective_counts", &collectives::reset_collective_counts);
+
+  // ---- vescale.debug: the collective recorder (collectives/trace.h) ----
+  m.def("trace_collectives", [](bool on) { on ? trace::enable(trace::kCollectives) : trace::disable(trace::kCollectives); },
+        "Turns the collective recorder on (counted: nested users compose) or off.");
+  m.def("trace_recording", [] { return (trace::flags() & trace::kCollectives) != 0; });
+  m.def("trace_events", [](size_t first) {
+    py::list out;
+    for (const auto& e : trace::events(first)) out.append(event_dict(e));
+    return out;
+  }, py::arg("first") = 0, "The recorded collectives from the `first`-th on, oldest first, as dicts.");
+  m.def("trace_event_count", &trace::event_count);
+  m.def("trace_clear", &trace::clear_events);
+  m.def("trace_dropped", &trace::dropped);
+  m.def("trace_max_events", &trace::max_events);
+  m.def("trace_now_ns", &trace::now_ns, "The recorder's clock (steady, nanoseconds).");
+  m.def("trace_scope", &trace::scope);
+  m.def("trace_set_scope", &trace::set_scope);
+  m.def("scope_id", &scope_id, py::arg("module"), py::arg("backward"));
+  m.def("scope_name", &scope_name);
+  m.def("trace_record",
+        [](const std::string& kind, const std::string& group, int64_t group_size, uint64_t bytes, int64_t start_ns,
+           int64_t end_ns, const std::string& op, int32_t scope, int64_t peer, const std::string& source,
+           int32_t mesh_dim, const std::string& mesh_dim_name) {
+          trace::CollectiveEvent e;
+          e.kind = kind;
+          e.group = group;
+          e.group_size = group_size;
+          e.bytes = bytes;
+          e.start_ns = start_ns;
+          e.end_ns = end_ns;
+          e.op = op;
+          e.scope = scope;
+          e.peer = peer;
+          e.source = source;
+          e.mesh_dim = mesh_dim;
+          e.mesh_dim_name = mesh_dim_name;
+          trace::record(std::move(e));
+        },
+        py::arg("kind"), py::arg("group"), py::arg("group_size"), py::arg("bytes"), py::arg("start_ns"),
+        py::arg("end_ns"), py::arg("op") = "", py::arg("scope") = 0, py::arg("peer") = -1,
+        py::arg("source") = "python", py::arg("mesh_dim") = -1, py::arg("mesh_dim_name") = "");
+
+  // ---- vescale.explain ----
+  py::class_<OpExplanation, std::shared_ptr<OpExplanation>>(m, "OpExplanation")
+      .def_readonly("op", &OpExplanation::op)
+      .def_readonly("mesh", &OpExplanation::mesh)
+      .def_property_readonly("how", [](const OpExplanation& e) {
+        switch (e.how) {
+          case OpExplanation::How::Rule: return "rule";
+          case OpExplanation::How::Fallback: return "fallback";
+          case OpExplanation::How::Decomposed: return "decomposed";
+        }
+        return "rule";
+      })
+      .def_readonly("fallback_reason", &OpExplanation::fallback_reason)
+      .def_readonly("cache_hit", &OpExplanation::cache_hit)
+      .def_readonly("depth", &OpExplanation::depth)
+      .def_readonly("scope", &OpExplanation::scope)
+      .def_property_readonly("inputs", [](const OpExplanation& e) {
+        py::list out;
+        for (const auto& t : e.inputs) out.append(tensor_dict(t));
+        return out;
+      })
+      .def_property_readonly("outputs", [](const OpExplanation& e) {
+        py::list out;
+        for (const auto& t : e.outputs) out.append(tensor_dict(t));
+        return out;
+      })
+      .def_property_readonly("candidates", [](const OpExplanation& e) {
+        py::list out;
+        for (size_t k = 0; k < e.candidates.candidates.size(); ++k) {
+          const auto& c = e.candidates.candidates[k];
+          py::dict d;
+          py::list ins, outs;
+          for (const auto& p : c.inputs) ins.append(from_placements(p));
+          for (const auto& p : c.outputs) outs.append(from_placements(p));
+          d["inputs"] = ins;
+          d["outputs"] = outs;
+          d["cost"] = c.cost;
+          d["keeps_written"] = c.keeps_written;
+          d["chosen"] = static_cast<int>(k) == e.candidates.chosen;
+          d["str"] = to_string(c);
+          out.append(d);
+        }
+        return out;
+      })
+      .def_property_readonly("collectives", [](const OpExplanation& e) {
+        py::list out;
+        for (const auto& c : e.collectives) out.append(event_dict(c));
+        return out;
+      })
+      .def("__str__", &OpExplanation::str)
+      .def("__repr__", &OpExplanation::str);
+  m.def("explain_begin", &begin_explain_capture, py::arg("capacity"));
+  m.def("explain_end", [](int64_t handle) {
+    py::list out;
+    for (const auto& e : end_explain_capture(handle)) out.append(std::const_pointer_cast<OpExplanation>(e));
+    return out;
+  });
+
+  // ---- vescale.debug.detect_anomaly ----
+  m.def("anomaly_begin", &begin_anomaly_detection, py::arg("raise_at_op"));
+  m.def("anomaly_end", &end_anomaly_detection, py::arg("raise_at_op"));
+  m.def("reset_anomaly", &reset_anomaly);
+  m.def("first_anomaly", []() -> py::object {
+    const auto a = first_anomaly();
+    if (!a) return py::none();
+    py::dict d;
+    d["op"] = a->op;
+    d["result"] = a->result;
+    d["inputs_finite"] = a->inputs_finite;
+    d["rank"] = a->rank;
+    d["scope"] = a->scope;
+    d["module"] = scope_name(a->scope);
+    d["message"] = a->message;
+    return d;
+  });
+
+  // ---- bounded global state ----
+  m.def("cache_sizes", [] {
+    const auto d = decision_cache_size();
+    const auto s = spec_table_size();
+    py::dict out;
+    out["decisions"] = d.entries;
+    out["decision_limit"] = d.limit;
+    out["decision_evictions"] = d.evictions;
+    out["spec_table"] = s.entries;
+    out["specs"] = s.live;
+    out["spec_sweep_min"] = s.min_sweep;
+    return out;
+  });
+  m.def("set_decision_cache_limit", &set_decision_cache_limit);
+  m.def("default_decision_cache_limit", &default_decision_cache_limit);
   m.def("placements_of", [](const at::Tensor& t) { return from_placements(spec_of(t).placements); });
   m.def("normalize_placements", [](const py::sequence& placements, int64_t ndim) {
     auto p = to_placements(placements);

@@ -7,7 +7,7 @@
 #include <mutex>
 #include <numeric>
 #include <sstream>
-#include <unordered_set>
+#include <unordered_map>
 
 namespace vescale {
 
@@ -70,27 +70,47 @@ size_t hash_spec(const TensorSpec& s) {
   return h;
 }
 
-struct SpecHash {
-  using is_transparent = void;
-  size_t operator()(const SpecPtr& s) const { return s->hash; }
-  size_t operator()(const TensorSpec* s) const { return s->hash; }
-};
+bool same_spec(const TensorSpec& x, const TensorSpec& y) {
+  return x.hash == y.hash && x.mesh == y.mesh && x.dtype == y.dtype && x.placements == y.placements &&
+      x.shape == y.shape && x.stride == y.stride && x.storage_offset == y.storage_offset;
+}
 
-struct SpecEq {
-  using is_transparent = void;
-  static const TensorSpec& get(const SpecPtr& s) { return *s; }
-  static const TensorSpec& get(const TensorSpec* s) { return *s; }
-  template <class A, class B>
-  bool operator()(const A& a, const B& b) const {
-    const TensorSpec& x = get(a);
-    const TensorSpec& y = get(b);
-    return x.hash == y.hash && x.mesh == y.mesh && x.dtype == y.dtype &&
-        x.placements == y.placements && x.shape == y.shape && x.stride == y.stride &&
-        x.storage_offset == y.storage_offset;
+// The interning table holds its specs weakly: a spec lives as long as a tensor, a
+// cached decision or a caller holds it, and equal live specs are one object. Entries
+// whose spec died are dropped when met during a lookup, and all at once whenever the
+// table has grown to twice its live size since the last sweep (so its size stays
+// within twice the number of live specs, plus kMinSweep).
+constexpr size_t kMinSweep = 4096;
+
+struct InternTable {
+  std::mutex mu;
+  std::unordered_multimap<size_t, std::weak_ptr<const TensorSpec>> entries;
+  size_t sweep_at = kMinSweep;
+
+  // Drops the entries whose spec died; the caller holds `mu`.
+  void sweep() {
+    std::erase_if(entries, [](const auto& e) { return e.second.expired(); });
+    sweep_at = std::max(kMinSweep, 2 * entries.size());
   }
 };
 
+InternTable& intern_table() {
+  static auto* table = new InternTable();  // never destroyed: specs may die during exit
+  return *table;
+}
+
 }  // namespace
+
+SpecTableSize spec_table_size() {
+  auto& t = intern_table();
+  std::lock_guard<std::mutex> lock(t.mu);
+  SpecTableSize out;
+  out.entries = t.entries.size();
+  t.sweep();
+  out.live = t.entries.size();
+  out.min_sweep = kMinSweep;
+  return out;
+}
 
 SpecPtr make_spec(
     MeshPtr mesh,
@@ -116,18 +136,25 @@ SpecPtr make_spec(
   spec.storage_offset = storage_offset;
   spec.hash = hash_spec(spec);
 
-  static std::mutex mu;
-  // std::unordered_set for the lookup by TensorSpec* (heterogeneous, C++20).
-  static std::unordered_set<SpecPtr, SpecHash, SpecEq> interned;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = interned.find(&spec);
-  if (it != interned.end()) return *it;
+  auto& table = intern_table();
+  std::lock_guard<std::mutex> lock(table.mu);
+  auto [first, last] = table.entries.equal_range(spec.hash);
+  for (auto it = first; it != last;) {
+    if (auto live = it->second.lock()) {
+      if (same_spec(*live, spec)) return live;
+      ++it;
+    } else {
+      it = table.entries.erase(it);
+    }
+  }
   // Checked once per distinct spec: an interned one was laid out before.
   const auto problem = interleaved_problem(spec.shape, spec.placements, spec.mesh->shape);
   TORCH_CHECK_VALUE(problem.empty(), problem);
   spec.local = local_box(spec.shape, spec.placements, spec.mesh->shape, spec.mesh->coordinate);
-  auto ptr = std::make_shared<const TensorSpec>(std::move(spec));
-  interned.insert(ptr);
+  if (table.entries.size() >= table.sweep_at) table.sweep();
+  const size_t hash = spec.hash;
+  SpecPtr ptr = std::make_shared<const TensorSpec>(std::move(spec));
+  table.entries.emplace(hash, ptr);
   return ptr;
 }
 

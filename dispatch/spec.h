@@ -1,8 +1,9 @@
 #pragma once
 // TensorSpec: everything about a DTensor except its local data.
 //
-// Specs are interned: equal specs are one object, so the per-op cache keys on the
-// pointer. Each spec also carries what this rank derives from it (its local block),
+// Specs are interned: equal live specs are one object, so the per-op cache keys on the
+// pointer (a cached decision holds the specs of its key, so a key's pointer cannot be
+// reused by another spec while the decision lives). Each spec also carries what this rank derives from it (its local block),
 // computed once when the spec is first made.
 
 #include "dispatch/mesh.h"
@@ -47,6 +48,16 @@ SpecPtr make_spec(
     c10::ArrayRef<int64_t> stride,
     c10::ScalarType dtype,
     int64_t storage_offset = 0);
+
+// The interning table's size: `entries` before dropping those whose spec died, `live`
+// after (this call drops them). Specs are held weakly by the table: bounded by what
+// tensors and cached decisions hold, within 2 * live + min_sweep entries.
+struct SpecTableSize {
+  size_t entries = 0;
+  size_t live = 0;
+  size_t min_sweep = 0;
+};
+SpecTableSize spec_table_size();
 
 // Same spec with other placements (shape, stride, offset and dtype kept).
 SpecPtr with_placements(const SpecPtr& spec, PlacementsRef placements);

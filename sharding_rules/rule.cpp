@@ -112,7 +112,55 @@ bool lays_out(const TensorArg& t, PlacementsRef placements, const Mesh& mesh) {
   return !t.defined || interleaved_problem(t.shape, placements, mesh.shape).empty();
 }
 
+void log_candidate(const OpCall& call, const DimStrategies& strategies, const std::vector<size_t>& combo,
+                   double cost, bool keeps_written);
+
 }  // namespace
+
+namespace {
+thread_local CandidateLog* t_candidates = nullptr;
+}  // namespace
+
+namespace {
+void log_candidate(const OpCall& call, const DimStrategies& strategies, const std::vector<size_t>& combo,
+                   double cost, bool keeps_written) {
+  Candidate c;
+  c.cost = cost;
+  c.keeps_written = keeps_written;
+  const size_t mesh_ndim = combo.size();
+  for (size_t i = 0; i < call.inputs.size(); ++i) {
+    Placements p;
+    if (call.inputs[i].defined)
+      for (size_t m = 0; m < mesh_ndim; ++m) p.push_back(strategies[combo[m]].inputs[i]);
+    c.inputs.push_back(std::move(p));
+  }
+  for (size_t j = 0; j < call.outputs.size(); ++j) {
+    Placements p;
+    for (size_t m = 0; m < mesh_ndim; ++m) p.push_back(strategies[combo[m]].outputs[j]);
+    c.outputs.push_back(std::move(p));
+  }
+  t_candidates->candidates.push_back(std::move(c));
+}
+}  // namespace
+
+CandidateCapture::CandidateCapture(CandidateLog& log) : saved_(t_candidates) { t_candidates = &log; }
+CandidateCapture::~CandidateCapture() { t_candidates = saved_; }
+
+std::string to_string(const Candidate& c) {
+  std::string s;
+  for (size_t i = 0; i < c.inputs.size(); ++i) s += (i ? ", " : "") + (c.inputs[i].empty() ? "-" : to_string(c.inputs[i]));
+  s += " -> ";
+  for (size_t j = 0; j < c.outputs.size(); ++j) s += (j ? ", " : "") + to_string(c.outputs[j]);
+  return s;
+}
+
+std::string to_string(const DimStrategy& strategy) {
+  std::string s;
+  for (size_t i = 0; i < strategy.inputs.size(); ++i) s += (i ? ", " : "") + strategy.inputs[i].str();
+  s += " -> ";
+  for (size_t j = 0; j < strategy.outputs.size(); ++j) s += (j ? ", " : "") + strategy.outputs[j].str();
+  return s;
+}
 
 ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& offered, Interleaving interleaving) {
   TORCH_INTERNAL_ASSERT(!offered.empty(), call.name(), ": rule offered no strategy");
@@ -137,6 +185,8 @@ ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& offered,
   for (const auto& in : call.inputs) costs.emplace_back(call.mesh, in);
 
   std::vector<size_t> combo(mesh_ndim, 0), best_strict, best_any;
+  size_t combinations = 1;
+  for (size_t m = 0; m < mesh_ndim; ++m) combinations *= strategies.size();
   double best_strict_cost = std::numeric_limits<double>::infinity();
   double best_any_cost = std::numeric_limits<double>::infinity();
   Placements target(mesh_ndim);
@@ -170,6 +220,7 @@ ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& offered,
       cost += costs[i].cost(target);
     }
     if (!ok) cost = std::numeric_limits<double>::infinity();
+    if (C10_UNLIKELY(t_candidates != nullptr)) log_candidate(call, strategies, combo, cost, keeps_written);
     if (keeps_written && cost < best_strict_cost) {
       best_strict_cost = cost;
       best_strict = combo;
@@ -183,6 +234,12 @@ ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& offered,
     if (m == mesh_ndim) break;
   }
   const auto& best = best_strict.empty() ? best_any : best_strict;
+  if (C10_UNLIKELY(t_candidates != nullptr)) {
+    // The chosen combination is the one logged at its odometer position in this call.
+    size_t index = 0, scale = 1;
+    for (size_t m = 0; m < mesh_ndim; ++m, scale *= strategies.size()) index += best[m] * scale;
+    t_candidates->chosen = static_cast<int>(t_candidates->candidates.size() - combinations + index);
+  }
 
   ShardingChoice choice;
   choice.inputs.assign(n_in, Placements(mesh_ndim));
@@ -228,11 +285,29 @@ ska::flat_hash_map<std::string, RuleFn>& table() {
 }
 }  // namespace
 
-void RuleTable::add(const std::string& op_name, RuleFn fn) {
+namespace {
+// Whether "ns::name.overload" (or "ns::name" for the default overload) is an operator.
+bool op_exists(const std::string& op_name) {
   const auto dot = op_name.find('.', op_name.find("::"));
-  const c10::OperatorName name(op_name.substr(0, dot),
-                               dot == std::string::npos ? "" : op_name.substr(dot + 1));
-  if (!c10::Dispatcher::singleton().findOp(name)) {
+  const c10::OperatorName name(op_name.substr(0, dot), dot == std::string::npos ? "" : op_name.substr(dot + 1));
+  return c10::Dispatcher::singleton().findOp(name).has_value();
+}
+
+// Whether some overload of "ns::name" is an operator.
+bool base_exists(const std::string& base) {
+  for (const auto& name : c10::Dispatcher::singleton().getAllOpNames())
+    if (name.name == base) return true;
+  return false;
+}
+}  // namespace
+
+void RuleTable::key_on_scalar_values(const std::string& base_name) {
+  if (!base_exists(base_name)) missing_.push_back(base_name);
+  scalar_keyed_.push_back(base_name);
+}
+
+void RuleTable::add(const std::string& op_name, RuleFn fn) {
+  if (!op_exists(op_name)) {
     missing_.push_back(op_name);  // a typo, or an op this torch build lacks
     return;
   }
@@ -264,6 +339,10 @@ ska::flat_hash_map<std::string, ShapeFn>& shape_fns() {
 }  // namespace
 
 void RuleTable::add_shape_fn(const std::string& op_name, ShapeFn fn) {
+  if (!op_exists(op_name)) {
+    missing_.push_back(op_name);
+    return;
+  }
   const bool inserted = shape_fns().emplace(op_name, std::move(fn)).second;
   TORCH_INTERNAL_ASSERT(inserted, "two shape functions registered for ", op_name);
 }

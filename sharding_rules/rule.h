@@ -143,6 +143,36 @@ enum class Interleaving : uint8_t { Gather, Lift };
 ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& strategies,
                                Interleaving interleaving = Interleaving::Gather);
 
+// What choose_cheapest weighed, for vescale.explain: every combination of the
+// per-mesh-dim strategies it priced, with its cost (the redistribution cost of moving
+// the inputs, in seconds; infinite when the combination cannot lay the tensors out),
+// and which one it chose.
+struct Candidate {
+  std::vector<Placements> inputs;   // per flattened input
+  std::vector<Placements> outputs;  // per flattened result
+  double cost = 0;
+  bool keeps_written = true;        // leaves the inputs the op writes in their placements
+};
+std::string to_string(const Candidate& candidate);  // "[Shard(0)], [Replicate()] -> [Shard(0)]"
+std::string to_string(const DimStrategy& strategy);  // "Shard(0), Replicate() -> Shard(0)"
+
+struct CandidateLog {
+  std::vector<Candidate> candidates;
+  int chosen = -1;  // index into candidates
+};
+
+// While alive, choose_cheapest calls on this thread append what they weigh to `log`.
+class CandidateCapture {
+ public:
+  explicit CandidateCapture(CandidateLog& log);
+  ~CandidateCapture();
+  CandidateCapture(const CandidateCapture&) = delete;
+  CandidateCapture& operator=(const CandidateCapture&) = delete;
+
+ private:
+  CandidateLog* saved_;
+};
+
 // Every input and result replicated.
 ShardingChoice replicate_all(const OpCall& call);
 
@@ -169,11 +199,12 @@ class RuleTable {
   const ShapeFn* find_shape_fn(const std::string& op_name) const;
   std::vector<std::string> names() const;
   // Names given to add/add_overloads that match no operator in this torch build.
+  // Also names given to key_on_scalar_values and add_shape_fn that match none.
   const std::vector<std::string>& missing() const { return missing_; }
 
   // Scalar arguments normally stay out of the decision cache key (their values never
   // change a layout); for ops whose rule reads one (a norm's order), they go in.
-  void key_on_scalar_values(const std::string& base_name) { scalar_keyed_.push_back(base_name); }
+  void key_on_scalar_values(const std::string& base_name);
   bool keyed_on_scalar_values(const std::string& op_name) const;
 
  private:

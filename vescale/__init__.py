@@ -9,6 +9,7 @@ from . import _C
 from . import _compile
 from ._tensor_methods import _install
 from .debug import collective_counts, debug_mode, fallback_counts, reset_collective_counts, reset_fallback_counts
+from ._explain import explain
 from .device_mesh import DeviceMesh, get_device_mesh, init_device_mesh
 from .dtensor import DTensor, distribute_tensor
 from .placement_types import InterleavedShard, Partial, Placement, Replicate, Shard
@@ -27,6 +28,7 @@ __all__ = [
     "DTensor", "distribute_tensor",
     "Placement", "Shard", "Replicate", "Partial", "InterleavedShard",
     "fallback_counts", "reset_fallback_counts", "collective_counts", "reset_collective_counts", "debug_mode",
+    "explain",
     "parallelize_module", "DDP", "DistributedOptimizer",
     "save", "load", "deferred_init", "materialize_module",
     "DataLoader",

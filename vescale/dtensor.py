@@ -174,12 +174,14 @@ def shard_parts(t: DTensor) -> list:
     return _shard_parts(list(t.shape), t.device_mesh, to_c(t.placements))
 
 
-def _shard_parts(shape: list[int], mesh: DeviceMesh, cp) -> list:
+def _shard_parts(shape: list[int], mesh: DeviceMesh, cp, coordinate: Sequence[int] | None = None) -> list:
+    """As shard_parts, for the rank at ``coordinate`` of ``mesh`` (default: this rank)."""
     import itertools
 
     from .boxes import Box
 
-    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        coordinate = mesh.get_coordinate()
     sizes, offsets = _C.local_shape(shape, cp, list(mesh.shape), list(coordinate))
     # Per interleaved dim: (dim, groups, this rank's piece index); no dim is split twice.
     interleaved = [(kind[1], kind[2], coordinate[m]) for m, kind in enumerate(cp) if kind[0] == "I"]

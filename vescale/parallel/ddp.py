@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import _C
+from .. import _C, _trace
 from ..device_mesh import DeviceMesh
 from ..deferred import has_deferred, is_deferred, materialize_module
 from ..dtensor import DTensor
@@ -153,7 +153,8 @@ class DDP(nn.Module):
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
                 if not is_deferred(t):
-                    dist.broadcast(local_of(t), src=src, group=self.group)
+                    _trace.call("broadcast", self.group, local_of(t), dist.broadcast, local_of(t), src=src,
+                                group=self.group, source="ddp")
 
     # ---- backward ----
 
@@ -177,7 +178,8 @@ class DDP(nn.Module):
             flat = [local_of(s.param.grad).reshape(-1) if s.param.grad is not None
                     else torch.zeros(s.numel, dtype=b.dtype, device=b.device) for s in b.slots]
             b.buffer = torch.cat(flat)
-            b.work = (dist.all_reduce(b.buffer, group=self.group, async_op=True), b.buffer)
+            token = _trace.collective_started("all_reduce", self.group, b.buffer, source="ddp")
+            b.work = (_trace.traced(dist.all_reduce(b.buffer, group=self.group, async_op=True), token), b.buffer)
 
     def _launch_reduce_scatter(self, b: Bucket) -> None:
         """Rank-major and padded, so that each rank receives its own slice of every gradient."""
@@ -195,7 +197,8 @@ class DDP(nn.Module):
                 rows[full, : s.numel - full * s.chunk].copy_(flat[full * s.chunk:])
             s.param.grad = None  # only this rank's slice is kept
         out = torch.empty(b.chunk_total, dtype=b.dtype, device=b.device)
-        b.work = (_reduce_scatter(out, b.buffer.view(-1), self.group), out)
+        token = _trace.collective_started("reduce_scatter", self.group, b.buffer, source="zero")
+        b.work = (_trace.traced(_reduce_scatter(out, b.buffer.view(-1), self.group), token), out)
 
     def _finish(self) -> None:
         self._callback_queued = False

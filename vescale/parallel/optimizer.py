@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import _trace
 from ..deferred import flat_slice, materialize_module
 from ..dtensor import DTensor
 from .ddp import DDP, Slot, local_of
@@ -213,8 +214,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 distributed += power / _copies(o.param)
             else:
                 plain += power
-        dist.all_reduce(distributed)
-        dist.all_reduce(plain, group=self.group)
+        _trace.call("all_reduce", None, distributed, dist.all_reduce, distributed, source="optimizer")
+        _trace.call("all_reduce", self.group, plain, dist.all_reduce, plain, group=self.group, source="optimizer")
         norm = (distributed + plain).pow(1.0 / norm_type)
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import _trace
 from ..deferred import is_deferred
 from .ddp import Slot, local_of
 
@@ -178,4 +179,4 @@ def _fill_rows(flat: torch.Tensor, rows: torch.Tensor) -> None:
 def _all_gather(out: torch.Tensor, mine: torch.Tensor, group) -> None:
     # torch 2.13 renames all_gather_into_tensor to all_gather_single; 2.11 has only the former.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, mine, group=group)
+    _trace.call("all_gather", group, mine, gather, out, mine, group=group, source="zero")

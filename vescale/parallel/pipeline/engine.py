@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ... import _trace
 from ...deferred import has_deferred, is_deferred, materialize_module
 from ...device_mesh import DeviceMesh
 from ...dtensor import DTensor
@@ -254,7 +255,8 @@ class PipelineParallel(nn.Module):
             for name, group in self._shared:
                 p = self.module.get_parameter(name)
                 if not is_deferred(p):
-                    dist.broadcast(local_of(p), src=dist.get_global_rank(group, 0), group=group)
+                    _trace.call("broadcast", group, local_of(p), dist.broadcast, local_of(p),
+                                src=dist.get_global_rank(group, 0), group=group, source="pipeline")
 
     def _reduce_shared_grads(self, earlier: dict) -> None:
         """Sums this step's gradients of parameters several ranks hold; adds back what
@@ -263,7 +265,8 @@ class PipelineParallel(nn.Module):
             p = self.module.get_parameter(name)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(local_of(p.grad), group=group)
+            _trace.call("all_reduce", group, local_of(p.grad), dist.all_reduce, local_of(p.grad), group=group,
+                        source="pipeline")
             if earlier[name] is not None:
                 p.grad = p.grad + earlier[name]
 

@@ -17,6 +17,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
+from ... import _trace
 from ...dtensor import DTensor
 from ...placement_types import InterleavedShard, Partial, Replicate, Shard
 
@@ -68,12 +69,10 @@ class Boundary:
         if _remember(cache, key):
             header = self._encode(positions, described)
             self.headers_sent += 1
-            works.append((dist.isend(header, group=self.group, group_dst=dst, tag=self._tag(_FORWARD, stage, mb, 0)),
-                          header))
+            works.append((self._isend(header, dst, self._tag(_FORWARD, stage, mb, 0)), header))
         for i, local in enumerate(locals_):
             payload = local.detach().contiguous()
-            works.append((dist.isend(payload, group=self.group, group_dst=dst,
-                                     tag=self._tag(_FORWARD, stage, mb, i + 1)), payload))
+            works.append((self._isend(payload, dst, self._tag(_FORWARD, stage, mb, i + 1)), payload))
         return locals_, works
 
     def recv_forward(self, stage: int, mb: int, key, src: int):
@@ -83,13 +82,13 @@ class Boundary:
         cache = self._known.setdefault(stage, OrderedDict())
         if _remember(cache, key):
             header = torch.empty(_HEADER, dtype=torch.int64)
-            dist.irecv(header, group=self.group, group_src=src, tag=self._tag(_FORWARD, stage, mb, 0)).wait()
+            self._recv(header, src, self._tag(_FORWARD, stage, mb, 0))
             cache[key] = self._decode(header)
         positions, specs = cache[key]
         received = []
         for i, (dtype, local_shape, global_shape, mesh_names, placements) in enumerate(specs):
             buf = torch.empty(local_shape, dtype=dtype)
-            dist.irecv(buf, group=self.group, group_src=src, tag=self._tag(_FORWARD, stage, mb, i + 1)).wait()
+            self._recv(buf, src, self._tag(_FORWARD, stage, mb, i + 1))
             mesh = None if mesh_names is None else self._submesh(mesh_names)
             received.append(_leaf_and_value(buf, mesh, placements, global_shape))
         return positions, [leaf for leaf, _ in received], [value for _, value in received]
@@ -104,8 +103,7 @@ class Boundary:
         works = []
         for i, leaf in enumerate(leaves):
             grad = _grad_of(leaf).contiguous()
-            works.append((dist.isend(grad, group=self.group, group_dst=dst,
-                                     tag=self._tag(_BACKWARD, stage, mb, i + 1)), grad))
+            works.append((self._isend(grad, dst, self._tag(_BACKWARD, stage, mb, i + 1)), grad))
         return works
 
     def recv_backward(self, stage: int, mb: int, src: int, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -115,11 +113,21 @@ class Boundary:
         grads = []
         for i, out in enumerate(outputs):
             buf = torch.empty(out.shape, dtype=out.dtype)
-            dist.irecv(buf, group=self.group, group_src=src, tag=self._tag(_BACKWARD, stage + 1, mb, i + 1)).wait()
+            self._recv(buf, src, self._tag(_BACKWARD, stage + 1, mb, i + 1))
             grads.append(buf)
         return grads
 
     # ---- helpers ----
+
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int):
+        """An isend (recorded, while vescale.debug.comm_trace runs, until it is waited for)."""
+        token = _trace.collective_started("send", self.group, tensor, peer=dst, source="pipeline")
+        return _trace.traced(dist.isend(tensor, group=self.group, group_dst=dst, tag=tag), token)
+
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
+        token = _trace.collective_started("recv", self.group, tensor, peer=src, source="pipeline")
+        dist.irecv(tensor, group=self.group, group_src=src, tag=tag).wait()
+        _trace.collective_finished(token)
 
     def _take_local(self, stage: int, mb: int):
         """A hand-over within this rank: new leaves over the same values (no copy)."""
