@@ -156,3 +156,62 @@ def test_sequence_parallel_dropout_draws_the_local_block(pool4):
     for r in pool4.run(_case_sequence_parallel_dropout):
         assert r["equal"]
         assert r["drawn"] == r["local"], r  # not the whole 512 x 64
+
+
+# ---- deferred_init: three Linear(2000, 2000) over 4 ranks ------------------------------------
+
+class Three(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(2000, 2000, bias=False) for _ in range(3))
+        for layer in self.layers:  # an _init_weights pass after nn.Linear's kaiming_uniform_
+            torch.nn.init.normal_(layer.weight, std=0.02)
+
+
+def _case_deferred_three(placement_dim: int) -> dict:
+    import ctypes
+    import gc
+
+    from vescale.deferred import deferred_init
+    from vescale.parallel import parallelize_module
+
+    m = mesh("1d4")
+    deferred_init(Three)  # the first dispatch mode loads library code: not model memory
+    torch.manual_seed(0)
+    ref = Three()
+    ref_next = torch.rand(3)
+    del ref
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    with open("/proc/self/status") as f:
+        base = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+    torch.manual_seed(0)
+    _C._rng_reset_drawn_elements()
+    model = deferred_init(Three)
+    recorded_draws = _C._rng_drawn_elements()
+    after_record = torch.rand(3)
+    parallelize_module(model, m, {"parameter": {r"layers\.\d+\.weight": [Shard(placement_dim)]}})
+    drawn = _C._rng_drawn_elements()
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) - base
+    torch.manual_seed(0)
+    ref = Three()
+    equal = all(torch.equal(p.full_tensor(), r) for p, r in zip(model.parameters(), ref.parameters()))
+    local = sum(p.to_local().numel() for p in model.parameters())
+    return dict(equal=equal, same_next=torch.equal(after_record, ref_next),
+                recorded_draws=recorded_draws, drawn=drawn, local=local, peak_kb=peak, local_kb=local * 4 // 1024)
+
+
+@pytest.mark.parametrize("placement_dim", [0, 1])
+def test_deferred_linears_draw_and_hold_only_the_shard(pool4, placement_dim):
+    """Bitwise single-device values; recording draws nothing; each rank draws its shard
+    (rounded to normal_'s groups of 16: at most one group per row of a column shard) and
+    peaks at its shard plus one 4 MiB chunk and a constant (the whole model is 48 MB, a
+    shard 12 MB)."""
+    for r in pool4.run(_case_deferred_three, placement_dim):
+        assert r["equal"] and r["same_next"], r
+        assert r["recorded_draws"] == 0, r
+        assert r["local"] <= r["drawn"] <= r["local"] + 3 * 2000 * 32, r
+        assert r["peak_kb"] < r["local_kb"] + 10 * 1024, r
