@@ -11,17 +11,18 @@ from computed tensors, ``torch.manual_seed`` in between: the CPU generator state
 recorded before each random op). Materialising a tensor for a box (a rank's shard)
 replays its ops:
 
-* random fills (``normal_``, ``uniform_``, ``randn``, ``rand``) stream the whole
-  tensor's random sequence in chunks of 1 Mi elements from the recorded generator
-  state, keeping only the box: bitwise the values of a single-device run, in memory of
-  the box plus one chunk;
+* random fills (``normal_``, ``uniform_``, ``randn``, ``rand``) draw only the box's rows
+  from the recorded generator state, the generator skipping the rest (``_stream``), in
+  buffers of at most one 1 Mi-element chunk: bitwise the values of a single-device run,
+  in memory of the box plus one chunk (fills whose use of the generator is not known,
+  e.g. ``normal_`` on fewer than 16 elements, stream the whole sequence instead);
 * pointwise ops with scalar arguments (``mul_``, ``add_``, ``clamp_``, ``erfinv_``,
   ``fill_``, ``zero_``) run on the box alone;
 * anything else (a copy from a computed tensor, ``orthogonal_``, views) is replayed
   whole, then sliced: correct, at the cost of that one tensor in full.
 
 While recording, the real generator is advanced exactly as the real constructor would
-have (the random sequence is streamed and dropped), so whatever runs after
+have (skipped, without drawing, where the fill's consumption is known), so whatever runs after
 ``deferred_init`` draws the same numbers as after an ordinary construction.
 """
 
