@@ -11,6 +11,8 @@
 #include "dispatch/handler.h"
 #include "dispatch/observe.h"
 #include "dispatch/propagation.h"
+#include "sharding_rules/mt_jump.h"
+#include "sharding_rules/random_local.h"
 #include "sharding_rules/rule.h"
 
 #include <torch/extension.h>
@@ -124,6 +126,45 @@ PYBIND11_MODULE(_C, m) {
 
   // Calls that may communicate release the GIL first (as torch's own c10d bindings
   // do): backend threads may need it to finish the collectives they wait on.
+  // Local random draws on the default CPU generator (vescale/deferred.py replays fills
+  // with them): a box of normal_(a, b) / uniform_(a, b) on a contiguous tensor of
+  // `shape`, leaving the generator where the whole fill leaves it. False: not a fill
+  // whose consumption is known (the caller draws the whole tensor).
+  m.def("_rng_draw_box", [](const std::string& kind, double a, double b, std::vector<int64_t> shape,
+                            std::vector<int64_t> offsets, std::vector<int64_t> sizes, at::Tensor out) {
+    int64_t n = 1;
+    for (auto s : shape) n *= s;
+    const auto model = rng::model_for(kind, out.scalar_type(), n);
+    if (!model.ok() || (kind != "normal_" && kind != "uniform_")) return false;
+    auto* gen = at::check_generator<at::CPUGeneratorImpl>(at::detail::getDefaultCPUGenerator());
+    const bool normal = kind == "normal_";
+    rng::draw_box(gen, model, shape, offsets, sizes,
+                  [=](at::Tensor& buf) { normal ? buf.normal_(a, b) : buf.uniform_(a, b); }, out);
+    return true;
+  });
+  // Moves the default CPU generator past a whole fill of `numel` elements (False: unknown).
+  m.def("_rng_skip", [](const std::string& kind, at::ScalarType dtype, int64_t numel) {
+    const auto model = rng::model_for(kind, dtype, numel);
+    if (!model.ok()) return false;
+    rng::advance(at::check_generator<at::CPUGeneratorImpl>(at::detail::getDefaultCPUGenerator()),
+                 static_cast<uint64_t>(model.consumption(numel)));
+    return true;
+  });
+  // The default CPU generator n outputs on: "jump", "stream" or "auto" (bench/rng_jump.py).
+  m.def("_rng_advance", [](uint64_t n, const std::string& how) {
+    auto* gen = at::check_generator<at::CPUGeneratorImpl>(at::detail::getDefaultCPUGenerator());
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    auto engine = gen->engine();
+    auto pod = engine.data();
+    if (how == "jump") mt::jump(pod, n);
+    else if (how == "stream") mt::stream(pod, n);
+    else mt::advance(pod, n);
+    engine.set_data(pod);
+    gen->set_engine(engine);
+  }, py::arg("n"), py::arg("how") = "auto");
+  m.def("_rng_jump_threshold", &mt::jump_threshold);
+  m.def("_rng_drawn_elements", &rng::drawn_elements);
+  m.def("_rng_reset_drawn_elements", &rng::reset_drawn_elements);
   m.def("is_dtensor", [](const at::Tensor& t) { return is_dtensor(t); });
   m.def("from_local",
         [spec_from](const at::Tensor& local, const std::shared_ptr<Mesh>& mesh, const py::sequence& placements,

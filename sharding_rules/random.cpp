@@ -1,7 +1,13 @@
-// Random ops give every rank the values one device would draw: each rank draws the
-// whole tensor from its generator and keeps its own block. Ranks must seed alike (as
-// with torch.manual_seed on every rank); since every rank draws the same numbers, the
-// generators stay in step. The cost is the whole tensor's draws on every rank.
+// Random ops give every rank the values one device would draw. Ranks must seed alike
+// (as with torch.manual_seed on every rank); every rank moves its generator as the op on
+// the whole tensor would, so the generators stay in step.
+//
+// On the CPU, fills whose consumption of the generator is element-local and known
+// (uniform_, normal_ on >= 16 elements, bernoulli_(p), random_, and native_dropout's
+// mask; see sharding_rules/random_local.h) draw only this rank's block: the Mersenne
+// Twister jumps (or streams, for short gaps) to where the block's rows start. Every
+// other case (CUDA, InterleavedShard, non-contiguous global layouts, the *_like draws,
+// draws that read data) draws the whole tensor and keeps the block.
 //
 //   in-place fills (normal_, uniform_, bernoulli_, ...)   self keeps its layout (a
 //        Partial one is filled as Replicate and written back); tensor parameters
@@ -15,9 +21,12 @@
 //        drawn whole
 
 #include "collectives/collectives.h"
+#include "sharding_rules/random_local.h"
 #include "sharding_rules/rule.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/DistributionsHelper.h>
 
 namespace vescale {
 
@@ -86,6 +95,59 @@ void draw_whole_keep_block(const c10::OperatorHandle& op, torch::jit::Stack* sta
   }
 }
 
+bool is_interleaved(const TensorSpec& spec) {
+  return std::any_of(spec.placements.begin(), spec.placements.end(),
+                     [](const Placement& p) { return p.is_interleaved(); });
+}
+
+// Whether this rank's block of `spec` can be drawn alone: a dense row-major global
+// layout, blocks (not interleaved pieces), a CPU local tensor.
+bool block_drawable(const TensorSpec& spec, const at::Tensor& local) {
+  return local.device().is_cpu() && !is_interleaved(spec) && spec.stride == dense_strides(spec.shape);
+}
+
+// The CPU generator an op's optional generator argument names (null: not a CPU one).
+at::CPUGeneratorImpl* cpu_generator(const c10::IValue& g) {
+  if (g.isNone()) return at::check_generator<at::CPUGeneratorImpl>(at::detail::getDefaultCPUGenerator());
+  const auto gen = g.toGenerator();
+  if (gen.device().type() != c10::DeviceType::CPU) return nullptr;
+  return at::check_generator<at::CPUGeneratorImpl>(gen);
+}
+
+// In-place fills: this rank's block alone where the fill's consumption is known, else
+// the whole tensor.
+void fill_local_or_whole(const c10::OperatorHandle& op, torch::jit::Stack* stack, const LocalContext& ctx) {
+  const auto& schema = op.schema();
+  const size_t n_args = schema.arguments().size();
+  const size_t base = stack->size() - n_args;
+  const at::Tensor self = (*stack)[base].toTensor();
+  const auto& spec = *ctx.inputs[0];
+  std::string name = schema.name().substr(6);  // past "aten::"
+  if (!schema.overload_name().empty()) name += "." + schema.overload_name();
+  int64_t range = -1;
+  if (name == "random_.to") range = (*stack)[base + 1].toInt();
+  if (name == "random_.from" && !(*stack)[base + 2].isNone())
+    range = (*stack)[base + 2].toInt() - (*stack)[base + 1].toInt();
+  const auto model = rng::model_for(name, spec.dtype, spec.numel(), range);
+  at::CPUGeneratorImpl* gen = nullptr;
+  const auto g_index = schema.argumentIndexWithName("generator");
+  if (model.ok() && g_index && block_drawable(spec, self)) gen = cpu_generator((*stack)[base + *g_index]);
+  if (!gen) return draw_whole_keep_block(op, stack, ctx);
+  const torch::jit::Stack args(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
+  at::Tensor out = self.is_contiguous() ? self
+                                        : at::empty(spec.local.sizes, self.options().memory_format(at::MemoryFormat::Contiguous));
+  rng::draw_box(gen, model, spec.shape, spec.local.offsets, spec.local.sizes,
+                [&](at::Tensor& buf) {
+                  torch::jit::Stack s = args;
+                  s[0] = buf;
+                  op.callBoxed(&s);
+                },
+                out);
+  if (!out.is_same(self)) self.copy_(out);
+  torch::jit::drop(*stack, n_args);
+  torch::jit::push(*stack, self);
+}
+
 ShardingChoice with_draw(ShardingChoice c) {
   c.local_fn = draw_whole_keep_block;
   return c;
@@ -98,7 +160,8 @@ ShardingChoice fill_rule(const OpCall& call) {
   c.inputs.push_back(no_partial(call.inputs[0].placements));
   for (size_t i = 1; i < call.inputs.size(); ++i) c.inputs.push_back(replicated(call));
   c.outputs.assign(call.outputs.size(), c.inputs[0]);
-  return with_draw(std::move(c));
+  c.local_fn = fill_local_or_whole;
+  return c;
 }
 
 // Draws shaped like the input: the input stays where it is.
@@ -121,10 +184,30 @@ ShardingChoice data_rule(const OpCall& call) {
 // native_dropout(input, p, train) -> (output, mask): the mask is drawn whole by the op
 // itself (on a whole tensor of ones, so its output is mask * scale), and this rank's
 // output is its input block times that.
+// On the CPU the mask is native_dropout's own: mask = bernoulli_(1 - p) on a bool
+// tensor of the input's shape, output = input * mask * (1 / (1 - p)); only this rank's
+// block of the mask is drawn.
 void dropout_locally(const c10::OperatorHandle& op, torch::jit::Stack* stack, const LocalContext& ctx) {
   const size_t base = stack->size() - 3;
   const at::Tensor input = (*stack)[base].toTensor();
   const auto& in_spec = *ctx.inputs[0];
+  const auto& mask_spec = *ctx.outputs[1];
+  const double p = (*stack)[base + 1].toDouble();
+  const auto& train = (*stack)[base + 2];
+  const bool training = train.isNone() || train.toBool();
+  if (training && in_spec.numel() > 0 && block_drawable(mask_spec, input) &&
+      rng::model_for("bernoulli_.float", at::kBool, mask_spec.numel()).ok()) {
+    const double p1m = 1. - p;
+    const double scale = p1m == 0 ? 0. : 1. / p1m;
+    at::Tensor mask = at::empty(mask_spec.local.sizes, input.options().dtype(at::kBool));
+    rng::draw_box(cpu_generator(c10::IValue()), rng::model_for("bernoulli_.float", at::kBool, mask_spec.numel()),
+                  mask_spec.shape, mask_spec.local.offsets, mask_spec.local.sizes,
+                  [p1m](at::Tensor& buf) { buf.bernoulli_(p1m); }, mask);
+    at::Tensor output = input.mul(mask).mul_(scale);
+    torch::jit::drop(*stack, 3);
+    torch::jit::push(*stack, output, mask);
+    return;
+  }
   (*stack)[base] = at::ones(in_spec.shape, input.options());
   op.callBoxed(stack);
   const auto scaled_mask = block_of((*stack)[stack->size() - 2].toTensor(), *ctx.outputs[1]);

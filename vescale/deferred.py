@@ -11,17 +11,18 @@ from computed tensors, ``torch.manual_seed`` in between: the CPU generator state
 recorded before each random op). Materialising a tensor for a box (a rank's shard)
 replays its ops:
 
-* random fills (``normal_``, ``uniform_``, ``randn``, ``rand``) stream the whole
-  tensor's random sequence in chunks of 1 Mi elements from the recorded generator
-  state, keeping only the box: bitwise the values of a single-device run, in memory of
-  the box plus one chunk;
+* random fills (``normal_``, ``uniform_``, ``randn``, ``rand``) draw only the box's rows
+  from the recorded generator state, the generator skipping the rest (``_stream``), in
+  buffers of at most one 1 Mi-element chunk: bitwise the values of a single-device run,
+  in memory of the box plus one chunk (fills whose use of the generator is not known,
+  e.g. ``normal_`` on fewer than 16 elements, stream the whole sequence instead);
 * pointwise ops with scalar arguments (``mul_``, ``add_``, ``clamp_``, ``erfinv_``,
   ``fill_``, ``zero_``) run on the box alone;
 * anything else (a copy from a computed tensor, ``orthogonal_``, views) is replayed
   whole, then sliced: correct, at the cost of that one tensor in full.
 
 While recording, the real generator is advanced exactly as the real constructor would
-have (the random sequence is streamed and dropped), so whatever runs after
+have (skipped, without drawing, where the fill's consumption is known), so whatever runs after
 ``deferred_init`` draws the same numbers as after an ordinary construction.
 """
 
@@ -36,6 +37,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from . import _C
 from .boxes import Box, flat_range, whole
 
 __all__ = ["deferred_init", "materialize_module", "is_deferred", "DeferredInitError"]
@@ -230,7 +232,47 @@ def _chunks(n: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def _fill_params(node: _Node) -> tuple[str, float, float]:
+    """("normal_" | "uniform_", a, b): the fill's kind and its two scalar arguments."""
+    if node.func in _RANDOM_FACTORIES:
+        fill, (a, b) = _RANDOM_FACTORIES[node.func]
+        return fill._schema.name.split("::")[1], a, b
+    kind = node.func._schema.name.split("::")[1]
+    names = ("mean", "std") if kind == "normal_" else ("from", "to")
+    values = [0.0, 1.0]
+    for i, v in enumerate(node.args[1:3]):
+        values[i] = v
+    for i, name in enumerate(names):
+        if name in node.kwargs:
+            values[i] = node.kwargs[name]
+    return kind, float(values[0]), float(values[1])
+
+
 def _stream(node: _Node, shape, dtype, box: Box | None, into: torch.Tensor | None) -> None:
+    """The node's random values inside ``box`` (into ``into``), drawn from its recorded
+    generator state; with no box (recording), just moves the real generator past the fill.
+
+    Where the fill's use of the generator is known (normal_ on >= 16 float/double
+    elements, uniform_), only the box's rows are drawn: the Mersenne Twister skips the
+    rest (vescale._C._rng_draw_box; sharding_rules/random_local.h), in buffers of at most
+    one chunk. Otherwise the whole sequence is streamed chunk by chunk, keeping the box."""
+    kind, a, b = _fill_params(node)
+    if box is None:
+        torch.set_rng_state(node.rng)
+        if _C._rng_skip(kind, dtype, math.prod(shape)):
+            return
+    else:
+        saved = torch.get_rng_state()
+        torch.set_rng_state(node.rng)
+        try:
+            if _C._rng_draw_box(kind, a, b, list(shape), list(box.offsets), list(box.sizes), into):
+                return
+        finally:
+            torch.set_rng_state(saved)
+    _stream_whole(node, shape, dtype, box, into)
+
+
+def _stream_whole(node: _Node, shape, dtype, box: Box | None, into: torch.Tensor | None) -> None:
     """Draws the node's random sequence for a whole tensor of ``shape`` from its recorded
     generator state, chunk by chunk, copying the part in ``box`` into ``into``."""
     fill, extra, _ = _random_fill(node)

@@ -25,7 +25,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-_TIMEOUT_S = 120
+# VESCALE_TEST_SLOWDOWN stretches every timeout (ranks run under valgrind, say, through
+# the interpreter named by VESCALE_TEST_WORKER_EXECUTABLE).
+_SLOWDOWN = float(os.environ.get("VESCALE_TEST_SLOWDOWN", "1"))
+_TIMEOUT_S = int(120 * _SLOWDOWN)
 
 
 def _worker(rank: int, world: int, port: int, conn, path: list[str]) -> None:
@@ -35,7 +38,12 @@ def _worker(rank: int, world: int, port: int, conn, path: list[str]) -> None:
     threads = os.environ.get("VESCALE_TEST_THREADS", "1")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS=threads,
-                      VESCALE_COLLECTIVE_TIMEOUT=str(_TIMEOUT_S))  # the meshes' groups, as the world's
+                      VESCALE_COLLECTIVE_TIMEOUT=str(_TIMEOUT_S),  # the meshes' groups, as the world's
+                      # c10d's flight recorder (a ring of the last 2,000 collectives per process)
+                      # is off: the open heap-corruption crash (see docs/engine.md, "Known
+                      # problems") was a gloo worker thread's freed chunk overwritten with
+                      # c10d's op-type name, in ranks that had issued far more than 2,000.
+                      TORCH_FR_BUFFER_SIZE="0")
     import faulthandler
 
     import torch
@@ -70,6 +78,8 @@ class RankPool:
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
+        if os.environ.get("VESCALE_TEST_WORKER_EXECUTABLE"):
+            ctx.set_executable(os.environ["VESCALE_TEST_WORKER_EXECUTABLE"])
         port = _free_port()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
@@ -79,7 +89,7 @@ class RankPool:
             self._procs.append(proc)
             self._conns.append(parent)
         for rank, conn in enumerate(self._conns):
-            if not conn.poll(120):
+            if not conn.poll(120 * _SLOWDOWN):
                 self.close()
                 raise RuntimeError(f"rank {rank} of the test pool did not start")
             conn.recv()
@@ -96,7 +106,7 @@ class RankPool:
         for rank, conn in enumerate(self._conns):
             if rank in errors:
                 continue
-            wait = timeout if not errors else _RESTART_GRACE_S
+            wait = (timeout if not errors else _RESTART_GRACE_S) * _SLOWDOWN
             try:
                 if not conn.poll(wait):
                     hung.append(rank)

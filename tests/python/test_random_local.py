@@ -1,0 +1,217 @@
+"""Random fills draw only the local block on the CPU (the Mersenne Twister jumps or
+streams past the rest), with the values and the generator state after the op of a
+single-device run: boxes of every shape (the normal_ 16-groups and its redrawn last 16
+included), uneven shards, 2-D meshes, InterleavedShard, and a count of drawn elements
+that shows a dropout under sequence parallelism draws about its local block only."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vescale
+from vescale import InterleavedShard, Replicate, Shard, _C
+
+from dist_utils import mesh
+
+
+# ---- one process: the box drawer against whole draws ---------------------------------------
+
+def _whole(kind, a, b, shape, dtype, seed):
+    torch.manual_seed(seed)
+    t = torch.empty(shape, dtype=dtype)
+    getattr(t, kind)(a, b)
+    return t, torch.get_rng_state()
+
+
+BOXES = {  # shape -> boxes (offsets, sizes)
+    (1000,): [((0,), (1000,)), ((0,), (250,)), ((250,), (250,)), ((993,), (7,)), ((984,), (16,)), ((3,), (1,))],
+    (17,): [((0,), (17,)), ((1,), (16,)), ((16,), (1,)), ((0,), (1,))],
+    (16,): [((0,), (16,)), ((5,), (3,))],
+    (37, 53): [((0, 0), (37, 53)), ((10, 0), (9, 53)), ((0, 13), (37, 14)), ((36, 40), (1, 13)), ((5, 7), (20, 1))],
+    (6, 5, 33): [((2, 0, 0), (2, 5, 33)), ((0, 1, 8), (6, 3, 9)), ((5, 4, 30), (1, 1, 3))],
+    (3, 2100, 700): [((1, 0, 0), (1, 2100, 700)), ((0, 0, 175), (3, 2100, 175)), ((2, 1500, 0), (1, 600, 700))],
+}
+
+
+@pytest.mark.parametrize("kind,a,b", [("normal_", 0.5, 2.0), ("uniform_", -1.0, 3.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_box_equals_the_whole_draw_and_leaves_the_same_state(kind, a, b, dtype):
+    failures = []
+    for shape, boxes in BOXES.items():
+        if dtype == torch.float64 and len(shape) == 3 and shape[1] > 1000:
+            continue  # the big shape once is enough
+        full, after = _whole(kind, a, b, shape, dtype, seed=11)
+        for offsets, sizes in boxes:
+            torch.manual_seed(11)
+            out = torch.empty(sizes, dtype=dtype)
+            assert _C._rng_draw_box(kind, a, b, list(shape), list(offsets), list(sizes), out)
+            want = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+            if not torch.equal(out, want):
+                failures.append(f"{shape} {offsets} {sizes}: values")
+            if not torch.equal(torch.get_rng_state(), after):
+                failures.append(f"{shape} {offsets} {sizes}: generator state")
+    assert failures == []
+
+
+def test_short_normal_and_half_precision_are_left_to_the_whole_draw():
+    out = torch.empty(15)
+    assert not _C._rng_draw_box("normal_", 0.0, 1.0, [15], [0], [15], out)  # Box-Muller caches a sample
+    out = torch.empty(40, dtype=torch.bfloat16)
+    assert not _C._rng_draw_box("normal_", 0.0, 1.0, [40], [0], [40], out)  # other group structure
+
+
+def test_skip_equals_the_whole_fill():
+    for kind, dtype, n in [("normal_", torch.float32, 1000003), ("uniform_", torch.float64, 777),
+                           ("normal_", torch.float64, 48)]:
+        _, after = _whole(kind, 0.0, 1.0, (n,), dtype, seed=3)
+        torch.manual_seed(3)
+        assert _C._rng_skip(kind, dtype, n)
+        assert torch.equal(torch.get_rng_state(), after), (kind, dtype, n)
+
+
+@pytest.mark.parametrize("n", [0, 1, 623, 624, 625, 10**6, 3 * 10**7 + 11])
+def test_jump_and_stream_reach_the_same_state(n):
+    torch.manual_seed(5)
+    torch.rand(7)
+    start = torch.get_rng_state()
+    _C._rng_advance(n, "jump")
+    jumped = torch.get_rng_state()
+    torch.set_rng_state(start)
+    _C._rng_advance(n, "stream")
+    assert torch.equal(jumped, torch.get_rng_state())
+    if n <= 10**6:  # and both are what drawing n 32-bit numbers does
+        torch.set_rng_state(start)
+        torch.empty(n).uniform_()
+        assert torch.equal(jumped, torch.get_rng_state())
+
+
+# ---- DTensors on 4 ranks ---------------------------------------------------------------------
+
+FILLS = {
+    "normal_": lambda x: x.normal_(1.0, 2.0),
+    "uniform_": lambda x: x.uniform_(-1, 1),
+    "bernoulli_": lambda x: x.bernoulli_(0.3),
+    "random_": lambda x: x.random_(0, 1000),
+    "random_plain": lambda x: x.random_(),
+    "dropout": lambda x: F.dropout(x, p=0.4, training=True),
+    "native_dropout": lambda x: torch.ops.aten.native_dropout(x, 0.3, True)[0],
+}
+
+# mesh name -> (shape, placements); (13, 29) is uneven over 2 and 4 and has 377 elements
+# (normal_ redraws its last 16); InterleavedShard needs the dim to divide (13 x 24: 312)
+LAYOUTS = {
+    "1d4": [((13, 29), [Shard(0)]), ((13, 29), [Shard(1)]), ((13, 29), [Replicate()]),
+            ((13, 24), [InterleavedShard(1, 3)])],
+    "2d": [((13, 29), [Shard(0), Shard(1)]), ((13, 29), [Shard(1), Shard(0)]), ((13, 29), [Shard(1), Shard(1)]),
+           ((13, 29), [Replicate(), Shard(0)]), ((13, 24), [Shard(0), InterleavedShard(1, 3)])],
+}
+
+
+def _case_fills(mesh_name: str, dtype_name: str) -> list[str]:
+    m = mesh(mesh_name)
+    dtype = getattr(torch, dtype_name)
+    failures = []
+    for (name, fn), (shape, placements) in itertools.product(FILLS.items(), LAYOUTS[mesh_name]):
+        full = torch.ones(shape, dtype=dtype)
+        torch.manual_seed(77)
+        torch.rand(3)  # start mid-block
+        expected = fn(full.clone())
+        state_after = torch.get_rng_state()
+        torch.manual_seed(77)
+        torch.rand(3)
+        with torch.no_grad():
+            out = fn(vescale.distribute_tensor(full.clone(), m, placements))
+        if not torch.equal(out.full_tensor(), expected):
+            failures.append(f"{name} {placements}: values")
+        if not torch.equal(torch.get_rng_state(), state_after):
+            failures.append(f"{name} {placements}: generator state after the op")
+    return failures
+
+
+@pytest.mark.parametrize("mesh_name", ["1d4", "2d"])
+@pytest.mark.parametrize("dtype_name", ["float32", "float64"])
+def test_fills_match_single_device_values_and_state(pool4, mesh_name, dtype_name):
+    for failures in pool4.run(_case_fills, mesh_name, dtype_name):
+        assert failures == []
+
+
+def _case_sequence_parallel_dropout() -> dict:
+    m = mesh("1d4")
+    x = torch.randn(512, 64)  # (sequence, hidden), the sequence split: sequence parallelism
+    torch.manual_seed(3)
+    expected = F.dropout(x, p=0.1, training=True)
+    torch.manual_seed(3)
+    dx = vescale.distribute_tensor(x, m, [Shard(0)])
+    _C._rng_reset_drawn_elements()
+    out = F.dropout(dx, p=0.1, training=True)
+    drawn = _C._rng_drawn_elements()
+    return dict(equal=torch.equal(out.full_tensor(), expected), drawn=drawn, local=dx.to_local().numel())
+
+
+def test_sequence_parallel_dropout_draws_the_local_block(pool4):
+    for r in pool4.run(_case_sequence_parallel_dropout):
+        assert r["equal"]
+        assert r["drawn"] == r["local"], r  # not the whole 512 x 64
+
+
+# ---- deferred_init: three Linear(2000, 2000) over 4 ranks ------------------------------------
+
+class Three(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(2000, 2000, bias=False) for _ in range(3))
+        for layer in self.layers:  # an _init_weights pass after nn.Linear's kaiming_uniform_
+            torch.nn.init.normal_(layer.weight, std=0.02)
+
+
+def _case_deferred_three(placement_dim: int) -> dict:
+    import ctypes
+    import gc
+
+    from vescale.deferred import deferred_init
+    from vescale.parallel import parallelize_module
+
+    m = mesh("1d4")
+    deferred_init(Three)  # the first dispatch mode loads library code: not model memory
+    torch.manual_seed(0)
+    ref = Three()
+    ref_next = torch.rand(3)
+    del ref
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    with open("/proc/self/status") as f:
+        base = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+    torch.manual_seed(0)
+    _C._rng_reset_drawn_elements()
+    model = deferred_init(Three)
+    recorded_draws = _C._rng_drawn_elements()
+    after_record = torch.rand(3)
+    parallelize_module(model, m, {"parameter": {r"layers\.\d+\.weight": [Shard(placement_dim)]}})
+    drawn = _C._rng_drawn_elements()
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) - base
+    torch.manual_seed(0)
+    ref = Three()
+    equal = all(torch.equal(p.full_tensor(), r) for p, r in zip(model.parameters(), ref.parameters()))
+    local = sum(p.to_local().numel() for p in model.parameters())
+    return dict(equal=equal, same_next=torch.equal(after_record, ref_next),
+                recorded_draws=recorded_draws, drawn=drawn, local=local, peak_kb=peak, local_kb=local * 4 // 1024)
+
+
+@pytest.mark.parametrize("placement_dim", [0, 1])
+def test_deferred_linears_draw_and_hold_only_the_shard(pool4, placement_dim):
+    """Bitwise single-device values; recording draws nothing; each rank draws its shard
+    (rounded to normal_'s groups of 16: at most one group per row of a column shard) and
+    peaks at its shard plus one 4 MiB chunk and a constant (the whole model is 48 MB, a
+    shard 12 MB)."""
+    for r in pool4.run(_case_deferred_three, placement_dim):
+        assert r["equal"] and r["same_next"], r
+        assert r["recorded_draws"] == 0, r
+        assert r["local"] <= r["drawn"] <= r["local"] + 3 * 2000 * 32, r
+        assert r["peak_kb"] < r["local_kb"] + 10 * 1024, r
