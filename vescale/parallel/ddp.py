@@ -81,7 +81,10 @@ class DDP(nn.Module):
         self.buckets = self._make_buckets(bucket_cap_mb)
         from .pipeline.engine import is_pipeline  # (the pipeline imports this module)
         if is_pipeline(module):  # it reduces once per step, after its schedule
-            module._data_parallel = self
+            # a plain reference, not a submodule: DDP already holds the pipeline as its
+            # `module`, and a cycle in the module tree sends tree walkers (torch's
+            # ModTracker, comm_trace) into endless recursion
+            object.__setattr__(module, "_data_parallel", self)
         # deferred tensors get the same values on every rank when materialised: no broadcast,
         # and ZeRO-3 (DistributedOptimizer) materialises only each rank's slices
         self._deferred = has_deferred(module)
