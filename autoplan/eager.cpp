@@ -146,6 +146,7 @@ std::string Config::str() const {
   os << "PP" << pp << " DP" << dp << " TP" << tp;
   if (sp) os << " SP";
   if (zero) os << " ZeRO-" << zero;
+  if (recompute) os << " recompute";
   if (pp > 1) {
     os << " " << schedule << " m" << microbatches;
     if (vp > 1) os << " v" << vp;
@@ -186,7 +187,7 @@ std::vector<int64_t> choose_split(const Problem& p, const Layout& l, const Confi
     const auto& u = l.units[blocks[b]];
     if (split == "flops") return p.units[blocks[b]].flops;
     if (split == "parameters") return p.units[blocks[b]].params;
-    return u.fwd_a + u.fwd_b * n + u.bwd_a + u.bwd_b * n;
+    return (c.recompute ? 2.0 : 1.0) * (u.fwd_a + u.fwd_b * n) + u.bwd_a + u.bwd_b * n;
   };
   std::vector<int64_t> seg_counts;
   if (split == "uniform") {
@@ -209,7 +210,7 @@ std::vector<int64_t> choose_split(const Problem& p, const Layout& l, const Confi
         t += block_cost(static_cast<size_t>(k));
         const auto& u = l.units[blocks[static_cast<size_t>(k)]];
         st += u.param_bytes * static_factor;
-        sv += u.saved_a + u.saved_b * n;
+        sv += c.recompute ? u.out_a + u.out_b * n : u.saved_a + u.saved_b * n;
       }
       sp.block_time.push_back(t);
       sp.block_static.push_back(split == "time" ? st : 0.0);
@@ -260,6 +261,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
   // vescale's limits, found by running them: the ZB-V schedule's split backward and
   // ZeRO-3's gather/release hooks do not work together yet (a rank raises, the others hang)
   if (c.pp > 1 && c.schedule == "zbv" && c.zero == 3) return fail("vescale cannot run ZB-V with ZeRO-3 yet");
+  if (c.pp > 1 && c.recompute) return fail("vescale cannot recompute under a pipeline yet");
   const int64_t local_batch = p.batch / c.dp;
   if (local_batch % c.microbatches) return fail("micro-batches do not divide the local batch");
   const double n = static_cast<double>(local_batch / c.microbatches);
@@ -318,14 +320,16 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
     }
     for (const auto i : stages.units[us]) {
       const auto& u = l.units[i];
+      const bool block = p.units[i].kind == 1, again = c.recompute && block;
       const double uf = u.fwd_a + u.fwd_b * n;
-      const double ub = (u.bwd_a + u.bwd_b * n) * (splits_backward && p.units[i].kind == 1 ? u.split_cost : 1.0);
+      const double ub = (u.bwd_a + u.bwd_b * n) * (splits_backward && block ? u.split_cost : 1.0);
+      const double uc = comm_time(cost, u.fwd_comm, n);
       f += uf;
-      b += ub;
-      bi += ub * (p.units[i].kind == 1 ? u.input_share : 0.5);
-      tpf += comm_time(cost, u.fwd_comm, n);
-      tpb += comm_time(cost, u.bwd_comm, n);
-      saved[us] += u.saved_a + u.saved_b * n;
+      b += ub + (again ? uf : 0.0);  // a recomputed block runs its forward again first
+      bi += ub * (block ? u.input_share : 0.5) + (again ? uf : 0.0);
+      tpf += uc;
+      tpb += comm_time(cost, u.bwd_comm, n) + (again ? uc : 0.0);
+      saved[us] += again ? u.out_a + u.out_b * n : u.saved_a + u.saved_b * n;
       pbytes[us] += u.param_bytes;
       pnumel[us] += u.param_numel;
       ptensors[us] += static_cast<double>(u.param_tensors);
@@ -343,8 +347,9 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       const auto mi = c.microbatches;
       for (const auto i : stages.units[us]) {
         const auto& u = l.units[i];
-        for (const auto* list : {&u.fwd_comm, &u.bwd_comm})
-          for (const auto& x : *list) e.rank0_comms.push_back({x.kind, x.group, x.bytes_a + x.bytes_b * n, mi, "tp"});
+        const int64_t fwd_runs = c.recompute && p.units[i].kind == 1 ? 2 : 1;
+        for (const auto& x : u.fwd_comm) e.rank0_comms.push_back({x.kind, x.group, x.bytes_a + x.bytes_b * n, fwd_runs * mi, "tp"});
+        for (const auto& x : u.bwd_comm) e.rank0_comms.push_back({x.kind, x.group, x.bytes_a + x.bytes_b * n, mi, "tp"});
         if (c.zero == 3 && p.units[i].kind == 1)
           e.rank0_comms.push_back({"all_gather", c.dp, std::ceil(u.param_bytes / dpd / 4) * 4, 2 * mi, "zero3"});
       }
@@ -590,9 +595,16 @@ Result search(const Problem& p, const Constraints& k) {
               configs.push_back(cc);
             }
           }
-          for (const auto& cc : configs) {
+          for (auto cc : configs) {
             ++r.enumerated;
+            cc.recompute = k.recompute == 1;
             Estimate e = estimate(p, cc, k.split, k.memory_limit);
+            if (!e.feasible && k.recompute < 0 && k.memory_limit > 0) {  // over the limit: recomputation may fit
+              cc.recompute = true;
+              ++r.enumerated;
+              Estimate again = estimate(p, cc, k.split, k.memory_limit);
+              if (again.feasible) e = std::move(again);
+            }
             if (e.feasible) feasible.push_back(std::move(e));
             else r.rejected.push_back(std::move(e));
           }

@@ -35,6 +35,11 @@
 // model, and the gradients), the end of the backward (the gradients and the bucket the
 // data-parallel reduction packs them into), and the optimizer step (the gradients it
 // keeps and its temporaries, measured per element).
+//
+// Recomputation (activation checkpointing of every block): a block keeps only its input
+// (the bytes the block before hands on) and runs its forward, collectives included, again
+// at the start of its backward. It never makes a step faster, so the search tries it only
+// for a configuration that does not fit the memory limit without it (or when asked).
 
 #include "autoplan/pipeline_sim.h"
 
@@ -135,6 +140,7 @@ struct Problem {
 struct Constraints {
   int64_t pp = 0, dp = 0, tp = 0;  // > 0: fixed
   int zero = -1, sp = -1;          // >= 0: fixed
+  int recompute = -1;              // >= 0: fixed; -1: only where the plan does not fit without it
   int64_t microbatches = 0, vp = 0;
   std::string schedule;            // empty: any
   std::string split = "time";      // time (balanced measured time under the memory limit), uniform, flops, parameters
@@ -146,6 +152,7 @@ struct Config {
   int64_t pp = 1, dp = 1, tp = 1;
   bool sp = false;
   int zero = 0;
+  bool recompute = false;  // every block checkpointed
   std::string schedule = "none";
   int64_t microbatches = 1, vp = 1;
   std::vector<int64_t> blocks_per_stage;  // filled by the split

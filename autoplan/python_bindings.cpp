@@ -308,6 +308,7 @@ eager::Config to_eager_config(const py::dict& d) {
   c.tp = get_or<int64_t>(d, "tp", 1);
   c.sp = get_or<bool>(d, "sp", false);
   c.zero = get_or<int>(d, "zero", 0);
+  c.recompute = get_or<bool>(d, "recompute", false);
   c.schedule = get_or<std::string>(d, "schedule", "none");
   c.microbatches = get_or<int64_t>(d, "microbatches", 1);
   c.vp = get_or<int64_t>(d, "vp", 1);
@@ -319,7 +320,8 @@ py::dict from_eager(const eager::Estimate& e) {
   py::dict d;
   const auto& c = e.config;
   d["config"] = py::dict(py::arg("pp") = c.pp, py::arg("dp") = c.dp, py::arg("tp") = c.tp, py::arg("sp") = c.sp,
-                         py::arg("zero") = c.zero, py::arg("schedule") = c.schedule,
+                         py::arg("zero") = c.zero, py::arg("recompute") = c.recompute,
+                         py::arg("schedule") = c.schedule,
                          py::arg("microbatches") = c.microbatches, py::arg("vp") = c.vp,
                          py::arg("blocks_per_stage") = c.blocks_per_stage);
   d["label"] = c.str();
@@ -444,6 +446,7 @@ void bind_autoplan(py::module& m) {
     k.tp = get_or<int64_t>(constraints, "tp", 0);
     k.zero = get_or<int>(constraints, "zero", -1);
     k.sp = get_or<int>(constraints, "sp", -1);
+    k.recompute = get_or<int>(constraints, "recompute", -1);
     k.microbatches = get_or<int64_t>(constraints, "microbatches", 0);
     k.vp = get_or<int64_t>(constraints, "vp", 0);
     k.schedule = get_or<std::string>(constraints, "schedule", "");

@@ -2,7 +2,7 @@
 """The eager planner against measurement on 4 gloo ranks: ``vescale.generate_plan``'s
 prediction for every feasible plan of a model, and each plan trained and timed.
 
-    .venv/bin/python bench/autoplan.py [--quick] [--models gpt,llama,qwen2] [--rounds 2] [--json PATH]
+    .venv/bin/python bench/autoplan.py [--quick | --plans N] [--models gpt,llama,qwen2] [--rounds 2] [--json PATH]
 
 Per model (the project's GPT and Llama, a Hugging Face Qwen2; 4 ranks spawned here, one
 thread each, on a machine that may be shared):
@@ -11,7 +11,8 @@ thread each, on a machine that may be shared):
    what-if runs, C++ search); planning time is its wall time on rank 0;
 2. measure every plan the search ranked (every feasible configuration of its space: mesh
    factorisation, ZeRO stage, sequence parallelism, schedule, micro-batches, with the
-   planner's split), in a random order, ``--rounds`` times: ``vescale.parallelize`` on a
+   planner's split; with ``--plans N``, its top 6, the two baselines and the rest spread
+   evenly over the ranking, N in all), in a random order, ``--rounds`` times: ``vescale.parallelize`` on a
    fresh seed-0 model, 2 warm-up steps, then timed steps (a barrier before each; a step
    takes as long as its slowest rank; the median of the steps); memory: the most bytes malloc had handed out
    (glibc mallinfo2, sampled at every module's forward start and end, every gradient's
@@ -24,9 +25,6 @@ thread each, on a machine that may be shared):
    against the measured, the noise floor (how much the rounds of one plan disagree), a
    Megatron-style heuristic (TP inside the node: TP4 on one node of 4 ranks) and all-ZeRO-3
    (DP4 ZeRO-3), and a memory limit that the plan chosen under it must respect;
-4. ``--generalize``: the profile of the model (A) is used to plan a deeper and wider
-   variant (B) without running B (its units' times scaled by FLOPs), and B's plans are
-   measured.
 
 A benchmark, never a test: misses are reported, not raised.
 """
@@ -94,8 +92,6 @@ def _qwen2(layers=4, hidden=256):
 
 
 MODELS = {"gpt": (_gpt, "tuple"), "llama": (_llama, "tuple"), "qwen2": (_qwen2, "hf")}
-WIDER = {"gpt": functools.partial(_gpt, n_layer=8, n_embd=384), "llama": functools.partial(_llama, 8, 384),
-         "qwen2": functools.partial(_qwen2, 8, 384)}
 
 
 def _data(kind: str, n: int):
@@ -247,6 +243,11 @@ def kendall_tau(a: list, b: list) -> float:
     return (conc - disc) / denom if denom else 0.0
 
 
+# what the planner is compared with: TP inside the node (one node of 4 ranks), and all-ZeRO-3
+BASELINES = {"megatron_heuristic": dict(pp=1, dp=1, tp=4, sp=False, zero=0),
+             "all_zero3": dict(pp=1, dp=4, tp=1, zero=3)}
+
+
 def _find(ranked, **want):
     for c in ranked:
         cfg = c.config
@@ -269,9 +270,15 @@ def run_model(name: str, cfg: dict, log) -> dict:
     log(str(result))
     del model
     cands = list(result.ranked)
-    if cfg["limit_plans"] and len(cands) > cfg["limit_plans"]:  # evenly over the ranking, the top one included
+    if cfg["limit_plans"] and len(cands) > cfg["limit_plans"]:
+        # the predicted top 6, the two baselines, and the rest evenly over the ranking
         k = cfg["limit_plans"]
-        cands = [cands[round(i * (len(cands) - 1) / (k - 1))] for i in range(k)]
+        keep = cands[:6] + [c for c in (_find(cands, **BASELINES["megatron_heuristic"]),
+                                         _find(cands, **BASELINES["all_zero3"])) if c is not None]
+        rest = [c for c in cands if all(c is not x for x in keep)]
+        n = max(k - len(keep), 1)
+        keep += [rest[round(i * (len(rest) - 1) / max(n - 1, 1))] for i in range(n)] if rest else []
+        cands = sorted({id(c): c for c in keep}.values(), key=lambda c: c.step_s)
     keys = [c.key() for c in cands]
     rng = random.Random(cfg["seed"])
     # a throwaway plan first: the first step in a process allocates for good (thread pools,
@@ -339,8 +346,7 @@ def analyse(rows: list, result) -> dict:
                memory_error_signed_median=statistics.median(mem_err) if mem_err else None,
                step_error_median=statistics.median(abs(e) for e in step_err),
                top3_measured=[r["label"] for r in by_measured[:3]])
-    for name, want in (("megatron_heuristic", dict(pp=1, dp=1, tp=4, sp=False, zero=0)),
-                       ("all_zero3", dict(pp=1, dp=4, tp=1, zero=3))):
+    for name, want in BASELINES.items():
         c = _find(result.ranked, **want)
         row = next((r for r in rows if c is not None and tuple(r["key"]) == c.key()), None)
         out[name] = dict(label=c.label if c else None, predicted_s=c.step_s if c else None,
@@ -397,6 +403,8 @@ def _rank_main(rank: int, port: int, cfg: dict, out_path: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one round, 12 plans spread over the ranking")
+    ap.add_argument("--plans", type=int, default=0,
+                    help="measure N plans spread evenly over the ranking (the planner's choice included); 0: all")
     ap.add_argument("--models", default="gpt,llama,qwen2")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
@@ -405,7 +413,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cfg = dict(models=args.models.split(","), rounds=1 if args.quick else args.rounds, steps=args.steps,
-               seed=args.seed, limit_plans=12 if args.quick else 0, memory_limit=not args.no_memory_limit,
+               seed=args.seed, limit_plans=12 if args.quick else args.plans, memory_limit=not args.no_memory_limit,
                watchdog_s=7200)
     out_path = args.json or tempfile.mktemp(suffix=".json")
     print(f"load average before: {os.getloadavg()}; results -> {out_path}", flush=True)

@@ -201,6 +201,48 @@ TEST(EagerStepModel, PipelineIsTheTimelinePlusItsSync) {
   EXPECT_GT(e.bubble, 0.0);
 }
 
+TEST(EagerStepModel, RecomputationByHand) {
+  auto p = tiny();
+  eager::Config c;
+  c.dp = 4;
+  c.recompute = true;
+  const auto e = eager::estimate(p, c);
+  ASSERT_TRUE(e.feasible) << e.reason;
+  EXPECT_EQ(e.config.str(), "PP1 DP4 TP1 recompute");
+  // each block's forward (3 ms) runs again in its backward; the ends are not recomputed
+  EXPECT_NEAR(e.breakdown.compute, 4 * (9e-3 + 3e-3) + 2 * 0.9e-3, 1e-12);
+  // a block keeps only its input (what the block before hands on: 2 x 1e5 bytes), the ends
+  // their saved activations (2 x 1e6)
+  const double grads = 4 * 4e6 + 2 * 0.4e6;
+  EXPECT_NEAR(e.memory.total(), 3 * grads + std::max(4 * 2e5 + 2 * 2e6 + grads, 2 * grads), 1e-6);
+}
+
+TEST(EagerSearch, RecomputationOnlyWhereAPlanDoesNotFitWithoutIt) {
+  auto p = tiny();
+  p.layouts.resize(1);  // no tensor parallelism: fewer plans
+  for (size_t i = 0; i < p.units.size(); ++i)  // activations that outweigh the gradients' bucket
+    if (p.units[i].kind == 1) p.layouts[0].units[i].saved_b = 1e7;
+  eager::Constraints k;
+  k.pp = 1;
+  k.zero = 0;
+  auto free = eager::search(p, k);
+  ASSERT_EQ(free.ranked.size(), 1u);
+  EXPECT_FALSE(free.ranked[0].config.recompute);  // it never makes a step faster
+  // a limit between the plan's memory with and without recomputation
+  eager::Config c;
+  c.dp = 4;
+  c.recompute = true;
+  const double with = eager::estimate(p, c).memory.total(), without = free.ranked[0].memory.total();
+  ASSERT_LT(with, without);
+  k.memory_limit = 0.5 * (with + without);
+  auto limited = eager::search(p, k);
+  ASSERT_EQ(limited.ranked.size(), 1u);
+  EXPECT_TRUE(limited.ranked[0].config.recompute);
+  EXPECT_LE(limited.ranked[0].memory.total(), k.memory_limit);
+  k.recompute = 0;  // refused when asked not to recompute
+  EXPECT_TRUE(eager::search(p, k).ranked.empty());
+}
+
 TEST(EagerSearch, ConstraintsAndMemory) {
   auto p = tiny();
   eager::Constraints k;

@@ -218,6 +218,8 @@ def _check(c, k: dict) -> None:
             assert cfg["vp"] == value, c.label
         elif key == "memory_per_device":
             assert c.memory["total"] <= value, c.label
+        elif key == "recompute":
+            assert bool(cfg["recompute"]) == value, c.label
 
 
 @pytest.mark.parametrize("constraints", [
@@ -228,7 +230,8 @@ def _check(c, k: dict) -> None:
     {"data_parallel.zero_stage": 3},
     {"mesh.DP": 2, "data_parallel.zero_stage": 2, "tensor_parallel.sharding_policy": "megatron"},
     {"world_size": 4, "memory_per_device": 900_000},
-], ids=["tp2", "tp4-sp", "pp2-1f1b-m4", "interleaved", "zero3", "dp2-zero2", "memory"])
+    {"mesh.PP": 1, "recompute": True},
+], ids=["tp2", "tp4-sp", "pp2-1f1b-m4", "interleaved", "zero3", "dp2-zero2", "memory", "recompute"])
 def test_the_search_respects_every_constraint(gpt_profile, constraints):
     model, prof = gpt_profile
     result = _plan(model, prof, constraints)
@@ -240,6 +243,22 @@ def test_the_search_respects_every_constraint(gpt_profile, constraints):
     text = repr(plan)
     assert "# predicted best: " + result.best.label in text
     assert ("runners-up" in text) == (len(result.ranked) > 1)
+
+
+def test_recomputation_where_nothing_fits_without_it(gpt_profile):
+    model, prof = gpt_profile
+    plain = _plan(model, prof, {"mesh.PP": 1})
+    assert not any(c.config["recompute"] for c in plain.ranked)  # it never makes a step faster
+    recomputed = _plan(model, prof, {"mesh.PP": 1, "recompute": True})
+    least = min(c.memory["total"] for c in plain.ranked)
+    assert min(c.memory["total"] for c in recomputed.ranked) < least
+    limited = _plan(model, prof, {"mesh.PP": 1, "memory_per_device": int(0.97 * least)})
+    assert limited.ranked and all(c.config["recompute"] and c.memory["total"] <= 0.97 * least
+                                  for c in limited.ranked)
+    assert "recompute.modules : []" not in repr(limited.to_plan())
+    # vescale does not recompute under a pipeline yet: such plans are refused, with why
+    piped = _plan(model, prof, {"mesh.PP": 2, "recompute": True})
+    assert not piped.ranked and any("recompute under a pipeline" in c.verdict for c in piped.rejected)
 
 
 def test_split_methods_and_memory_limits(gpt_profile):
@@ -388,9 +407,11 @@ def _case_train(constraints: dict):
 
 
 @pytest.mark.parametrize("constraints", [{}, {"mesh.TP": 2, "mesh.PP": 2}, {"mesh.TP": 4,
-                                          "tensor_parallel.sequence_parallel": True}],
-                         ids=["free", "tp2-pp2", "tp4-sp"])
+                                          "tensor_parallel.sequence_parallel": True},
+                                          {"mesh.DP": 2, "mesh.TP": 2, "recompute": True}],
+                         ids=["free", "tp2-pp2", "tp4-sp", "dp2-tp2-recompute"])
 def test_a_generated_plan_trains_to_single_device_losses(pool4, constraints):
     for losses, ref, text in pool4.run(_case_train, constraints):
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref, text)
         assert "# predicted best:" in text
+        assert ("recompute.modules : []" in text) != bool(constraints.get("recompute")), text

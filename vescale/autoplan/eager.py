@@ -28,7 +28,6 @@ Constraints fix what they name (``CONSTRAINTS`` lists the keys); anything else i
 from __future__ import annotations
 
 import difflib
-import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -65,6 +64,7 @@ CONSTRAINTS = {
     "pipeline_parallel.split_method": "'time' (measured, balanced under the memory limit), 'uniform', 'flops', "
                                       "'parameters'",
     "data.global_batch_size": "samples per step (default: the sample batch's)",
+    "recompute": "True / False: every block checkpointed (default: only where a plan does not fit without it)",
 }
 _SIZE_KEYS = {"mesh.PP": "pp", "pipeline_parallel.size": "pp", "mesh.DP": "dp", "data_parallel.size": "dp",
               "mesh.TP": "tp", "tensor_parallel.size": "tp", "pipeline_parallel.microbatches": "microbatches",
@@ -117,6 +117,10 @@ def _check_constraints(constraints: dict) -> dict:
                 raise PlanError(f"planner constraint 'pipeline_parallel.schedule' is {value!r}; expected one of "
                                 f"{list(SCHEDULES)}")
             out["schedule"] = value
+        elif key == "recompute":
+            if not isinstance(value, bool):
+                raise PlanError(f"planner constraint 'recompute' is {value!r}; expected True or False")
+            out["recompute"] = int(value)
         elif key == "pipeline_parallel.split_method":
             if value not in _SPLITS:
                 raise PlanError(f"planner constraint 'pipeline_parallel.split_method' is {value!r}; expected one "
@@ -149,7 +153,7 @@ class EagerCandidate:
     def key(self) -> tuple:
         c = self.config
         return (c["pp"], c["dp"], c["tp"], bool(c["sp"]), c["zero"], c["schedule"] if c["pp"] > 1 else "none",
-                c["microbatches"] if c["pp"] > 1 else 1, c["vp"] if c["pp"] > 1 else 1)
+                c["microbatches"] if c["pp"] > 1 else 1, c["vp"] if c["pp"] > 1 else 1, bool(c.get("recompute")))
 
     def describe(self) -> str:
         b, m = self.breakdown, self.memory
@@ -231,6 +235,8 @@ def plan_for(c: EagerCandidate, result: EagerPlan) -> Plan:
         choice = result.tp_choices[(cfg["tp"], bool(cfg["sp"]))]
         settings["tensor_parallel.sharding_plan"] = choice.plan()
         settings["tensor_parallel.sequence_parallel"] = bool(cfg["sp"])
+    if cfg.get("recompute"):  # every block checkpointed
+        settings["recompute.modules"] = [re.escape(u.name) for u in result.profile.blocks_list]
     if cfg["pp"] > 1:
         blocks = [u.name for u in result.profile.blocks_list]
         starts = [sum(cfg["blocks_per_stage"][:s]) for s in range(1, len(cfg["blocks_per_stage"]))]
@@ -423,8 +429,8 @@ def plan_eager(model: nn.Module, sample_batch, *, world: int | None = None, cons
                "profiled_busy": profile.ranks if profile.cores else 1,
                "working_a": profile.working[0], "working_b": profile.working[1],
                "optimizer_temp_per_element": profile.optimizer_temp, "copy_per_byte": profile.copy_per_byte}
-    search = {key: k[key] for key in ("pp", "dp", "tp", "zero", "sp", "microbatches", "vp", "schedule", "split",
-                                      "memory_limit") if key in k}
+    search = {key: k[key] for key in ("pp", "dp", "tp", "zero", "sp", "recompute", "microbatches", "vp", "schedule",
+                                      "split", "memory_limit") if key in k}
     r = _C.autoplan_eager_search(problem, search)
     seconds["search"] = time.perf_counter() - t
     ranked = [EagerCandidate(d) for d in r["ranked"]]

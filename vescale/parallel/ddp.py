@@ -24,17 +24,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import _C, _trace
+from .. import _trace
 from ..device_mesh import DeviceMesh
+from .._local import local_of  # noqa: F401  (re-exported: vescale.parallel.ddp.local_of)
 from ..deferred import has_deferred, is_deferred, materialize_module
-from ..dtensor import DTensor
 
 __all__ = ["DDP"]
-
-
-def local_of(t: torch.Tensor) -> torch.Tensor:
-    """The tensor a rank actually holds: a DTensor's shard, or a plain tensor itself."""
-    return _C.local_tensor(t) if isinstance(t, DTensor) else t
 
 
 @dataclass
@@ -96,10 +91,21 @@ class DDP(nn.Module):
         # ZeRO-2: per parameter, this rank's slice of the averaged gradient.
         self.grad_shards: dict[int, torch.Tensor] = {}
 
-    def forward(self, *args, **kwargs):
-        if self._deferred:  # a vescale.deferred_init model: values are needed now
+    @property
+    def deferred(self) -> bool:
+        """Whether the model still holds vescale.deferred_init tensors (no values yet)."""
+        return self._deferred
+
+    def materialize(self) -> None:
+        """Gives the model's deferred tensors their values (whole, on every rank); a no-op
+        once done. DDP does it at the first forward; DistributedOptimizer at ZeRO-1/2's
+        start and, for the buffers, after ZeRO-3 has materialised its slices."""
+        if self._deferred:
             materialize_module(self.module)
             self._deferred = False
+
+    def forward(self, *args, **kwargs):
+        self.materialize()  # a vescale.deferred_init model: values are needed now
         return self.module(*args, **kwargs)
 
     @property
