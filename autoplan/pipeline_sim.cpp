@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <numeric>
 #include <sstream>
+#include <cmath>
+#include <limits>
 #include <unordered_map>
 
 namespace vescale::autoplan {
@@ -128,6 +130,133 @@ Timeline simulate_pipeline(const PipelineModel& model) {
       for (char k : kinds)
         TORCH_CHECK(finished.get(k, s, mb) >= 0, "pipeline schedule ", model.name, " never runs ", name_of({k, s, mb}));
   out.makespan = *std::max_element(clock.begin(), clock.end());
+  return out;
+}
+
+Timeline simulate_pipeline_shared(const PipelineModel& model, double cores, const std::vector<StageCost>& waits) {
+  const auto stages = static_cast<int32_t>(model.placement.size());
+  const auto ranks = model.orders.size();
+  TORCH_CHECK_VALUE(stages > 0 && model.microbatches > 0, "pipeline ", model.name, ": needs stages and micro-batches");
+  TORCH_CHECK_VALUE(model.costs.empty() || static_cast<int32_t>(model.costs.size()) == stages, "pipeline ",
+                    model.name, ": give one cost per stage (", stages, "), got ", model.costs.size());
+  TORCH_CHECK_VALUE(waits.empty() || static_cast<int32_t>(waits.size()) == stages, "pipeline ", model.name,
+                    ": give one wait per stage (", stages, "), got ", waits.size());
+  for (const auto* sends : {&model.send_forward, &model.send_backward})
+    TORCH_CHECK_VALUE(sends->empty() || static_cast<int32_t>(sends->size()) == stages - 1, "pipeline ", model.name,
+                      ": give one send time per stage boundary (", stages - 1, "), got ", sends->size());
+  bool split = false;
+  for (const auto& order : model.orders)
+    for (const auto& a : order) split |= a.kind == 'I';
+  const char grad = split ? 'I' : 'B';
+  Finished finished(stages, model.microbatches);
+  const StageCost unit, none{0, 0, 0, 0};
+  auto pick = [](const StageCost& c, char k) {
+    return k == 'F' ? c.forward : k == 'B' ? c.backward : k == 'I' ? c.input_backward : c.weight_backward;
+  };
+  auto work = [&](const Action& a) { return pick(model.costs.empty() ? unit : model.costs[static_cast<size_t>(a.stage)], a.kind); };
+  auto wait = [&](const Action& a) { return pick(waits.empty() ? none : waits[static_cast<size_t>(a.stage)], a.kind); };
+  auto rank_of = [&](int32_t s) { return model.placement[static_cast<size_t>(s)]; };
+  auto send = [&](const std::vector<double>& times, int32_t boundary, int32_t from, int32_t to) {
+    return times.empty() || rank_of(from) == rank_of(to) ? 0.0 : times[static_cast<size_t>(boundary)];
+  };
+  auto ready = [&](const Action& a) -> double {
+    double t = 0;
+    auto need = [&](char kind, int32_t s, double delay) {
+      const double end = finished.get(kind, s, a.mb);
+      if (end < 0) return false;
+      t = std::max(t, end + delay);
+      return true;
+    };
+    if (a.kind == 'F')
+      return a.stage == 0 || need('F', a.stage - 1, send(model.send_forward, a.stage - 1, a.stage - 1, a.stage)) ? t : -1;
+    if (a.kind == 'W') return need('I', a.stage, 0) ? t : -1;
+    if (!need('F', a.stage, 0)) return -1;
+    if (a.stage + 1 < stages && !need(grad, a.stage + 1, send(model.send_backward, a.stage, a.stage + 1, a.stage)))
+      return -1;
+    return t;
+  };
+  enum Phase { kIdle, kCompute, kWait };
+  struct State {
+    size_t pos = 0;
+    Phase phase = kIdle;
+    double left = 0;     // compute seconds left (at full speed)
+    double until = 0;    // end of the wait
+    double start = 0;
+  };
+  std::vector<State> st(ranks);
+  Timeline out;
+  out.busy.assign(ranks, 0.0);
+  size_t remaining = 0;
+  for (const auto& order : model.orders) remaining += order.size();
+  double now = 0;
+  constexpr double eps = 1e-12;
+  while (remaining > 0) {
+    // start what can start now; note when waiting actions become ready
+    double wake = std::numeric_limits<double>::infinity();
+    for (size_t r = 0; r < ranks; ++r) {
+      auto& x = st[r];
+      if (x.phase != kIdle || x.pos >= model.orders[r].size()) continue;
+      const Action& a = model.orders[r][x.pos];
+      TORCH_CHECK_VALUE(finished.valid(a), "pipeline ", model.name, ": rank ", r, " has an action ", name_of(a),
+                        " outside its ", stages, " stages and ", model.microbatches, " micro-batches");
+      TORCH_CHECK_VALUE(rank_of(a.stage) == static_cast<int32_t>(r), "pipeline ", model.name, ": rank ", r, " runs ",
+                        name_of(a), " of a stage placed on rank ", rank_of(a.stage));
+      const double t = ready(a);
+      if (t < 0) continue;
+      if (t > now + eps) {
+        wake = std::min(wake, t);
+        continue;
+      }
+      x.start = now;
+      x.left = work(a);
+      x.phase = kCompute;
+    }
+    // processor sharing among the ranks that compute
+    int active = 0;
+    for (const auto& x : st) active += x.phase == kCompute;
+    const double rate = cores > 0 && active > cores ? cores / active : 1.0;
+    double next = wake;
+    for (const auto& x : st) {
+      if (x.phase == kCompute) next = std::min(next, now + x.left / rate);
+      if (x.phase == kWait) next = std::min(next, x.until);
+    }
+    if (!std::isfinite(next)) {
+      std::ostringstream stuck;
+      for (size_t r = 0; r < ranks; ++r)
+        if (st[r].pos < model.orders[r].size())
+          stuck << (stuck.tellp() ? ", " : "") << "rank " << r << " at " << name_of(model.orders[r][st[r].pos]);
+      TORCH_CHECK(false, "pipeline schedule ", model.name, " cannot finish: ranks wait on each other (", stuck.str(), ")");
+    }
+    const double dt = std::max(0.0, next - now);
+    now = next;
+    for (size_t r = 0; r < ranks; ++r) {
+      auto& x = st[r];
+      if (x.phase == kCompute) {
+        x.left -= dt * rate;
+        if (x.left <= eps * (1 + now)) {
+          const Action& a = model.orders[r][x.pos];
+          x.phase = kWait;
+          x.until = now + wait(a);
+        }
+      }
+      if (x.phase == kWait && x.until <= now + eps) {
+        const Action& a = model.orders[r][x.pos];
+        TORCH_CHECK_VALUE(finished.at(a) < 0, "pipeline ", model.name, ": ", name_of(a), " runs twice");
+        finished.at(a) = now;
+        out.busy[r] += now - x.start;
+        out.actions.push_back({a, static_cast<int32_t>(r), x.start, now});
+        x.phase = kIdle;
+        ++x.pos;
+        --remaining;
+      }
+    }
+  }
+  const std::vector<char> kinds = split ? std::vector<char>{'F', 'I', 'W'} : std::vector<char>{'F', 'B'};
+  for (int32_t s = 0; s < stages; ++s)
+    for (int32_t mb = 0; mb < model.microbatches; ++mb)
+      for (char k : kinds)
+        TORCH_CHECK(finished.get(k, s, mb) >= 0, "pipeline schedule ", model.name, " never runs ", name_of({k, s, mb}));
+  out.makespan = now;
   return out;
 }
 

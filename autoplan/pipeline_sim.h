@@ -58,4 +58,13 @@ struct Timeline {
 
 Timeline simulate_pipeline(const PipelineModel& model);
 
+// The same timeline when the ranks share `cores` processors (processor sharing): while k
+// ranks compute at once, each advances at min(1, cores / k) of its own speed. An
+// action's cost is then `costs` (compute, in seconds at full speed) followed by `waits`
+// (per stage, the same four kinds: time spent in collectives, which takes no processor).
+// cores <= 0 (or >= the ranks) and no waits give exactly simulate_pipeline's timeline.
+// This is the eager planner's model of ranks that share a machine's cores: a pipeline's
+// idle ranks leave their share to the busy ones.
+Timeline simulate_pipeline_shared(const PipelineModel& model, double cores, const std::vector<StageCost>& waits = {});
+
 }  // namespace vescale::autoplan

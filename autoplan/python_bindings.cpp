@@ -2,6 +2,7 @@
 // and out, so that Python stays a thin layer and the C++ structs stay free of pybind11.
 // Called from dispatch/python_bindings.cpp's module definition.
 
+#include "autoplan/eager.h"
 #include "autoplan/hardware.h"
 #include "autoplan/schedule_orders.h"
 #include "autoplan/search.h"
@@ -198,6 +199,159 @@ SearchConstraints to_constraints(const py::dict& d) {
   return c;
 }
 
+
+// ---- the eager planner (autoplan/eager.h) ----
+
+template <typename T>
+T get_or(const py::dict& d, const char* key, T fallback) {
+  return d.contains(key) && !d[key].is_none() ? d[key].cast<T>() : fallback;
+}
+
+std::vector<eager::Comm> to_comms(const py::handle& list) {
+  std::vector<eager::Comm> out;
+  for (const auto& c : list) {
+    const auto t = c.cast<py::tuple>();
+    out.push_back({t[0].cast<std::string>(), t[1].cast<int64_t>(), t[2].cast<double>(), t[3].cast<double>()});
+  }
+  return out;
+}
+
+eager::Problem to_problem(const py::dict& d) {
+  eager::Problem p;
+  for (const auto& u : d["units"]) {
+    const auto ud = u.cast<py::dict>();
+    eager::Unit x;
+    x.name = ud["name"].cast<std::string>();
+    x.kind = ud["kind"].cast<int>();
+    x.flops = get_or<double>(ud, "flops", 0.0);
+    x.params = get_or<double>(ud, "params", 0.0);
+    x.cut_before = get_or<bool>(ud, "cut_before", true);
+    p.units.push_back(x);
+  }
+  for (const auto& l : d["layouts"]) {
+    const auto ld = l.cast<py::dict>();
+    eager::Layout x;
+    x.tp = ld["tp"].cast<int64_t>();
+    x.sp = ld["sp"].cast<bool>();
+    for (const auto& u : ld["units"]) {
+      const auto ud = u.cast<py::dict>();
+      eager::UnitCost c;
+      c.fwd_a = ud["fwd"].cast<py::tuple>()[0].cast<double>();
+      c.fwd_b = ud["fwd"].cast<py::tuple>()[1].cast<double>();
+      c.bwd_a = ud["bwd"].cast<py::tuple>()[0].cast<double>();
+      c.bwd_b = ud["bwd"].cast<py::tuple>()[1].cast<double>();
+      c.saved_a = ud["saved"].cast<py::tuple>()[0].cast<double>();
+      c.saved_b = ud["saved"].cast<py::tuple>()[1].cast<double>();
+      c.out_a = ud["out"].cast<py::tuple>()[0].cast<double>();
+      c.out_b = ud["out"].cast<py::tuple>()[1].cast<double>();
+      c.input_share = get_or<double>(ud, "input_share", 0.5);
+      c.split_cost = get_or<double>(ud, "split_cost", 1.0);
+      c.shadow = get_or<double>(ud, "shadow", 0.0);
+      c.param_bytes = ud["param_bytes"].cast<double>();
+      c.param_numel = ud["param_numel"].cast<double>();
+      c.param_tensors = ud["param_tensors"].cast<int64_t>();
+      c.fwd_comm = to_comms(ud["fwd_comm"]);
+      c.bwd_comm = to_comms(ud["bwd_comm"]);
+      x.units.push_back(std::move(c));
+    }
+    TORCH_CHECK_VALUE(x.units.size() == p.units.size(), "eager problem: layout tp=", x.tp, " has ", x.units.size(),
+                      " units, the model ", p.units.size());
+    p.layouts.push_back(std::move(x));
+  }
+  for (const auto& c : d["comm"]) {
+    const auto t = c.cast<py::tuple>();
+    p.comm.push_back({t[0].cast<std::string>(), t[1].cast<int64_t>(), t[2].cast<double>(), t[3].cast<double>()});
+  }
+  for (const auto& s : d["schedules"]) {
+    const auto sd = s.cast<py::dict>();
+    eager::Schedule x;
+    x.name = sd["name"].cast<std::string>();
+    x.pp = sd["pp"].cast<int64_t>();
+    x.microbatches = sd["microbatches"].cast<int64_t>();
+    x.vp = sd["vp"].cast<int64_t>();
+    x.placement = sd["placement"].cast<std::vector<int32_t>>();
+    for (const auto& order : sd["orders"]) {
+      std::vector<Action> o;
+      for (const auto& a : order) {
+        const auto t = a.cast<py::tuple>();
+        o.push_back({t[0].cast<std::string>()[0], t[1].cast<int32_t>(), t[2].cast<int32_t>()});
+      }
+      x.orders.push_back(std::move(o));
+    }
+    p.schedules.push_back(std::move(x));
+  }
+  p.world = d["world"].cast<int64_t>();
+  p.batch = d["batch"].cast<int64_t>();
+  p.optimizer_per_tensor = get_or<double>(d, "optimizer_per_tensor", 0.0);
+  p.optimizer_per_element = get_or<double>(d, "optimizer_per_element", 0.0);
+  p.state_bytes_per_element = get_or<double>(d, "state_bytes_per_element", 8.0);
+  p.master_bytes_per_element = get_or<double>(d, "master_bytes_per_element", 4.0);
+  p.grad_bytes_per_param_byte = get_or<double>(d, "grad_bytes_per_param_byte", 1.0);
+  p.glue_param_bytes = get_or<double>(d, "glue_param_bytes", 0.0);
+  p.tied_param_bytes = get_or<double>(d, "tied_param_bytes", 0.0);
+  p.bucket_bytes = get_or<double>(d, "bucket_bytes", 25.0 * (1 << 20));
+  p.step_overhead = get_or<double>(d, "step_overhead", 0.0);
+  p.cores = get_or<double>(d, "cores", 0.0);
+  p.profiled_busy = get_or<int64_t>(d, "profiled_busy", 1);
+  p.working_a = get_or<double>(d, "working_a", 0.0);
+  p.working_b = get_or<double>(d, "working_b", 0.0);
+  p.optimizer_temp_per_element = get_or<double>(d, "optimizer_temp_per_element", 0.0);
+  p.copy_per_byte = get_or<double>(d, "copy_per_byte", 0.0);
+  TORCH_CHECK_VALUE(p.world >= 1 && p.batch >= 1, "eager problem: world and batch must be >= 1");
+  return p;
+}
+
+eager::Config to_eager_config(const py::dict& d) {
+  eager::Config c;
+  c.pp = get_or<int64_t>(d, "pp", 1);
+  c.dp = get_or<int64_t>(d, "dp", 1);
+  c.tp = get_or<int64_t>(d, "tp", 1);
+  c.sp = get_or<bool>(d, "sp", false);
+  c.zero = get_or<int>(d, "zero", 0);
+  c.recompute = get_or<bool>(d, "recompute", false);
+  c.schedule = get_or<std::string>(d, "schedule", "none");
+  c.microbatches = get_or<int64_t>(d, "microbatches", 1);
+  c.vp = get_or<int64_t>(d, "vp", 1);
+  c.blocks_per_stage = get_or<std::vector<int64_t>>(d, "blocks_per_stage", {});
+  return c;
+}
+
+py::dict from_eager(const eager::Estimate& e) {
+  py::dict d;
+  const auto& c = e.config;
+  d["config"] = py::dict(py::arg("pp") = c.pp, py::arg("dp") = c.dp, py::arg("tp") = c.tp, py::arg("sp") = c.sp,
+                         py::arg("zero") = c.zero, py::arg("recompute") = c.recompute,
+                         py::arg("schedule") = c.schedule,
+                         py::arg("microbatches") = c.microbatches, py::arg("vp") = c.vp,
+                         py::arg("blocks_per_stage") = c.blocks_per_stage);
+  d["label"] = c.str();
+  d["feasible"] = e.feasible;
+  d["reason"] = e.reason;
+  d["verdict"] = e.verdict;
+  d["step_s"] = e.step_s;
+  d["bubble"] = e.bubble;
+  const auto& b = e.breakdown;
+  d["breakdown"] = py::dict(py::arg("compute") = b.compute, py::arg("tp_comm") = b.tp_comm,
+                            py::arg("zero_comm") = b.zero_comm, py::arg("idle") = b.idle, py::arg("dp_comm") = b.dp_comm,
+                            py::arg("pp_sync") = b.pp_sync, py::arg("optimizer") = b.optimizer, py::arg("other") = b.other);
+  auto mem = [](const eager::Memory& m) {
+    return py::dict(py::arg("params") = m.params, py::arg("grads") = m.grads, py::arg("optimizer") = m.optimizer,
+                    py::arg("activations") = m.activations, py::arg("total") = m.total());
+  };
+  d["memory"] = mem(e.memory);
+  py::list ranks;
+  for (const auto& m : e.rank_memory) ranks.append(mem(m));
+  d["rank_memory"] = ranks;
+  d["stage_forward"] = e.stage_forward;
+  d["stage_backward"] = e.stage_backward;
+  py::list comms;
+  for (const auto& x : e.rank0_comms)
+    comms.append(py::dict(py::arg("kind") = x.kind, py::arg("group_size") = x.group, py::arg("bytes") = x.bytes,
+                          py::arg("count") = x.count, py::arg("what") = x.what));
+  d["rank0_comms"] = comms;
+  return d;
+}
+
 }  // namespace
 
 void bind_autoplan(py::module& m) {
@@ -272,6 +426,47 @@ void bind_autoplan(py::module& m) {
     d["seconds"] = r.seconds;
     return d;
   }, "The planner's search (autoplan/search.h): ranked candidates and the rejected, with reasons.");
+  m.def("autoplan_eager_estimate", [](const py::dict& problem, const py::dict& config, const std::string& split,
+                                      double memory_limit) {
+    const auto p = to_problem(problem);
+    const auto c = to_eager_config(config);
+    eager::Estimate e;
+    {
+      py::gil_scoped_release release;
+      e = eager::estimate(p, c, split, memory_limit);
+    }
+    return from_eager(e);
+  }, py::arg("problem"), py::arg("config"), py::arg("split") = "time", py::arg("memory_limit") = 0.0,
+     "One configuration under the eager planner's measured cost model (autoplan/eager.h).");
+  m.def("autoplan_eager_search", [](const py::dict& problem, const py::dict& constraints) {
+    const auto p = to_problem(problem);
+    eager::Constraints k;
+    k.pp = get_or<int64_t>(constraints, "pp", 0);
+    k.dp = get_or<int64_t>(constraints, "dp", 0);
+    k.tp = get_or<int64_t>(constraints, "tp", 0);
+    k.zero = get_or<int>(constraints, "zero", -1);
+    k.sp = get_or<int>(constraints, "sp", -1);
+    k.recompute = get_or<int>(constraints, "recompute", -1);
+    k.microbatches = get_or<int64_t>(constraints, "microbatches", 0);
+    k.vp = get_or<int64_t>(constraints, "vp", 0);
+    k.schedule = get_or<std::string>(constraints, "schedule", "");
+    k.split = get_or<std::string>(constraints, "split", "time");
+    k.memory_limit = get_or<double>(constraints, "memory_limit", 0.0);
+    eager::Result r;
+    {
+      py::gil_scoped_release release;
+      r = eager::search(p, k);
+    }
+    py::list ranked, rejected;
+    for (const auto& e : r.ranked) ranked.append(from_eager(e));
+    for (const auto& e : r.rejected) rejected.append(from_eager(e));
+    py::dict d;
+    d["ranked"] = ranked;
+    d["rejected"] = rejected;
+    d["enumerated"] = r.enumerated;
+    d["seconds"] = r.seconds;
+    return d;
+  }, "The eager planner's search (autoplan/eager.h): every configuration the constraints allow, ranked.");
 }
 
 }  // namespace vescale::autoplan

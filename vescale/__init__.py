@@ -19,6 +19,7 @@ from .data import DataLoader
 from .deferred import deferred_init, materialize_module
 from .plan import Plan, PlanError
 from .train import parallelize
+from .autoplan.eager import generate_plan
 
 _install()
 _compile.install()
@@ -32,5 +33,5 @@ __all__ = [
     "parallelize_module", "DDP", "DistributedOptimizer",
     "save", "load", "deferred_init", "materialize_module",
     "DataLoader",
-    "Plan", "PlanError", "parallelize",
+    "Plan", "PlanError", "parallelize", "generate_plan",
 ]

@@ -82,7 +82,10 @@ class ScopeTracker(ModTracker):
         fn = super()._get_pop_fn(w_mod, name, is_bw)
 
         def left(*args):
-            fn(*args)
+            if name in self.parents or is_bw:
+                fn(*args)
+            # else: a backward ran inside this module's forward (a pipeline schedule's
+            # step does) and its end reset the parents; ModTracker would raise here
             if self._keep_spans and self._open[(name, is_bw)]:
                 start = self._open[(name, is_bw)].pop()
                 self.spans.append((name, "backward" if is_bw else "forward", start, _C.trace_now_ns()))

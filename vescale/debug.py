@@ -318,7 +318,7 @@ def check_replicas(model_or_tensors, *, group=None, raise_error: bool = True) ->
     import torch
 
     from .dtensor import DTensor
-    from .parallel.ddp import local_of
+    from ._local import local_of
 
     if not dist.is_initialized():
         raise RuntimeError("check_replicas compares ranks: initialise torch.distributed (vescale.init_device_mesh) "

@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import _C
+from ._local import local_of
 from .boxes import Box, flat_range, whole
 
 __all__ = ["deferred_init", "materialize_module", "is_deferred", "DeferredInitError"]
@@ -468,7 +469,6 @@ def flat_slice(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """Elements [start, end) of ``t`` flattened (a ZeRO slice); for a deferred tensor
     only those elements are materialised."""
     if not is_deferred(t):
-        from .parallel.ddp import local_of
         return local_of(t).detach().reshape(-1)[start:end]
     parts = [materialize(t, b).reshape(-1) for b in flat_range(tuple(t.shape), start, end)]
     return torch.cat(parts) if parts else torch.empty(0, dtype=t.dtype)

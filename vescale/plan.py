@@ -226,6 +226,9 @@ class Plan:
                                      f"{json.dumps(placements)}")
                 continue
             lines.append(f"{key} : {json.dumps(value)}")
+        report = getattr(self, "_report", None)  # vescale.generate_plan's prediction, runners-up and why
+        if report is not None:
+            lines += ["# " + line for line in str(report).splitlines()]
         return "\n".join(lines)
 
     # ---- checks against the world and the model ----
@@ -435,6 +438,14 @@ def _parse_sharding_plan(plan: dict) -> dict:
                     raise PlanError(f"plan key {key} is {placements!r}; expected a list with one placement per "
                                     f"mesh dim, e.g. ['Shard(0)']")
                 out[kind][pattern] = [parse_placement(p, key) for p in placements]
+            elif isinstance(placements, dict) and where.endswith("forward") and pattern.endswith("input"):
+                # keyword arguments by name: {"hidden_states": ["Replicate()"]}
+                out[kind][pattern] = {}
+                for name, ps in placements.items():
+                    if not isinstance(name, str) or isinstance(ps, (Placement, str)) or not isinstance(ps, (list, tuple)):
+                        raise PlanError(f"plan key {key} is {placements!r}; keyword arguments map a name to a list "
+                                        f"of placements, e.g. {{'hidden_states': ['Replicate()']}}")
+                    out[kind][pattern][name] = [parse_placement(p, key) for p in ps]
             else:  # forward: one list per argument (None leaves an argument alone), one placement per mesh dim
                 if not isinstance(placements, (list, tuple)) or any(
                         a is not None and (isinstance(a, (Placement, str)) or not isinstance(a, (list, tuple)))
@@ -463,5 +474,6 @@ def _write_sharding_plan(plan: dict) -> dict:
         if kind == "parameter":
             out[kind] = {k: [write(p) for p in v] for k, v in patterns.items()}
         else:
-            out[kind] = {k: [None if a is None else [write(p) for p in a] for a in v] for k, v in patterns.items()}
+            out[kind] = {k: ({n: [write(p) for p in a] for n, a in v.items()} if isinstance(v, dict) else
+                             [None if a is None else [write(p) for p in a] for a in v]) for k, v in patterns.items()}
     return out

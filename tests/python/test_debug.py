@@ -311,6 +311,27 @@ def test_comm_trace_records_pipeline_transfers(pool2):
                                     [("send", payload, 0, "pipeline")] * 2), second
 
 
+def _case_pipeline_under_ddp_modules():
+    m = vescale.DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("PP", "DP"))
+    torch.manual_seed(0)
+    pipe = PipelineParallel(_Blocks(), m, schedule="1f1b", microbatches=2, pp_dim="PP")
+    ddp = DDP(pipe, m["DP"])
+    cycle = any(c is ddp for c in pipe.modules())
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with vescale.debug.comm_trace(modules=True) as t:  # module hooks walk the tree: no cycle, no raise
+        pipe.step(x, target=y, loss_fn=F.mse_loss)
+    return cycle, sorted({e["source"] for e in t.events})
+
+
+def test_comm_trace_follows_modules_through_a_pipeline_under_ddp(pool4):
+    # DDP over a pipeline keeps a back-reference in the pipeline; as a submodule it made a
+    # cycle that sent torch's ModTracker into endless recursion, and the schedule's
+    # backward inside the forward made ModTracker raise on the forward's exit
+    for cycle, sources in pool4.run(_case_pipeline_under_ddp_modules):
+        assert not cycle
+        assert sources == ["ddp", "pipeline"], sources
+
+
 _FAKE_PG_SCRIPT = textwrap.dedent("""
     import json, torch, torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -135,13 +135,17 @@ def _case_hf(mesh: dict, extra: dict) -> tuple[list[float], list[float], str]:
 
 
 @pytest.mark.parametrize("mesh,extra", [({"DP": 2, "TP": 2}, {"data_parallel.zero_stage": 1}),
-                                        ({"PP": 2, "TP": 2}, {"pipeline_parallel.microbatches": 2})],
-                         ids=["dp2-tp2-zero1", "pp2-tp2"])
+                                        ({"PP": 2, "TP": 2}, {"pipeline_parallel.microbatches": 2}),
+                                        ({"DP": 4}, {"data_parallel.zero_stage": 3})],
+                         ids=["dp2-tp2-zero1", "pp2-tp2", "dp4-zero3"])
 def test_hugging_face_plan_from_its_config(pool4, mesh, extra):
+    # dp4-zero3: the root's parameters (embeddings, head) are gathered again for backward
+    # although the model returns a ModelOutput (a module backward hook never fired on it)
     for losses, ref, text in pool4.run(_case_hf, mesh, extra):
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
         assert "pipeline_parallel.blocks : \"model.layers\"" in text
-        assert 'model\\.layers\\.\\d+\\.self_attn\\.q_proj\\.weight -> ["Shard(0)"]' in text
+        if "TP" in mesh:
+            assert 'model\\.layers\\.\\d+\\.self_attn\\.q_proj\\.weight -> ["Shard(0)"]' in text
 
 
 # ---- checkpoints carry the plan; resume under another ---------------------------------------------

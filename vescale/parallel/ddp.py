@@ -24,17 +24,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import _C, _trace
+from .. import _trace
 from ..device_mesh import DeviceMesh
+from .._local import local_of  # noqa: F401  (re-exported: vescale.parallel.ddp.local_of)
 from ..deferred import has_deferred, is_deferred, materialize_module
-from ..dtensor import DTensor
 
 __all__ = ["DDP"]
-
-
-def local_of(t: torch.Tensor) -> torch.Tensor:
-    """The tensor a rank actually holds: a DTensor's shard, or a plain tensor itself."""
-    return _C.local_tensor(t) if isinstance(t, DTensor) else t
 
 
 @dataclass
@@ -81,7 +76,10 @@ class DDP(nn.Module):
         self.buckets = self._make_buckets(bucket_cap_mb)
         from .pipeline.engine import is_pipeline  # (the pipeline imports this module)
         if is_pipeline(module):  # it reduces once per step, after its schedule
-            module._data_parallel = self
+            # a plain reference, not a submodule: DDP already holds the pipeline as its
+            # `module`, and a cycle in the module tree sends tree walkers (torch's
+            # ModTracker, comm_trace) into endless recursion
+            object.__setattr__(module, "_data_parallel", self)
         # deferred tensors get the same values on every rank when materialised: no broadcast,
         # and ZeRO-3 (DistributedOptimizer) materialises only each rank's slices
         self._deferred = has_deferred(module)
@@ -93,10 +91,21 @@ class DDP(nn.Module):
         # ZeRO-2: per parameter, this rank's slice of the averaged gradient.
         self.grad_shards: dict[int, torch.Tensor] = {}
 
-    def forward(self, *args, **kwargs):
-        if self._deferred:  # a vescale.deferred_init model: values are needed now
+    @property
+    def deferred(self) -> bool:
+        """Whether the model still holds vescale.deferred_init tensors (no values yet)."""
+        return self._deferred
+
+    def materialize(self) -> None:
+        """Gives the model's deferred tensors their values (whole, on every rank); a no-op
+        once done. DDP does it at the first forward; DistributedOptimizer at ZeRO-1/2's
+        start and, for the buffers, after ZeRO-3 has materialised its slices."""
+        if self._deferred:
             materialize_module(self.module)
             self._deferred = False
+
+    def forward(self, *args, **kwargs):
+        self.materialize()  # a vescale.deferred_init model: values are needed now
         return self.module(*args, **kwargs)
 
     @property

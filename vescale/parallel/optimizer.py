@@ -32,10 +32,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import _trace
-from ..deferred import flat_slice, materialize_module
+from ..deferred import flat_slice
 from ..dtensor import DTensor
-from .ddp import DDP, Slot, local_of
-from .zero3 import ShardedParameters, _fill_rows, all_gather_slices
+from .._local import local_of
+from .ddp import DDP, Slot
+from .zero3 import ShardedParameters, all_gather_slices, fill_rows
 
 __all__ = ["DistributedOptimizer"]
 
@@ -65,9 +66,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.zero_stage = zero_stage
         for ddp in models:
             ddp.reduce_scatter = zero_stage >= 2
-            if ddp._deferred and zero_stage < 3:  # stages 1 and 2 hold whole parameters
-                materialize_module(ddp.module)
-                ddp._deferred = False
+            if zero_stage < 3:  # stages 1 and 2 hold whole parameters
+                ddp.materialize()
         self.owned: list[Owned] = []
         slices: dict[int, torch.Tensor] = {}
         for ddp in models:
@@ -86,8 +86,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                              [(o.slot, o.start, o.end, slices[id(o.param)]) for o in self.owned],
                                              self.group)
             for ddp in models:  # deferred buffers, whole
-                materialize_module(ddp.module)
-                ddp._deferred = False
+                ddp.materialize()
         # Present the wrapped optimizer's groups and state as ours (LR schedulers, logging).
         super().__init__([o.master for o in self.owned], self.inner.defaults)
         self.param_groups = self.inner.param_groups
@@ -164,7 +163,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _gather_parameters(self) -> None:
         """All-gather the updated slices, one collective per dtype and device."""
         for o, rows in all_gather_slices(self.owned, [o.master.detach() for o in self.owned], self.group):
-            _fill_rows(local_of(o.param).view(-1), rows)
+            fill_rows(local_of(o.param).view(-1), rows)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for o in self.owned:

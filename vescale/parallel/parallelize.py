@@ -38,6 +38,11 @@ from .pipeline.stage import is_elsewhere
 
 __all__ = ["parallelize_module"]
 
+# Set by vescale.autoplan's what-if runs (meta tensors over a fake process group): meta
+# parameters become meta DTensor shards and the forward hooks move meta DTensors, so the
+# engine issues (to the fake group, and to the collective recorder) what a real run would.
+_WHAT_IF = [False]
+
 
 def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, sharding_plan: dict) -> nn.Module:
     """Shards ``module`` in place on ``device_mesh`` following ``sharding_plan``; returns it.
@@ -289,11 +294,25 @@ def _distribute_parameters(assignments: list[dict], mesh: DeviceMesh) -> None:
         if is_elsewhere(tensor):  # another pipeline stage holds it
             continue
         placements = e["explicit"][1] if e["explicit"] else [Replicate()] * mesh.ndim
-        dt = distribute_tensor(tensor.detach(), mesh, placements)
+        if _WHAT_IF[0] and tensor.is_meta:
+            dt = _meta_shard(tensor.detach(), mesh, placements)
+        else:
+            dt = distribute_tensor(tensor.detach(), mesh, placements)
         if isinstance(tensor, nn.Parameter):
             dt = nn.Parameter(dt, requires_grad=tensor.requires_grad)
         for owner, kind, name in e["refs"]:
             getattr(owner, kind)[name] = dt
+
+
+def _meta_shard(tensor: torch.Tensor, mesh: DeviceMesh, placements) -> torch.Tensor:
+    """This rank's shard of a meta tensor, on meta (what-if runs only)."""
+    from .. import _C
+    from ..placement_types import to_c
+
+    shape = list(tensor.shape)
+    local, _ = _C.local_shape(shape, to_c(placements), list(mesh.shape), list(mesh.get_coordinate()))
+    return DTensor.from_local(torch.empty(local, dtype=tensor.dtype, device="meta"), mesh, placements,
+                              shape=shape, stride=list(tensor.stride()))
 
 
 # ---- forward hooks ------------------------------------------------------------------------
@@ -321,7 +340,7 @@ def _install_forward_hooks(hooks: list[tuple], mesh: DeviceMesh) -> None:
 
 
 def _convert(value, placements, mesh: DeviceMesh, where: str, key: str):
-    if placements is None or not isinstance(value, torch.Tensor) or value.is_meta:
+    if placements is None or not isinstance(value, torch.Tensor) or (value.is_meta and not _WHAT_IF[0]):
         return value  # meta: a pipeline stage working out the shapes of another stage's module
     placements = _fitted(placements, value, f"forward plan key {key!r} ({where})")
     if isinstance(value, DTensor):

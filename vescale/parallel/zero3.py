@@ -18,7 +18,7 @@ version counter moves (which autograd would report as an in-place modification).
 from __future__ import annotations
 
 import contextlib
-import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -27,15 +27,10 @@ import torch.nn as nn
 
 from .. import _trace
 from ..deferred import is_deferred
-from .ddp import Slot, local_of
+from .._local import local_of
+from .ddp import Slot
 
-__all__ = ["ShardedParameters"]
-
-# The first module of a model (an embedding of integer ids) takes no input that requires
-# grad; its backward pre-hook still fires, at its output, which is all this needs.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to "
-                        "module outputs since no inputs require gradients")
-
+__all__ = ["ShardedParameters", "all_gather_slices", "fill_rows"]
 
 @dataclass
 class _Sharded:
@@ -88,7 +83,7 @@ class ShardedParameters:
         for e, rows in all_gather_slices(empty, [e.slice for e in empty], self.group):
             local = local_of(e.param)
             local.untyped_storage().resize_((local.storage_offset() + local.numel()) * local.element_size())
-            _fill_rows(_alias(local), rows)
+            fill_rows(_alias(local), rows)
 
     def release(self, entries: list[_Sharded]) -> None:
         for e in entries:
@@ -103,12 +98,18 @@ class ShardedParameters:
         def before_forward(mod, args):
             self.gather(entries)
 
-        def after_forward(mod, args, output):
-            self.release(entries)
-
-        def before_backward(mod, grad_output):
+        def before_backward(*grads):
             waiting["count"] = len(entries)
             self.gather(entries)
+
+        def after_forward(mod, args, output):
+            self.release(entries)
+            # gathered again when the first gradient of any output arrives (a module
+            # backward pre-hook would miss outputs that are not tensors or tuples of
+            # them, such as Hugging Face's ModelOutput)
+            outs = [t for t in _tensors_in(output) if t.requires_grad]
+            if outs:
+                torch.autograd.graph.register_multi_grad_hook(outs, before_backward, mode="any")
 
         def grad_ready(param):
             waiting["count"] -= 1
@@ -117,9 +118,20 @@ class ShardedParameters:
 
         module.register_forward_pre_hook(before_forward)
         module.register_forward_hook(after_forward)
-        module.register_full_backward_pre_hook(before_backward)
         for p in params:
             p.register_post_accumulate_grad_hook(grad_ready)
+
+
+def _tensors_in(output) -> list[torch.Tensor]:
+    """The tensors in a module's output: a tensor, or nested in tuples, lists, dicts and
+    mappings (Hugging Face's ModelOutput is one)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, Mapping):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for x in output for t in _tensors_in(x)]
+    return []
 
 
 def _units(root: nn.Module) -> list[nn.Module]:
@@ -166,7 +178,7 @@ def all_gather_slices(owners: list, slices: list[torch.Tensor], group):
             offset += owner.slot.chunk
 
 
-def _fill_rows(flat: torch.Tensor, rows: torch.Tensor) -> None:
+def fill_rows(flat: torch.Tensor, rows: torch.Tensor) -> None:
     """Copies the rank-major ``rows`` (world x chunk, the last ones padded) into ``flat``."""
     world, chunk = rows.shape
     full = min(world, flat.numel() // chunk)

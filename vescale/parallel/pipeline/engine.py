@@ -15,7 +15,7 @@ from ... import _trace
 from ...deferred import has_deferred, is_deferred, materialize_module
 from ...device_mesh import DeviceMesh
 from ...dtensor import DTensor
-from ..ddp import local_of
+from ..._local import local_of
 from .p2p import Boundary
 from .schedules import Schedule, make_schedule
 from .split import Layout, PipelineSplitError, assign_blocks, find_layout

@@ -1,0 +1,623 @@
+#include "autoplan/eager.h"
+
+#include "autoplan/split.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <numeric>
+#include <sstream>
+
+namespace vescale::autoplan::eager {
+
+namespace {
+
+std::string canonical(const std::string& kind) {
+  if (kind == "recv") return "send";
+  return kind;
+}
+
+std::string ms(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f ms", 1e3 * s);
+  return buf;
+}
+
+std::string mib(double b) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", b / (1 << 20));
+  return buf;
+}
+
+std::vector<int64_t> divisors(int64_t n) {
+  std::vector<int64_t> out;
+  for (int64_t k = 1; k <= n; ++k)
+    if (n % k == 0) out.push_back(k);
+  return out;
+}
+
+// Which units a stage holds: blocks [start, end), plus the units before the blocks on the
+// first stage and those after them on the last.
+struct StagePlan {
+  std::vector<std::vector<size_t>> units;  // per stage: indices into Problem::units
+};
+
+StagePlan stage_units(const Problem& p, const std::vector<int64_t>& blocks_per_stage) {
+  StagePlan out;
+  const auto S = blocks_per_stage.size();
+  out.units.resize(S);
+  std::vector<size_t> blocks;
+  for (size_t i = 0; i < p.units.size(); ++i)
+    if (p.units[i].kind == 1) blocks.push_back(i);
+  size_t next = 0;
+  for (size_t s = 0; s < S; ++s) {
+    for (int64_t k = 0; k < blocks_per_stage[s]; ++k) out.units[s].push_back(blocks[next++]);
+  }
+  for (size_t i = 0; i < p.units.size(); ++i) {
+    if (p.units[i].kind == 0) out.units[0].push_back(i);
+    if (p.units[i].kind == 2) out.units[S - 1].push_back(i);
+  }
+  return out;
+}
+
+// Blocks grouped so that a stage may only start where a cut is legal.
+std::vector<std::pair<int64_t, int64_t>> segments(const Problem& p) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  int64_t b = 0;
+  for (const auto& u : p.units) {
+    if (u.kind != 1) continue;
+    if (out.empty() || u.cut_before) out.push_back({b, b + 1});
+    else out.back().second = b + 1;
+    ++b;
+  }
+  return out;
+}
+
+// Per stage: the most micro-batches whose forward ran and whose backward (B, or W when
+// split) has not, at any point of its rank's order.
+std::vector<double> in_flight(const Schedule& s, int64_t stages) {
+  std::vector<double> peak(static_cast<size_t>(stages), 1.0);
+  if (s.orders.empty()) return peak;
+  bool split = false;
+  for (const auto& o : s.orders)
+    for (const auto& a : o) split |= a.kind == 'I';
+  for (const auto& order : s.orders) {
+    std::vector<double> held(static_cast<size_t>(stages), 0.0);
+    for (const auto& a : order) {
+      auto& h = held[static_cast<size_t>(a.stage)];
+      if (a.kind == 'F') {
+        h += 1;
+        peak[static_cast<size_t>(a.stage)] = std::max(peak[static_cast<size_t>(a.stage)], h);
+      } else if (a.kind == 'B' || (split && a.kind == 'W')) {
+        h -= 1;
+      }
+    }
+  }
+  return peak;
+}
+
+double comm_time(const CommCost& cost, const std::vector<Comm>& comms, double n) {
+  double t = 0;
+  for (const auto& c : comms) t += cost.time(c.kind, c.group, c.bytes_a + c.bytes_b * n);
+  return t;
+}
+
+// A reduction of `bytes` over `dp` ranks in DDP's buckets.
+double bucketed(const CommCost& cost, const std::string& kind, int64_t dp, double bytes, double bucket) {
+  if (dp <= 1 || bytes <= 0) return 0;
+  const double nb = std::max(1.0, std::ceil(bytes / bucket));
+  return nb * cost.time(kind, dp, bytes / nb);
+}
+
+}  // namespace
+
+CommCost::CommCost(std::vector<AlphaBeta> table) : table_(std::move(table)) {
+  for (auto& e : table_) e.kind = canonical(e.kind);
+}
+
+double CommCost::time(const std::string& kind_in, int64_t group, double bytes) const {
+  if (group <= 1) return 0;
+  const std::string kind = canonical(kind_in);
+  const AlphaBeta* best = nullptr;
+  double best_d = std::numeric_limits<double>::infinity();
+  for (int pass = 0; pass < 2 && !best; ++pass) {
+    const std::string want = pass == 0 ? kind : "all_reduce";
+    for (const auto& e : table_) {
+      if (e.kind != want) continue;
+      const double d = std::abs(std::log(static_cast<double>(e.group) / static_cast<double>(group)));
+      if (d < best_d) {
+        best_d = d;
+        best = &e;
+      }
+    }
+  }
+  TORCH_CHECK_VALUE(best != nullptr, "the communication model has no entries (kind ", kind, ")");
+  const double scale = best->group == group ? 1.0
+                                            : static_cast<double>(group - 1) / static_cast<double>(std::max<int64_t>(best->group - 1, 1));
+  return scale * (best->alpha + best->beta * bytes);
+}
+
+std::string Config::str() const {
+  std::ostringstream os;
+  os << "PP" << pp << " DP" << dp << " TP" << tp;
+  if (sp) os << " SP";
+  if (zero) os << " ZeRO-" << zero;
+  if (recompute) os << " recompute";
+  if (pp > 1) {
+    os << " " << schedule << " m" << microbatches;
+    if (vp > 1) os << " v" << vp;
+    if (!blocks_per_stage.empty()) {
+      os << " [";
+      for (size_t i = 0; i < blocks_per_stage.size(); ++i) os << (i ? "," : "") << blocks_per_stage[i];
+      os << "]";
+    }
+  }
+  return os.str();
+}
+
+const Layout* find_layout(const Problem& p, int64_t tp, bool sp) {
+  for (const auto& l : p.layouts)
+    if (l.tp == tp && l.sp == sp) return &l;
+  return nullptr;
+}
+
+namespace {
+
+const Schedule* find_schedule(const Problem& p, const Config& c) {
+  for (const auto& s : p.schedules)
+    if (s.name == c.schedule && s.pp == c.pp && s.microbatches == c.microbatches && s.vp == c.vp) return &s;
+  return nullptr;
+}
+
+// Per-stage block counts by `split` (time: balanced measured time under the memory limit).
+std::vector<int64_t> choose_split(const Problem& p, const Layout& l, const Config& c, const std::string& split,
+                                  double n, const std::vector<double>& flight, double memory_limit,
+                                  double static_factor) {
+  const int64_t S = c.pp * c.vp;
+  const auto segs = segments(p);
+  const auto nseg = static_cast<int64_t>(segs.size());
+  std::vector<size_t> blocks;
+  for (size_t i = 0; i < p.units.size(); ++i)
+    if (p.units[i].kind == 1) blocks.push_back(i);
+  auto block_cost = [&](size_t b) {
+    const auto& u = l.units[blocks[b]];
+    if (split == "flops") return p.units[blocks[b]].flops;
+    if (split == "parameters") return p.units[blocks[b]].params;
+    return (c.recompute ? 2.0 : 1.0) * (u.fwd_a + u.fwd_b * n) + u.bwd_a + u.bwd_b * n;
+  };
+  std::vector<int64_t> seg_counts;
+  if (split == "uniform") {
+    for (int64_t s = 0; s < S; ++s)
+      seg_counts.push_back(static_cast<int64_t>(std::llround(static_cast<double>((s + 1) * nseg) / S)) -
+                           static_cast<int64_t>(std::llround(static_cast<double>(s * nseg) / S)));
+  } else {
+    SplitProblem sp;
+    double pre_t = 0, post_t = 0, pre_b = 0, post_b = 0;
+    for (size_t i = 0; i < p.units.size(); ++i) {
+      const auto& u = l.units[i];
+      const double t = split == "flops" ? p.units[i].flops : split == "parameters" ? p.units[i].params
+                                                                                    : u.fwd_a + u.fwd_b * n + u.bwd_a + u.bwd_b * n;
+      if (p.units[i].kind == 0) pre_t += t, pre_b += u.param_bytes * static_factor;
+      if (p.units[i].kind == 2) post_t += t, post_b += u.param_bytes * static_factor;
+    }
+    for (const auto& [a, b] : segs) {
+      double t = 0, st = 0, sv = 0;
+      for (int64_t k = a; k < b; ++k) {
+        t += block_cost(static_cast<size_t>(k));
+        const auto& u = l.units[blocks[static_cast<size_t>(k)]];
+        st += u.param_bytes * static_factor;
+        sv += c.recompute ? u.out_a + u.out_b * n : u.saved_a + u.saved_b * n;
+      }
+      sp.block_time.push_back(t);
+      sp.block_static.push_back(split == "time" ? st : 0.0);
+      sp.block_saved.push_back(split == "time" ? sv : 0.0);
+    }
+    sp.stage_time.assign(static_cast<size_t>(S), 0.0);
+    sp.stage_bytes.assign(static_cast<size_t>(S), 0.0);
+    sp.stage_time.front() += pre_t;
+    sp.stage_time.back() += post_t;
+    if (split == "time") {
+      sp.stage_bytes.front() += pre_b;
+      sp.stage_bytes.back() += post_b;
+      sp.in_flight = flight;
+      if (memory_limit > 0) sp.memory_limit = memory_limit / static_cast<double>(c.vp);
+    }
+    const Split out = split_stages(sp, S);
+    if (!out.feasible) return {};
+    seg_counts = out.blocks;
+  }
+  std::vector<int64_t> counts;
+  int64_t seg = 0;
+  for (const auto k : seg_counts) {
+    int64_t blocks_in = 0;
+    for (int64_t j = 0; j < k; ++j, ++seg) blocks_in += segs[static_cast<size_t>(seg)].second - segs[static_cast<size_t>(seg)].first;
+    counts.push_back(blocks_in);
+  }
+  return counts;
+}
+
+}  // namespace
+
+Estimate estimate(const Problem& p, const Config& cin, const std::string& split, double memory_limit) {
+  Estimate e;
+  e.config = cin;
+  Config& c = e.config;
+  const CommCost cost(p.comm);
+  auto fail = [&](const std::string& why) {
+    e.feasible = false;
+    e.reason = why;
+    return e;
+  };
+  if (c.pp * c.dp * c.tp != p.world) return fail("the mesh does not cover the world");
+  if (p.batch % c.dp) return fail("the batch of " + std::to_string(p.batch) + " does not split over DP " + std::to_string(c.dp));
+  const Layout* lp = find_layout(p, c.tp, c.sp);
+  if (!lp) return fail("no tensor-parallel layout for TP " + std::to_string(c.tp) + (c.sp ? " with SP" : ""));
+  const Layout& l = *lp;
+  if (c.zero < 0 || c.zero > 3 || (c.zero > 0 && c.dp == 1)) return fail("ZeRO needs data parallelism");
+  // vescale's limits, found by running them: the ZB-V schedule's split backward and
+  // ZeRO-3's gather/release hooks do not work together yet (a rank raises, the others hang)
+  if (c.pp > 1 && c.schedule == "zbv" && c.zero == 3) return fail("vescale cannot run ZB-V with ZeRO-3 yet");
+  if (c.pp > 1 && c.recompute) return fail("vescale cannot recompute under a pipeline yet");
+  const int64_t local_batch = p.batch / c.dp;
+  if (local_batch % c.microbatches) return fail("micro-batches do not divide the local batch");
+  const double n = static_cast<double>(local_batch / c.microbatches);
+  const int64_t S = c.pp * c.vp;
+  const auto segs = segments(p);
+  if (S > static_cast<int64_t>(segs.size()))
+    return fail(std::to_string(S) + " stages from " + std::to_string(segs.size()) + " blocks that can be cut between");
+  const Schedule* sched = nullptr;
+  std::vector<double> flight(static_cast<size_t>(S), 1.0);
+  if (c.pp > 1) {
+    sched = find_schedule(p, c);
+    if (!sched) return fail("no orders for schedule " + c.schedule);
+    flight = in_flight(*sched, S);
+  }
+  const double dpd = static_cast<double>(c.dp);
+  // bytes per parameter byte that stay put whatever the micro-batches: parameters,
+  // gradients, optimizer state (per element: the parameters are fp32, 4 bytes)
+  const double per_elem_state = c.zero >= 1 ? (p.state_bytes_per_element + p.master_bytes_per_element) / dpd
+                                            : p.state_bytes_per_element;
+  const double static_factor = (c.zero == 3 ? 1.0 / dpd : 1.0) + p.grad_bytes_per_param_byte + per_elem_state / 4.0;
+  if (c.blocks_per_stage.empty()) {
+    if (c.pp == 1) {
+      int64_t L = 0;
+      for (const auto& u : p.units) L += u.kind == 1;
+      c.blocks_per_stage = {L};
+    } else {
+      c.blocks_per_stage = choose_split(p, l, c, split, n, flight, memory_limit, static_factor);
+      if (c.blocks_per_stage.empty()) return fail("no split of the blocks fits the memory limit");
+    }
+  }
+  const StagePlan stages = stage_units(p, c.blocks_per_stage);
+
+  // per stage, one micro-batch
+  std::vector<StageCost> sc(static_cast<size_t>(S)), waits(static_cast<size_t>(S)), shared(static_cast<size_t>(S));
+  std::vector<double> compute_f(static_cast<size_t>(S)), compute_b(static_cast<size_t>(S)), tp_s(static_cast<size_t>(S)),
+      zero_s(static_cast<size_t>(S)), saved(static_cast<size_t>(S)), pbytes(static_cast<size_t>(S)), pnumel(static_cast<size_t>(S)),
+      ptensors(static_cast<size_t>(S)), pmax(static_cast<size_t>(S));
+  double root_bytes = 0;  // parameters outside the blocks: ZeRO-3 gathers them with the root module
+  for (size_t i = 0; i < p.units.size(); ++i)
+    if (p.units[i].kind != 1) root_bytes += l.units[i].param_bytes;
+  root_bytes += p.glue_param_bytes / static_cast<double>(c.tp);
+  bool splits_backward = false;
+  if (sched)
+    for (const auto& o : sched->orders)
+      for (const auto& a : o) splits_backward |= a.kind == 'I';
+  for (int64_t s = 0; s < S; ++s) {
+    const auto us = static_cast<size_t>(s);
+    double f = 0, b = 0, bi = 0, tpf = 0, tpb = 0, z = 0;
+    if (s > 0) {  // the units before this stage run as shadows on meta in its forward
+      for (size_t i = 0; i < p.units.size(); ++i) {
+        const bool before = p.units[i].kind == 0 ||
+                            (p.units[i].kind == 1 && std::find(stages.units[us].begin(), stages.units[us].end(), i) ==
+                                                         stages.units[us].end() && i < stages.units[us].front());
+        if (before) f += l.units[i].shadow;
+      }
+    }
+    for (const auto i : stages.units[us]) {
+      const auto& u = l.units[i];
+      const bool block = p.units[i].kind == 1, again = c.recompute && block;
+      const double uf = u.fwd_a + u.fwd_b * n;
+      const double ub = (u.bwd_a + u.bwd_b * n) * (splits_backward && block ? u.split_cost : 1.0);
+      const double uc = comm_time(cost, u.fwd_comm, n);
+      f += uf;
+      b += ub + (again ? uf : 0.0);  // a recomputed block runs its forward again first
+      bi += ub * (block ? u.input_share : 0.5) + (again ? uf : 0.0);
+      tpf += uc;
+      tpb += comm_time(cost, u.bwd_comm, n) + (again ? uc : 0.0);
+      saved[us] += again ? u.out_a + u.out_b * n : u.saved_a + u.saved_b * n;
+      pbytes[us] += u.param_bytes;
+      pnumel[us] += u.param_numel;
+      ptensors[us] += static_cast<double>(u.param_tensors);
+      if (c.zero == 3 && p.units[i].kind == 1) {
+        // gathered (and unpacked into the parameters) for the forward and the backward
+        z += 2 * (cost.time("all_gather", c.dp, std::ceil(u.param_bytes / dpd)) + p.copy_per_byte * u.param_bytes);
+        pmax[us] = std::max(pmax[us], u.param_bytes);
+      }
+    }
+    if (c.zero == 3) {  // the root's parameters, gathered for every micro-batch's forward and backward
+      z += 2 * (cost.time("all_gather", c.dp, std::ceil(root_bytes / dpd)) + p.copy_per_byte * root_bytes);
+      pmax[us] = std::max(pmax[us], root_bytes);
+    }
+    if ((c.pp > 1 ? sched->placement[us] : 0) == 0) {
+      const auto mi = c.microbatches;
+      for (const auto i : stages.units[us]) {
+        const auto& u = l.units[i];
+        const int64_t fwd_runs = c.recompute && p.units[i].kind == 1 ? 2 : 1;
+        for (const auto& x : u.fwd_comm) e.rank0_comms.push_back({x.kind, x.group, x.bytes_a + x.bytes_b * n, fwd_runs * mi, "tp"});
+        for (const auto& x : u.bwd_comm) e.rank0_comms.push_back({x.kind, x.group, x.bytes_a + x.bytes_b * n, mi, "tp"});
+        if (c.zero == 3 && p.units[i].kind == 1)
+          e.rank0_comms.push_back({"all_gather", c.dp, std::ceil(u.param_bytes / dpd / 4) * 4, 2 * mi, "zero3"});
+      }
+      if (c.zero == 3) e.rank0_comms.push_back({"all_gather", c.dp, std::ceil(root_bytes / dpd / 4) * 4, 2 * mi, "zero3"});
+    }
+    compute_f[us] = f;
+    compute_b[us] = b;
+    tp_s[us] = tpf + tpb;
+    zero_s[us] = z;
+    sc[us].forward = f + tpf + z / 2;
+    sc[us].backward = b + tpb + z / 2;
+    sc[us].input_backward = bi + tpb + z / 2;
+    sc[us].weight_backward = b - bi;
+    // on shared processors: compute at full speed, then the collectives (no processor)
+    const double slow = p.cores > 0 ? std::max(1.0, static_cast<double>(p.profiled_busy) / p.cores) : 1.0;
+    waits[us] = {tpf + z / 2, tpb + z / 2, tpb + z / 2, 0.0};
+    shared[us] = {f / slow, b / slow, bi / slow, (b - bi) / slow};
+    e.stage_forward.push_back(sc[us].forward);
+    e.stage_backward.push_back(sc[us].backward);
+  }
+
+  // the timeline of forward and backward
+  const int64_t m = c.microbatches;
+  std::vector<double> finish(static_cast<size_t>(c.pp), 0.0), busy(static_cast<size_t>(c.pp), 0.0);
+  double makespan = 0;
+  // every rank computing at once (no pipeline; the optimizer) against how the profile ran
+  auto slowdown = [&](double busy_ranks) { return p.cores > 0 ? std::max(1.0, busy_ranks / p.cores) : 1.0; };
+  const double all_busy = slowdown(static_cast<double>(p.world)) / slowdown(static_cast<double>(p.profiled_busy));
+  if (c.pp == 1) {
+    makespan = (compute_f[0] + compute_b[0]) * all_busy + tp_s[0] + zero_s[0];
+    finish[0] = busy[0] = makespan;
+  } else {
+    PipelineModel pm;
+    pm.name = c.str();
+    pm.orders = sched->orders;
+    pm.placement = sched->placement;
+    pm.microbatches = static_cast<int32_t>(m);
+    pm.costs = sc;
+    for (int64_t s = 0; s + 1 < S; ++s) {
+      // what the stage's last block hands on
+      const auto& last = l.units[stages.units[static_cast<size_t>(s)].front() + c.blocks_per_stage[static_cast<size_t>(s)] - 1];
+      const double bytes = last.out_a + last.out_b * n;
+      const bool same = sched->placement[static_cast<size_t>(s)] == sched->placement[static_cast<size_t>(s + 1)];
+      const double t = same ? 0.0 : cost.time("send", 2, bytes);
+      pm.send_forward.push_back(t);
+      pm.send_backward.push_back(t);
+      if (!same) {  // the activation forward, its gradient back: rank 0's sends and receives
+        const auto m32 = c.microbatches;
+        if (sched->placement[static_cast<size_t>(s)] == 0) {
+          e.rank0_comms.push_back({"send", c.pp, bytes, m32, "pipeline"});
+          e.rank0_comms.push_back({"recv", c.pp, bytes, m32, "pipeline"});
+        }
+        if (sched->placement[static_cast<size_t>(s + 1)] == 0) {
+          e.rank0_comms.push_back({"recv", c.pp, bytes, m32, "pipeline"});
+          e.rank0_comms.push_back({"send", c.pp, bytes, m32, "pipeline"});
+        }
+      }
+    }
+    Timeline tl;
+    if (p.cores > 0) {
+      pm.costs = shared;
+      tl = simulate_pipeline_shared(pm, p.cores, waits);
+    } else {
+      tl = simulate_pipeline(pm);
+    }
+    makespan = tl.makespan;
+    for (const auto& a : tl.actions) {
+      auto& fr = finish[static_cast<size_t>(a.rank)];
+      fr = std::max(fr, a.end);
+    }
+    busy = tl.busy;
+    e.bubble = tl.bubble();
+  }
+
+  // after the timeline, per pipeline rank
+  const int64_t first_rank = c.pp > 1 ? sched->placement.front() : 0;
+  const int64_t last_rank = c.pp > 1 ? sched->placement.back() : 0;
+  double step = 0;
+  Breakdown worst;
+  e.rank_memory.assign(static_cast<size_t>(c.pp), Memory{});
+  for (int64_t r = 0; r < c.pp; ++r) {
+    double rb = 0, rn = 0, rt = 0, rsaved = 0, rpmax = 0, rf = 0, rbk = 0, rtp = 0, rz = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      const auto us = static_cast<size_t>(s);
+      if ((c.pp > 1 ? sched->placement[us] : 0) != r) continue;
+      rb += pbytes[us];
+      rn += pnumel[us];
+      rt += ptensors[us];
+      rsaved += saved[us] * flight[us];
+      rpmax = std::max(rpmax, pmax[us]);
+      rf += compute_f[us] * static_cast<double>(m) * (c.pp == 1 ? all_busy : 1.0);
+      rbk += compute_b[us] * static_cast<double>(m) * (c.pp == 1 ? all_busy : 1.0);
+      rtp += tp_s[us] * static_cast<double>(m);
+      rz += zero_s[us] * static_cast<double>(m);
+    }
+    rb += p.glue_param_bytes / static_cast<double>(c.tp);
+    if (c.pp > 1 && r == last_rank && first_rank != last_rank) {  // its own copy of a tensor tied to the first stage
+      rb += p.tied_param_bytes / static_cast<double>(c.tp);
+      rn += p.tied_param_bytes / 4.0 / static_cast<double>(c.tp);
+      rt += 1;
+    }
+    // data parallelism: the gradients' reduction, the parameters' gather after a ZeRO-1/2 step, the loss
+    double dp_t = 0;
+    if (c.dp > 1) {
+      const double grads = rb * p.grad_bytes_per_param_byte;
+      const double nb = std::max(1.0, std::ceil(grads / p.bucket_bytes));
+      const double red = bucketed(cost, c.zero >= 2 ? "reduce_scatter" : "all_reduce", c.dp, grads, p.bucket_bytes);
+      if (r == 0) {
+        e.rank0_comms.push_back({c.zero >= 2 ? "reduce_scatter" : "all_reduce", c.dp, grads / nb,
+                                 static_cast<int64_t>(nb), "dp"});
+        if (c.zero == 1 || c.zero == 2) e.rank0_comms.push_back({"all_gather", c.dp, rb / dpd, 1, "zero"});
+      }
+      // without a pipeline the buckets but the last overlap the rest of the backward
+      const double hidden = c.pp == 1 && nb > 1 ? std::min(red * (nb - 1) / nb, 0.5 * rbk) : 0.0;
+      dp_t += red - hidden;
+      // DDP packs the gradients into its bucket, averages and unpacks them (ZeRO-2/3 keep a slice)
+      dp_t += p.copy_per_byte * grads * (c.zero >= 2 ? 2.0 + 1.0 / dpd : 3.0);
+      if (c.zero == 1 || c.zero == 2)  // the updated slices gathered and unpacked into the parameters
+        dp_t += cost.time("all_gather", c.dp, std::ceil(rb / dpd)) + p.copy_per_byte * (rb + rb / dpd);
+      if (c.zero == 3) dp_t += p.copy_per_byte * rb / dpd;  // the updated slices into the parameters' slices
+      dp_t += cost.time("all_reduce", c.dp, 8);
+    }
+    double pp_t = 0;
+    if (c.pp > 1) {
+      if (p.tied_param_bytes > 0 && (r == first_rank || r == last_rank) && first_rank != last_rank) {
+        pp_t += cost.time("all_reduce", 2, p.tied_param_bytes / static_cast<double>(c.tp));
+        if (r == 0) e.rank0_comms.push_back({"all_reduce", 2, p.tied_param_bytes / static_cast<double>(c.tp), 1, "stage sync"});
+      }
+      if (p.glue_param_bytes > 0) pp_t += cost.time("all_reduce", c.pp, p.glue_param_bytes / static_cast<double>(c.tp));
+      pp_t += cost.time("broadcast", c.pp, 8);
+    }
+    const double elements = c.zero >= 1 ? rn / dpd : rn;
+    const double opt_t = (p.optimizer_per_tensor * rt + p.optimizer_per_element * elements) * all_busy;
+    const double end = finish[static_cast<size_t>(r)] + dp_t + pp_t + opt_t;
+    // memory
+    Memory mem;
+    mem.params = c.zero == 3 ? rb / dpd + rpmax : rb;
+    mem.optimizer = (c.zero >= 1 ? (p.state_bytes_per_element + p.master_bytes_per_element) / dpd
+                                 : p.state_bytes_per_element) * (rb / 4.0);
+    const double grads = rb * p.grad_bytes_per_param_byte;
+    // transient buffers of the forward and backward (logits, gradients of activations), on
+    // the rank that computes the loss, split like the activations under TP
+    double transient = 0;
+    if (r == last_rank) {
+      double all_saved = 0;
+      for (size_t i = 0; i < p.units.size(); ++i) {
+        const auto& u0 = p.layouts.front().units[i];
+        all_saved += u0.saved_a + u0.saved_b * n;
+      }
+      transient = std::max(0.0, p.working_a + p.working_b * n - all_saved) / static_cast<double>(c.tp);
+    }
+    const double during = rsaved + transient + grads;                 // forward and backward
+    const double reduce = c.dp > 1 ? 2 * grads : grads;              // the gradients and their bucket
+    const double kept = c.zero >= 2 ? grads / dpd : grads;
+    const double stepping = kept + p.optimizer_temp_per_element * elements;  // the optimizer step
+    const double top = std::max({during, reduce, stepping});
+    if (top == during) {
+      mem.activations = rsaved + transient;
+      mem.grads = grads;
+    } else {
+      mem.activations = 0;
+      mem.grads = top;  // gradients, their bucket, or the step's temporaries with them
+    }
+    e.rank_memory[static_cast<size_t>(r)] = mem;
+    if (mem.total() > e.memory.total()) e.memory = mem;
+    if (end > step) {
+      step = end;
+      worst.compute = rf + rbk;
+      worst.tp_comm = rtp;
+      worst.zero_comm = rz;
+      worst.idle = std::max(0.0, finish[static_cast<size_t>(r)] - busy[static_cast<size_t>(r)]);
+      worst.dp_comm = dp_t;
+      worst.pp_sync = pp_t;
+      worst.optimizer = opt_t;
+    }
+  }
+  worst.other = p.step_overhead;
+  e.breakdown = worst;
+  e.step_s = step + p.step_overhead;
+  e.feasible = true;
+  if (memory_limit > 0 && e.memory.total() > memory_limit) {
+    e.feasible = false;
+    e.reason = "needs " + mib(e.memory.total()) + " per rank, over the limit of " + mib(memory_limit);
+  }
+  return e;
+}
+
+std::string why_slower(const Estimate& a, const Estimate& best) {
+  const Breakdown &x = a.breakdown, &y = best.breakdown;
+  std::vector<std::pair<const char*, double>> parts = {
+      {"compute", x.compute - y.compute},       {"TP comm", x.tp_comm - y.tp_comm},
+      {"ZeRO-3 gathers", x.zero_comm - y.zero_comm}, {"pipeline idle", x.idle - y.idle},
+      {"DP comm", x.dp_comm - y.dp_comm},       {"stage sync", x.pp_sync - y.pp_sync},
+      {"optimizer", x.optimizer - y.optimizer}};
+  std::sort(parts.begin(), parts.end(), [](const auto& p, const auto& q) { return p.second > q.second; });
+  std::ostringstream os;
+  char pct[32];
+  std::snprintf(pct, sizeof pct, "+%.1f%%", 100.0 * (a.step_s / best.step_s - 1.0));
+  os << pct;
+  int listed = 0;
+  for (const auto& [name, d] : parts) {
+    if (d <= 0.02 * best.step_s || listed == 3) break;
+    os << (listed ? ", " : ": ") << name << " +" << ms(d);
+    ++listed;
+  }
+  return os.str();
+}
+
+Result search(const Problem& p, const Constraints& k) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Result r;
+  std::vector<Estimate> feasible;
+  for (const int64_t pp : divisors(p.world)) {
+    if (k.pp > 0 && pp != k.pp) continue;
+    for (const int64_t tp : divisors(p.world / pp)) {
+      if (k.tp > 0 && tp != k.tp) continue;
+      const int64_t dp = p.world / (pp * tp);
+      if (k.dp > 0 && dp != k.dp) continue;
+      for (int sp = 0; sp <= (tp > 1 ? 1 : 0); ++sp) {
+        if (k.sp >= 0 && sp != k.sp) continue;
+        for (int zero = 0; zero <= (dp > 1 ? 3 : 0); ++zero) {
+          if (k.zero >= 0 && zero != k.zero) continue;
+          std::vector<Config> configs;
+          Config c;
+          c.pp = pp;
+          c.dp = dp;
+          c.tp = tp;
+          c.sp = sp;
+          c.zero = zero;
+          if (pp == 1) {
+            if (k.microbatches > 1 || k.vp > 1) continue;
+            configs.push_back(c);
+          } else {
+            for (const auto& s : p.schedules) {
+              if (s.pp != pp || (!k.schedule.empty() && s.name != k.schedule)) continue;
+              if (k.microbatches > 0 && s.microbatches != k.microbatches) continue;
+              if (k.vp > 0 && s.vp != k.vp) continue;
+              if (p.batch % dp || (p.batch / dp) % s.microbatches) continue;
+              Config cc = c;
+              cc.schedule = s.name;
+              cc.microbatches = s.microbatches;
+              cc.vp = s.vp;
+              configs.push_back(cc);
+            }
+          }
+          for (auto cc : configs) {
+            ++r.enumerated;
+            cc.recompute = k.recompute == 1;
+            Estimate e = estimate(p, cc, k.split, k.memory_limit);
+            if (!e.feasible && k.recompute < 0 && k.memory_limit > 0) {  // over the limit: recomputation may fit
+              cc.recompute = true;
+              ++r.enumerated;
+              Estimate again = estimate(p, cc, k.split, k.memory_limit);
+              if (again.feasible) e = std::move(again);
+            }
+            if (e.feasible) feasible.push_back(std::move(e));
+            else r.rejected.push_back(std::move(e));
+          }
+        }
+      }
+    }
+  }
+  std::stable_sort(feasible.begin(), feasible.end(), [](const Estimate& a, const Estimate& b) { return a.step_s < b.step_s; });
+  for (size_t i = 0; i < feasible.size(); ++i) feasible[i].verdict = i == 0 ? "best" : why_slower(feasible[i], feasible[0]);
+  for (auto& e : r.rejected) e.verdict = e.reason;
+  r.ranked = std::move(feasible);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+}  // namespace vescale::autoplan::eager
