@@ -38,6 +38,70 @@ class Finished {
   std::vector<double> end_;
 };
 
+// The seconds of an action of `kind` in a stage's costs.
+double seconds(const StageCost& c, char kind) {
+  return kind == 'F' ? c.forward : kind == 'B' ? c.backward : kind == 'I' ? c.input_backward : c.weight_backward;
+}
+
+// What both simulators share: the model's checks, the rank each stage runs on, and when an
+// action's inputs (the activation from the stage before, the gradient from the stage
+// after, sent between ranks) are all there.
+class Dependencies {
+ public:
+  explicit Dependencies(const PipelineModel& model)
+      : finished(static_cast<int32_t>(model.placement.size()), model.microbatches),
+        model_(model), stages_(static_cast<int32_t>(model.placement.size())) {
+    TORCH_CHECK_VALUE(stages_ > 0 && model.microbatches > 0, "pipeline ", model.name, ": needs stages and micro-batches");
+    TORCH_CHECK_VALUE(model.costs.empty() || static_cast<int32_t>(model.costs.size()) == stages_, "pipeline ",
+                      model.name, ": give one cost per stage (", stages_, "), got ", model.costs.size());
+    for (const auto* sends : {&model.send_forward, &model.send_backward})
+      TORCH_CHECK_VALUE(sends->empty() || static_cast<int32_t>(sends->size()) == stages_ - 1, "pipeline ", model.name,
+                        ": give one send time per stage boundary (", stages_ - 1, "), got ", sends->size());
+    for (const auto& order : model.orders)
+      for (const auto& a : order)
+        if (a.kind == 'I') grad_ = 'I';  // a split backward: the stage after hands on its input gradient
+  }
+
+  int32_t rank_of(int32_t stage) const { return model_.placement[static_cast<size_t>(stage)]; }
+
+  // When a's inputs are all there, or < 0 while one is missing.
+  double ready(const Action& a) const {
+    double t = 0;
+    auto need = [&](char kind, int32_t s, double delay) {
+      const double end = finished.get(kind, s, a.mb);
+      if (end < 0) return false;
+      t = std::max(t, end + delay);
+      return true;
+    };
+    if (a.kind == 'F')
+      return a.stage == 0 || need('F', a.stage - 1, send(model_.send_forward, a.stage - 1, a.stage - 1, a.stage)) ? t : -1;
+    if (a.kind == 'W') return need('I', a.stage, 0) ? t : -1;
+    if (!need('F', a.stage, 0)) return -1;
+    if (a.stage + 1 < stages_ && !need(grad_, a.stage + 1, send(model_.send_backward, a.stage, a.stage + 1, a.stage)))
+      return -1;
+    return t;
+  }
+
+  void check_every_action_ran() const {
+    const std::vector<char> kinds = grad_ == 'I' ? std::vector<char>{'F', 'I', 'W'} : std::vector<char>{'F', 'B'};
+    for (int32_t s = 0; s < stages_; ++s)
+      for (int32_t mb = 0; mb < model_.microbatches; ++mb)
+        for (char k : kinds)
+          TORCH_CHECK(finished.get(k, s, mb) >= 0, "pipeline schedule ", model_.name, " never runs ", name_of({k, s, mb}));
+  }
+
+  Finished finished;
+
+ private:
+  double send(const std::vector<double>& times, int32_t boundary, int32_t from, int32_t to) const {
+    return times.empty() || rank_of(from) == rank_of(to) ? 0.0 : times[static_cast<size_t>(boundary)];
+  }
+
+  const PipelineModel& model_;
+  int32_t stages_;
+  char grad_ = 'B';
+};
+
 }  // namespace
 
 double Timeline::bubble() const {
@@ -48,44 +112,12 @@ double Timeline::bubble() const {
 Timeline simulate_pipeline(const PipelineModel& model) {
   const auto stages = static_cast<int32_t>(model.placement.size());
   const auto ranks = model.orders.size();
-  TORCH_CHECK_VALUE(stages > 0 && model.microbatches > 0, "pipeline ", model.name, ": needs stages and micro-batches");
-  TORCH_CHECK_VALUE(model.costs.empty() || static_cast<int32_t>(model.costs.size()) == stages, "pipeline ",
-                    model.name, ": give one cost per stage (", stages, "), got ", model.costs.size());
-  for (const auto* sends : {&model.send_forward, &model.send_backward})
-    TORCH_CHECK_VALUE(sends->empty() || static_cast<int32_t>(sends->size()) == stages - 1, "pipeline ", model.name,
-                      ": give one send time per stage boundary (", stages - 1, "), got ", sends->size());
-  bool split = false;
-  for (const auto& order : model.orders)
-    for (const auto& a : order) split |= a.kind == 'I';
-  const char grad = split ? 'I' : 'B';
-
-  Finished finished(stages, model.microbatches);
+  Dependencies deps(model);  // checks the model
+  auto& finished = deps.finished;
+  auto rank_of = [&](int32_t st) { return deps.rank_of(st); };
+  auto ready = [&](const Action& a) { return deps.ready(a); };
   const StageCost unit;
-  auto cost = [&](const Action& a) {
-    const auto& c = model.costs.empty() ? unit : model.costs[static_cast<size_t>(a.stage)];
-    return a.kind == 'F' ? c.forward : a.kind == 'B' ? c.backward : a.kind == 'I' ? c.input_backward : c.weight_backward;
-  };
-  auto rank_of = [&](int32_t s) { return model.placement[static_cast<size_t>(s)]; };
-  auto send = [&](const std::vector<double>& times, int32_t boundary, int32_t from, int32_t to) {
-    return times.empty() || rank_of(from) == rank_of(to) ? 0.0 : times[static_cast<size_t>(boundary)];
-  };
-  // When a's inputs are all there, or < 0 while one is missing.
-  auto ready = [&](const Action& a) -> double {
-    double t = 0;
-    auto need = [&](char kind, int32_t s, double delay) {
-      const double end = finished.get(kind, s, a.mb);
-      if (end < 0) return false;
-      t = std::max(t, end + delay);
-      return true;
-    };
-    if (a.kind == 'F')
-      return a.stage == 0 || need('F', a.stage - 1, send(model.send_forward, a.stage - 1, a.stage - 1, a.stage)) ? t : -1;
-    if (a.kind == 'W') return need('I', a.stage, 0) ? t : -1;
-    if (!need('F', a.stage, 0)) return -1;
-    if (a.stage + 1 < stages && !need(grad, a.stage + 1, send(model.send_backward, a.stage, a.stage + 1, a.stage)))
-      return -1;
-    return t;
-  };
+  auto cost = [&](const Action& a) { return seconds(model.costs.empty() ? unit : model.costs[static_cast<size_t>(a.stage)], a.kind); };
 
   Timeline out;
   out.busy.assign(ranks, 0.0);
@@ -124,11 +156,7 @@ Timeline simulate_pipeline(const PipelineModel& model) {
       TORCH_CHECK(false, "pipeline schedule ", model.name, " cannot finish: ranks wait on each other (", stuck.str(), ")");
     }
   }
-  const std::vector<char> kinds = split ? std::vector<char>{'F', 'I', 'W'} : std::vector<char>{'F', 'B'};
-  for (int32_t s = 0; s < stages; ++s)
-    for (int32_t mb = 0; mb < model.microbatches; ++mb)
-      for (char k : kinds)
-        TORCH_CHECK(finished.get(k, s, mb) >= 0, "pipeline schedule ", model.name, " never runs ", name_of({k, s, mb}));
+  deps.check_every_action_ran();
   out.makespan = *std::max_element(clock.begin(), clock.end());
   return out;
 }
@@ -136,45 +164,15 @@ Timeline simulate_pipeline(const PipelineModel& model) {
 Timeline simulate_pipeline_shared(const PipelineModel& model, double cores, const std::vector<StageCost>& waits) {
   const auto stages = static_cast<int32_t>(model.placement.size());
   const auto ranks = model.orders.size();
-  TORCH_CHECK_VALUE(stages > 0 && model.microbatches > 0, "pipeline ", model.name, ": needs stages and micro-batches");
-  TORCH_CHECK_VALUE(model.costs.empty() || static_cast<int32_t>(model.costs.size()) == stages, "pipeline ",
-                    model.name, ": give one cost per stage (", stages, "), got ", model.costs.size());
+  Dependencies deps(model);  // checks the model
+  auto& finished = deps.finished;
+  auto rank_of = [&](int32_t st) { return deps.rank_of(st); };
+  auto ready = [&](const Action& a) { return deps.ready(a); };
   TORCH_CHECK_VALUE(waits.empty() || static_cast<int32_t>(waits.size()) == stages, "pipeline ", model.name,
                     ": give one wait per stage (", stages, "), got ", waits.size());
-  for (const auto* sends : {&model.send_forward, &model.send_backward})
-    TORCH_CHECK_VALUE(sends->empty() || static_cast<int32_t>(sends->size()) == stages - 1, "pipeline ", model.name,
-                      ": give one send time per stage boundary (", stages - 1, "), got ", sends->size());
-  bool split = false;
-  for (const auto& order : model.orders)
-    for (const auto& a : order) split |= a.kind == 'I';
-  const char grad = split ? 'I' : 'B';
-  Finished finished(stages, model.microbatches);
   const StageCost unit, none{0, 0, 0, 0};
-  auto pick = [](const StageCost& c, char k) {
-    return k == 'F' ? c.forward : k == 'B' ? c.backward : k == 'I' ? c.input_backward : c.weight_backward;
-  };
-  auto work = [&](const Action& a) { return pick(model.costs.empty() ? unit : model.costs[static_cast<size_t>(a.stage)], a.kind); };
-  auto wait = [&](const Action& a) { return pick(waits.empty() ? none : waits[static_cast<size_t>(a.stage)], a.kind); };
-  auto rank_of = [&](int32_t s) { return model.placement[static_cast<size_t>(s)]; };
-  auto send = [&](const std::vector<double>& times, int32_t boundary, int32_t from, int32_t to) {
-    return times.empty() || rank_of(from) == rank_of(to) ? 0.0 : times[static_cast<size_t>(boundary)];
-  };
-  auto ready = [&](const Action& a) -> double {
-    double t = 0;
-    auto need = [&](char kind, int32_t s, double delay) {
-      const double end = finished.get(kind, s, a.mb);
-      if (end < 0) return false;
-      t = std::max(t, end + delay);
-      return true;
-    };
-    if (a.kind == 'F')
-      return a.stage == 0 || need('F', a.stage - 1, send(model.send_forward, a.stage - 1, a.stage - 1, a.stage)) ? t : -1;
-    if (a.kind == 'W') return need('I', a.stage, 0) ? t : -1;
-    if (!need('F', a.stage, 0)) return -1;
-    if (a.stage + 1 < stages && !need(grad, a.stage + 1, send(model.send_backward, a.stage, a.stage + 1, a.stage)))
-      return -1;
-    return t;
-  };
+  auto work = [&](const Action& a) { return seconds(model.costs.empty() ? unit : model.costs[static_cast<size_t>(a.stage)], a.kind); };
+  auto wait = [&](const Action& a) { return seconds(waits.empty() ? none : waits[static_cast<size_t>(a.stage)], a.kind); };
   enum Phase { kIdle, kCompute, kWait };
   struct State {
     size_t pos = 0;
@@ -251,11 +249,7 @@ Timeline simulate_pipeline_shared(const PipelineModel& model, double cores, cons
       }
     }
   }
-  const std::vector<char> kinds = split ? std::vector<char>{'F', 'I', 'W'} : std::vector<char>{'F', 'B'};
-  for (int32_t s = 0; s < stages; ++s)
-    for (int32_t mb = 0; mb < model.microbatches; ++mb)
-      for (char k : kinds)
-        TORCH_CHECK(finished.get(k, s, mb) >= 0, "pipeline schedule ", model.name, " never runs ", name_of({k, s, mb}));
+  deps.check_every_action_ran();
   out.makespan = now;
   return out;
 }

@@ -45,6 +45,21 @@ std::string arg_name(const c10::OperatorHandle& op, const TensorSlot& slot) {
   return name;
 }
 
+// Shape, dtype and placements of a defined tensor (a plain one's placements left empty).
+void describe_tensor(ExplainedTensor& x, const at::Tensor& t) {
+  x.defined = true;
+  x.is_dtensor = is_dtensor(t);
+  if (x.is_dtensor) {
+    const auto& spec = *dtensor_impl(t)->spec();
+    x.shape = spec.shape;
+    x.dtype = spec.dtype;
+    x.placements = spec.placements;
+  } else {
+    x.shape.assign(t.sizes().begin(), t.sizes().end());
+    x.dtype = t.scalar_type();
+  }
+}
+
 std::string describe(const ExplainedTensor& t) {
   if (!t.defined) return "(none)";
   return to_string(t.placements) + " " + shape_str(t.shape) + " " + c10::toString(t.dtype) +
@@ -101,18 +116,9 @@ std::shared_ptr<OpExplanation> explain_before(const c10::OperatorHandle& op, con
     x.name = arg_name(op, scan.slots[i]);
     const auto& t = scan.tensors[i];
     if (t.defined()) {
-      x.defined = true;
-      x.is_dtensor = is_dtensor(t);
-      if (x.is_dtensor) {
-        const auto& spec = *dtensor_impl(t)->spec();
-        x.shape = spec.shape;
-        x.dtype = spec.dtype;
-        x.placements = spec.placements;
-      } else {
-        x.shape.assign(t.sizes().begin(), t.sizes().end());
-        x.dtype = t.scalar_type();
-        if (d.mesh) x.placements.assign(static_cast<size_t>(d.mesh->ndim()), Placement::replicate());
-      }
+      describe_tensor(x, t);
+      // a plain tensor among DTensors is replicated over the op's mesh
+      if (!x.is_dtensor && d.mesh) x.placements.assign(static_cast<size_t>(d.mesh->ndim()), Placement::replicate());
       x.target = x.placements;
       if (!d.decompose && i < d.targets.size() && d.targets[i]) {
         x.target = d.targets[i]->placements;
@@ -132,19 +138,7 @@ void describe_results(OpExplanation& e, const OpInfo& info, const torch::jit::St
   auto add = [&](const at::Tensor& t) {
     ExplainedTensor x;
     x.name = "result " + std::to_string(j++);
-    if (t.defined()) {
-      x.defined = true;
-      x.is_dtensor = is_dtensor(t);
-      if (x.is_dtensor) {
-        const auto& spec = *dtensor_impl(t)->spec();
-        x.shape = spec.shape;
-        x.dtype = spec.dtype;
-        x.placements = spec.placements;
-      } else {
-        x.shape.assign(t.sizes().begin(), t.sizes().end());
-        x.dtype = t.scalar_type();
-      }
-    }
+    if (t.defined()) describe_tensor(x, t);
     e.outputs.push_back(std::move(x));
   };
   for (size_t r = 0; r < info.num_returns; ++r) {

@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..parallel.pipeline.engine import loss_in
 from ..parallel.pipeline.split import Layout, find_layout
 
 __all__ = ["Linear", "UnitProfile", "Profile", "profile_model", "call_model", "loss_of", "slice_batch",
@@ -163,13 +164,8 @@ def call_model(model: nn.Module, batch):
 def loss_of(output, loss_fn=None) -> torch.Tensor:
     if loss_fn is not None:
         return loss_fn(output)
-    if isinstance(output, torch.Tensor):
-        loss = output
-    elif getattr(output, "loss", None) is not None:
-        loss = output.loss
-    elif isinstance(output, dict) and "loss" in output:
-        loss = output["loss"]
-    else:
+    loss = loss_in(output)
+    if loss is None:
         raise TypeError(f"the model returned {type(output).__name__}, not a loss: give a sample batch with labels "
                         f"(e.g. targets / labels) or loss_fn=output -> scalar loss")
     if loss.dim() != 0:

@@ -291,16 +291,23 @@ def _tensors(unit):
                 yield f"{prefix}.{name}", t
 
 
+def loss_in(output) -> torch.Tensor | None:
+    """The loss a model returned: the output itself, its ``.loss`` (Hugging Face's
+    ModelOutput) or its ``["loss"]``; None when there is none."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if getattr(output, "loss", None) is not None:
+        return output.loss
+    if isinstance(output, dict) and "loss" in output:
+        return output["loss"]
+    return None
+
+
 def _loss_of(output, target, loss_fn):
     if loss_fn is not None:
         return loss_fn(output, target)
-    if isinstance(output, torch.Tensor):
-        loss = output
-    elif getattr(output, "loss", None) is not None:
-        loss = output.loss
-    elif isinstance(output, dict) and "loss" in output:
-        loss = output["loss"]
-    else:
+    loss = loss_in(output)
+    if loss is None:
         raise TypeError(f"the model returned {type(output).__name__}, not a loss: pass loss_fn=(output, target) -> "
                         f"loss to PipelineParallel.step")
     if loss.dim() != 0:
