@@ -173,6 +173,27 @@ at::Tensor to_partial_step(const RedistStep& s, const Mesh& mesh, const at::Tens
   return keeps ? local.clone() : at::zeros_like(local);
 }
 
+// How many steps from `first` on are all-reduces (one reduce op) that together cover
+// every mesh dim with more than one rank, so that one all-reduce over the mesh's flat
+// group does them all: reductions over disjoint rank groups compose, and the flat
+// group reduces each value once. 0 when they do not, or the mesh has no flat group.
+size_t flat_all_reduce_steps(const RedistPlan& plan, size_t first, const Mesh& mesh) {
+  if (mesh.flat_group_name.empty() || plan.steps[first].kind != RedistStep::Kind::AllReduce) return 0;
+  std::vector<bool> covered(mesh.shape.size(), false);
+  size_t n = 0;
+  for (size_t i = first; i < plan.steps.size(); ++i, ++n) {
+    const auto& s = plan.steps[i];
+    if (s.kind != RedistStep::Kind::AllReduce || s.op != plan.steps[first].op) break;
+    covered[static_cast<size_t>(s.mesh_dim)] = true;
+  }
+  size_t spanned = 0;
+  for (size_t m = 0; m < mesh.shape.size(); ++m) {
+    if (mesh.shape[m] > 1 && !covered[m]) return 0;
+    spanned += mesh.shape[m] > 1 ? 1 : 0;
+  }
+  return spanned > 1 ? n : 0;
+}
+
 }  // namespace
 
 std::vector<CollectiveCount> collective_counts() {
@@ -200,6 +221,17 @@ at::Tensor all_reduce(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_
   static const auto fn = functional_op("_c10d_functional::all_reduce");
   auto timed = count(kAllReduce, x, mesh, mesh_dim);
   return call_and_wait(fn, {x.contiguous(), reduce_name(op), mesh.group_names[static_cast<size_t>(mesh_dim)]});
+}
+
+at::Tensor all_reduce_flat(const at::Tensor& x, ReduceOp op, const Mesh& mesh) {
+  static const auto fn = functional_op("_c10d_functional::all_reduce");
+  const uint64_t n = nbytes(x);
+  calls[kAllReduce].fetch_add(1, std::memory_order_relaxed);
+  bytes[kAllReduce].fetch_add(n, std::memory_order_relaxed);
+  std::string dims;
+  for (const auto& name : mesh.dim_names) dims += (dims.empty() ? "" : "*") + name;
+  trace::Timed timed(kKindNames[kAllReduce], mesh.flat_group_name, mesh.numel(), -1, &dims, n);
+  return call_and_wait(fn, {x.contiguous(), reduce_name(op), mesh.flat_group_name});
 }
 
 at::Tensor reduce_scatter_dim0(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_t mesh_dim) {
@@ -260,7 +292,13 @@ at::Tensor execute_redistribution(
   if (plan.empty()) return local;
   at::Tensor x = local;
   using K = RedistStep::Kind;
-  for (const auto& s : plan.steps) {
+  for (size_t i = 0; i < plan.steps.size(); ++i) {
+    const auto& s = plan.steps[i];
+    if (const size_t n = flat_all_reduce_steps(plan, i, mesh); n > 0) {
+      x = all_reduce_flat(x, s.op, mesh);
+      i += n - 1;
+      continue;
+    }
     const auto m = static_cast<size_t>(s.mesh_dim);
     const bool local_step = s.kind == K::Chunk || s.kind == K::ToPartial;
     if (mesh.shape[m] == 1 && !local_step) continue;  // a group of one: nothing moves

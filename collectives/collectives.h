@@ -17,6 +17,8 @@ namespace vescale::collectives {
 // (collectives/trace.h).
 at::Tensor all_gather_dim0(const at::Tensor& x, const Mesh& mesh, int32_t mesh_dim);
 at::Tensor all_reduce(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_t mesh_dim);
+// Over every rank of the mesh at once, through mesh.flat_group_name (must be set).
+at::Tensor all_reduce_flat(const at::Tensor& x, ReduceOp op, const Mesh& mesh);
 at::Tensor reduce_scatter_dim0(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_t mesh_dim);
 at::Tensor all_to_all_dim0(const at::Tensor& x, const Mesh& mesh, int32_t mesh_dim);
 // `src` is the source's coordinate along `mesh_dim`.

@@ -39,7 +39,7 @@ void print_nested(std::ostringstream& os, const Mesh& m, size_t dim, size_t& pos
 bool same_contents(const Mesh& a, const Mesh& b) {
   return a.shape == b.shape && a.ranks == b.ranks && a.dim_names == b.dim_names &&
       a.group_names == b.group_names && a.coordinate == b.coordinate &&
-      a.device_type == b.device_type;
+      a.device_type == b.device_type && a.flat_group_name == b.flat_group_name;
 }
 
 }  // namespace

@@ -23,6 +23,10 @@ struct Mesh {
   std::vector<std::string> dim_names;     // may be empty strings
   std::vector<std::string> group_names;   // this rank's c10d group along each dim
   std::vector<int64_t> coordinate;        // this rank's coordinate
+  // A c10d group over all the mesh's ranks, when one exists (the world group, for a
+  // mesh over every rank): a value Partial over every dim is then reduced by one
+  // all-reduce instead of one per dim. Empty when there is none.
+  std::string flat_group_name;
   c10::DeviceType device_type = c10::DeviceType::CPU;
 
   int64_t ndim() const { return static_cast<int64_t>(shape.size()); }

@@ -98,7 +98,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Mesh, std::shared_ptr<Mesh>>(m, "Mesh")
       .def(py::init([](std::vector<int64_t> shape, std::vector<int64_t> ranks,
                        std::vector<std::string> dim_names, std::vector<std::string> group_names,
-                       std::vector<int64_t> coordinate, const std::string& device_type) {
+                       std::vector<int64_t> coordinate, const std::string& device_type,
+                       const std::string& flat_group_name) {
              Mesh mesh;
              mesh.shape = std::move(shape);
              mesh.ranks = std::move(ranks);
@@ -106,15 +107,17 @@ PYBIND11_MODULE(_C, m) {
              mesh.group_names = std::move(group_names);
              mesh.coordinate = std::move(coordinate);
              mesh.device_type = parse_device_type(device_type);
+             mesh.flat_group_name = flat_group_name;
              return std::const_pointer_cast<Mesh>(intern_mesh(std::move(mesh)));
            }),
            py::arg("shape"), py::arg("ranks"), py::arg("dim_names"), py::arg("group_names"),
-           py::arg("coordinate"), py::arg("device_type"))
+           py::arg("coordinate"), py::arg("device_type"), py::arg("flat_group_name") = "")
       .def_property_readonly("shape", [](const Mesh& x) { return x.shape; })
       .def_property_readonly("ranks", [](const Mesh& x) { return x.ranks; })
       .def_property_readonly("dim_names", [](const Mesh& x) { return x.dim_names; })
       .def_property_readonly("group_names", [](const Mesh& x) { return x.group_names; })
       .def_property_readonly("coordinate", [](const Mesh& x) { return x.coordinate; })
+      .def_property_readonly("flat_group_name", [](const Mesh& x) { return x.flat_group_name; })
       .def("__repr__", &Mesh::str)
       .def("__eq__", [](const Mesh& a, const Mesh& b) { return &a == &b; })
       .def("__hash__", [](const Mesh& a) { return std::hash<const void*>{}(&a); });

@@ -61,7 +61,7 @@ class DeviceMesh:
             self._c = _C.Mesh(list(ranks.shape), ranks.flatten().tolist(),
                               list(mesh_dim_names or [""] * ranks.dim()),
                               [_torch_mesh.get_group(i).group_name for i in range(ranks.dim())],
-                              list(coordinate), device_type)
+                              list(coordinate), device_type, _flat_group_name(ranks))
 
     # ---- shape and names ----
     @property
@@ -170,6 +170,16 @@ class DeviceMesh:
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self._names}" if self._names else ""
         return f"DeviceMesh('{self._device_type}', {self._ranks.tolist()}{names})"
+
+
+def _flat_group_name(ranks: torch.Tensor) -> str:
+    """The group over all of a multi-dim mesh's ranks, when one exists without creating
+    one (creating a group takes every rank of the world, which a mesh may not have at
+    hand): the world group, for a mesh over every rank. The engine reduces a value
+    Partial over every mesh dim with one all-reduce through it."""
+    if ranks.dim() < 2 or ranks.numel() != dist.get_world_size():
+        return ""
+    return dist.group.WORLD.group_name
 
 
 def _check_ranks(ranks: torch.Tensor) -> None:

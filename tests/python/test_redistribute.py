@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import vescale
-from vescale import Replicate, Shard
+from vescale import Partial, Replicate, Shard
 
 from dist_utils import describe, make_dtensor, mesh, mismatch, placement_options, rand
 
@@ -126,3 +126,25 @@ def test_distribute_tensor(pool4):
         assert values == [0.0]
         assert own == [float(rank)]
         assert is_leaf and requires_grad
+
+
+def _case_partial_over_every_dim_is_one_all_reduce():
+    m = mesh("2d")
+    full = rand((5, 3), seed=5)
+    counts = {}
+    for name, src in [("sum,sum", [Partial(), Partial()]), ("sum,max", [Partial(), Partial("max")]),
+                      ("sum,shard", [Partial(), Shard(0)])]:
+        x = make_dtensor(full, m, src, seed=6)
+        vescale.reset_collective_counts()
+        y = x.redistribute(m, [Replicate(), src[1] if src[1].is_shard() else Replicate()])
+        counts[name] = (vescale.collective_counts()["all_reduce"], mismatch(y.full_tensor(), full))
+    return counts, full.numel() * full.element_size()
+
+
+def test_partial_over_every_dim_is_one_all_reduce(pool4):
+    """[Partial, Partial] over a 2x2 mesh of every rank: one all-reduce through the world
+    group (same reduce op only), not one per mesh dim; the values are checked too."""
+    for counts, local_bytes in pool4.run(_case_partial_over_every_dim_is_one_all_reduce):
+        assert counts["sum,sum"] == ((1, local_bytes), None)
+        assert counts["sum,max"] == ((2, 2 * local_bytes), None)  # two reduce ops: one per dim
+        assert counts["sum,shard"][0][0] == 1 and counts["sum,shard"][1] is None
