@@ -106,6 +106,27 @@ double comm_time(const CommCost& cost, const std::vector<Comm>& comms, double n)
   return t;
 }
 
+// The reduction of gradients that arrive Partial over TP (`bytes` of them on this
+// rank), in buckets, as vescale/parallel/tp_grads.py and DDP do it: under DDP without a
+// pipeline over DP x TP at once (all ranks; DDP's own buckets leave them out); under
+// ZeRO-2/3 over TP on each rank's 1/DP slices; otherwise over TP, once per step under
+// DDP and once per backward (micro-batch) without it.
+double partial_grad_reduction(const CommCost& cost, const Config& c, double bucket, double bytes,
+                              std::vector<Priced>* rank0) {
+  if (c.tp <= 1 || bytes <= 0) return 0;
+  int64_t group = c.tp, runs = 1;
+  if (c.dp > 1 && c.zero >= 2) {
+    bytes /= static_cast<double>(c.dp);
+  } else if (c.dp > 1 && c.pp == 1) {
+    group = c.dp * c.tp;
+  } else if (c.dp == 1) {
+    runs = c.microbatches;
+  }
+  const double nb = std::max(1.0, std::ceil(bytes / bucket));
+  if (rank0) rank0->push_back({"all_reduce", group, bytes / nb, static_cast<int64_t>(nb) * runs, "tp grads"});
+  return static_cast<double>(runs) * nb * cost.time("all_reduce", group, bytes / nb);
+}
+
 // A reduction of `bytes` over `dp` ranks in DDP's buckets.
 double bucketed(const CommCost& cost, const std::string& kind, int64_t dp, double bytes, double bucket) {
   if (dp <= 1 || bytes <= 0) return 0;
@@ -298,7 +319,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
   std::vector<StageCost> sc(static_cast<size_t>(S)), waits(static_cast<size_t>(S)), shared(static_cast<size_t>(S));
   std::vector<double> compute_f(static_cast<size_t>(S)), compute_b(static_cast<size_t>(S)), tp_s(static_cast<size_t>(S)),
       zero_s(static_cast<size_t>(S)), saved(static_cast<size_t>(S)), pbytes(static_cast<size_t>(S)), pnumel(static_cast<size_t>(S)),
-      ptensors(static_cast<size_t>(S)), pmax(static_cast<size_t>(S));
+      ptensors(static_cast<size_t>(S)), pmax(static_cast<size_t>(S)), pgrad(static_cast<size_t>(S));
   double root_bytes = 0;  // parameters outside the blocks: ZeRO-3 gathers them with the root module
   for (size_t i = 0; i < p.units.size(); ++i)
     if (p.units[i].kind != 1) root_bytes += l.units[i].param_bytes;
@@ -332,6 +353,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       saved[us] += again ? u.out_a + u.out_b * n : u.saved_a + u.saved_b * n;
       pbytes[us] += u.param_bytes;
       pnumel[us] += u.param_numel;
+      pgrad[us] += u.partial_grad_bytes;
       ptensors[us] += static_cast<double>(u.param_tensors);
       if (c.zero == 3 && p.units[i].kind == 1) {
         // gathered (and unpacked into the parameters) for the forward and the backward
@@ -431,7 +453,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
   Breakdown worst;
   e.rank_memory.assign(static_cast<size_t>(c.pp), Memory{});
   for (int64_t r = 0; r < c.pp; ++r) {
-    double rb = 0, rn = 0, rt = 0, rsaved = 0, rpmax = 0, rf = 0, rbk = 0, rtp = 0, rz = 0;
+    double rb = 0, rn = 0, rt = 0, rsaved = 0, rpmax = 0, rf = 0, rbk = 0, rtp = 0, rz = 0, rpg = 0;
     for (int64_t s = 0; s < S; ++s) {
       const auto us = static_cast<size_t>(s);
       if ((c.pp > 1 ? sched->placement[us] : 0) != r) continue;
@@ -444,6 +466,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       rbk += compute_b[us] * static_cast<double>(m) * (c.pp == 1 ? all_busy : 1.0);
       rtp += tp_s[us] * static_cast<double>(m);
       rz += zero_s[us] * static_cast<double>(m);
+      rpg += pgrad[us];
     }
     rb += p.glue_param_bytes / static_cast<double>(c.tp);
     if (c.pp > 1 && r == last_rank && first_rank != last_rank) {  // its own copy of a tensor tied to the first stage
@@ -452,9 +475,11 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       rt += 1;
     }
     // data parallelism: the gradients' reduction, the parameters' gather after a ZeRO-1/2 step, the loss
-    double dp_t = 0;
+    double dp_t = partial_grad_reduction(cost, c, p.bucket_bytes, rpg, r == 0 ? &e.rank0_comms : nullptr);
     if (c.dp > 1) {
-      const double grads = rb * p.grad_bytes_per_param_byte;
+      // Partial (TP) gradients summed over DP x TP at once are not in DDP's own buckets
+      const bool composed = c.pp == 1 && c.zero <= 1;
+      const double grads = rb * p.grad_bytes_per_param_byte - (composed ? rpg : 0.0);
       const double nb = std::max(1.0, std::ceil(grads / p.bucket_bytes));
       const double red = bucketed(cost, c.zero >= 2 ? "reduce_scatter" : "all_reduce", c.dp, grads, p.bucket_bytes);
       if (r == 0) {

@@ -83,6 +83,9 @@ struct UnitCost {
   double param_bytes = 0;       // one TP rank's
   double param_numel = 0;
   int64_t param_tensors = 0;
+  // bytes of its parameters' gradients that arrive Partial over TP (LayerNorms under SP,
+  // row-parallel biases): reduced in buckets after backward (vescale/parallel/tp_grads.py)
+  double partial_grad_bytes = 0;
   std::vector<Comm> fwd_comm, bwd_comm;
 };
 
@@ -182,7 +185,7 @@ struct Priced {
   int64_t group = 1;
   double bytes = 0;
   int64_t count = 1;
-  std::string what;  // "tp", "zero3", "dp", "zero", "pipeline", "stage sync"
+  std::string what;  // "tp", "tp grads", "zero3", "dp", "zero", "pipeline", "stage sync"
 };
 
 struct Estimate {

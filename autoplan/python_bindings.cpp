@@ -250,6 +250,7 @@ eager::Problem to_problem(const py::dict& d) {
       c.param_bytes = ud["param_bytes"].cast<double>();
       c.param_numel = ud["param_numel"].cast<double>();
       c.param_tensors = ud["param_tensors"].cast<int64_t>();
+      c.partial_grad_bytes = get_or<double>(ud, "partial_grad_bytes", 0.0);
       c.fwd_comm = to_comms(ud["fwd_comm"]);
       c.bwd_comm = to_comms(ud["bwd_comm"]);
       x.units.push_back(std::move(c));

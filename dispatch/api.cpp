@@ -132,6 +132,15 @@ at::Tensor redistribute(const at::Tensor& dtensor, PlacementsRef placements) {
   return Redistribute::apply(dtensor, capsule(std::move(dst)));
 }
 
+namespace {
+// Where the leaf is replicated and the gradient is a Partial sum, the gradient stays
+// Partial: its reduction is bucketed with others' after the gradient is accumulated.
+void keep_partial_sums(Placements& want, PlacementsRef grad) {
+  for (size_t m = 0; m < want.size(); ++m)
+    if (want[m].is_replicate() && grad[m].is_partial(ReduceOp::Sum)) want[m] = grad[m];
+}
+}  // namespace
+
 void align_grad_placements(const at::Tensor& leaf) {
   auto* impl = checked_dtensor_impl(leaf, "align_grad_placements");
   if (impl->grads_aligned) return;
@@ -142,8 +151,10 @@ void align_grad_placements(const at::Tensor& leaf) {
   leaf.register_hook([weak](const at::Tensor& grad) -> at::Tensor {
     auto strong = weak.lock();
     if (!strong || !grad.defined()) return {};
-    const auto& spec = static_cast<DTensorImpl*>(strong.get())->spec();
-    const auto want = partial_as_replicate(spec->placements);
+    const auto* leaf_impl = static_cast<DTensorImpl*>(strong.get());
+    const auto& spec = leaf_impl->spec();
+    auto want = partial_as_replicate(spec->placements);
+    if (leaf_impl->defer_partial_grads && is_dtensor(grad)) keep_partial_sums(want, dtensor_impl(grad)->spec()->placements);
     // Backward formulas that build their result with a factory (zeros(...).scatter_)
     // hand back a plain, whole gradient: it is the replicated value.
     at::Tensor g = grad;
@@ -155,6 +166,19 @@ void align_grad_placements(const at::Tensor& leaf) {
     }
     return redistribute_no_grad(g, want);
   });
+}
+
+void defer_partial_grads(const at::Tensor& param) {
+  checked_dtensor_impl(param, "defer_partial_grads")->defer_partial_grads = true;
+}
+
+void relabel(const at::Tensor& dtensor, PlacementsRef placements) {
+  auto* impl = checked_dtensor_impl(dtensor, "relabel");
+  auto dst = with_placements(impl->spec(), placements);
+  TORCH_CHECK_VALUE(dst->local.sizes == impl->spec()->local.sizes, "relabel: ", dst->str(),
+                    " has another local shape than ", impl->spec()->str(), "; only Partial <-> Replicate can be relabelled");
+  impl->drop_reduced();
+  impl->relayout(impl->local(), std::move(dst));
 }
 
 at::Tensor distribute_tensor(const at::Tensor& full, MeshPtr mesh, PlacementsRef placements,

@@ -32,6 +32,14 @@ at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placeme
 // calls it for every leaf that requires grad the first time the leaf meets an op.
 void align_grad_placements(const at::Tensor& leaf);
 
+// Makes that hook leave Partial(sum) gradients Partial over the dims where `param` is
+// replicated: whoever sets it reduces them (vescale/parallel/tp_grads.py).
+void defer_partial_grads(const at::Tensor& param);
+
+// Declares that the shard already holds the value under `placements` (an all-reduce
+// wrote the sum into a Partial shard in place, say): the spec changes, no data moves.
+void relabel(const at::Tensor& dtensor, PlacementsRef placements);
+
 // Shards a full tensor present on every rank. With `src_rank` set, the values are
 // first broadcast from the mesh's `src_rank`-th rank (row-major), so ranks need not
 // agree beforehand.

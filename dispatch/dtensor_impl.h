@@ -52,6 +52,9 @@ class DTensorImpl final : public c10::TensorImpl {
 
   // Set once a gradient-placement hook is attached (see align_grad_placements).
   bool grads_aligned = false;
+  // Set on a parameter whose Partial(sum) gradients over its replicated mesh dims are
+  // reduced later, in buckets (vescale/parallel/tp_grads.py): the hook leaves them Partial.
+  bool defer_partial_grads = false;
   // On a view that had to be taken from a copy of its base (the base needed another
   // layout and could not change in place): the base and the copy, so that a write
   // into the view (whose shard is part of the copy's) is pushed back into the base.

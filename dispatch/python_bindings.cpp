@@ -194,6 +194,8 @@ PYBIND11_MODULE(_C, m) {
     return distribute_tensor(full, mesh, p, src_rank);
   });
   m.def("align_grad_placements", [](const at::Tensor& t) { align_grad_placements(t); });
+  m.def("defer_partial_grads", [](const at::Tensor& t) { defer_partial_grads(t); });
+  m.def("relabel", [](const at::Tensor& t, const py::sequence& placements) { relabel(t, to_placements(placements)); });
   m.def("local_tensor", [](const at::Tensor& t) {
     return checked_dtensor_impl(t, "local_tensor")->local();
   }, "This rank's shard itself, outside autograd (internal use).");

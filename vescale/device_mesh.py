@@ -61,7 +61,7 @@ class DeviceMesh:
             self._c = _C.Mesh(list(ranks.shape), ranks.flatten().tolist(),
                               list(mesh_dim_names or [""] * ranks.dim()),
                               [_torch_mesh.get_group(i).group_name for i in range(ranks.dim())],
-                              list(coordinate), device_type, _flat_group_name(ranks))
+                              list(coordinate), device_type, _flat_group_name(_torch_mesh, ranks))
 
     # ---- shape and names ----
     @property
@@ -172,12 +172,16 @@ class DeviceMesh:
         return f"DeviceMesh('{self._device_type}', {self._ranks.tolist()}{names})"
 
 
-def _flat_group_name(ranks: torch.Tensor) -> str:
+def _flat_group_name(torch_mesh: _TorchDeviceMesh, ranks: torch.Tensor) -> str:
     """The group over all of a multi-dim mesh's ranks, when one exists without creating
     one (creating a group takes every rank of the world, which a mesh may not have at
-    hand): the world group, for a mesh over every rank. The engine reduces a value
+    hand): the world group, for a mesh over every rank whose groups are the world's kind
+    (not the planner's virtual meshes over fake groups). The engine reduces a value
     Partial over every mesh dim with one all-reduce through it."""
     if ranks.dim() < 2 or ranks.numel() != dist.get_world_size():
+        return ""
+    world_backend = dist.get_backend()
+    if any(dist.get_backend(torch_mesh.get_group(d)) != world_backend for d in range(ranks.dim())):
         return ""
     return dist.group.WORLD.group_name
 

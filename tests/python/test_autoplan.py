@@ -169,9 +169,9 @@ def test_megatron_pairs_are_found(name, tp):
         names = next((g for g in prof.tied if w in g), [w])
         ends[w] = next((_hand_placement(hand, n) for n in names if _hand_placement(hand, n) != Replicate()),
                        Replicate())
-    ours, _, _ = unit_collectives(prof, model, batch, choice.plan(ends={w: p for w, p in ends.items() if p != R}),
-                                  tp, False)
-    theirs, _, _ = unit_collectives(prof, model, batch, hand, tp, False)
+    ours = unit_collectives(prof, model, batch, choice.plan(ends={w: p for w, p in ends.items() if p != R}),
+                            tp, False).per_unit
+    theirs = unit_collectives(prof, model, batch, hand, tp, False).per_unit
 
     def blocks_cost(per):
         return sum(placement_cost(per[u.name]["forward"] + per[u.name]["backward"], COMM) for u in prof.blocks_list)

@@ -313,8 +313,9 @@ def _layout_sharded(profile: Profile, model, batch, tp: int, sp: bool, comm: Com
         return choice, None
     plan = choice.plan()
     n1, n2 = profile.measured_at
-    ev1, pb, _ = unit_collectives(profile, model, slice_batch(batch, n1), plan, tp, sp)
-    ev2, _, _ = unit_collectives(profile, model, slice_batch(batch, n2), plan, tp, sp)
+    at1 = unit_collectives(profile, model, slice_batch(batch, n1), plan, tp, sp)
+    ev1, ev2 = at1.per_unit, unit_collectives(profile, model, slice_batch(batch, n2), plan, tp, sp).per_unit
+    pb = at1.param_bytes
     times = sharded_times(profile, model, batch, plan, tp, steps=steps)
     (f1, b1, s1), (f2, b2, s2) = times[n1], times[n2]
     units = []
@@ -327,6 +328,7 @@ def _layout_sharded(profile: Profile, model, batch, tp: int, sp: bool, comm: Com
                           input_share=u.input_backward_share, split_cost=u.split_backward_cost,
                           shadow=u.shadow_s, param_bytes=float(pb[u.name]),
                           param_numel=float(u.param_numel * local), param_tensors=len(u.params),
+                          partial_grad_bytes=float(at1.partial_bytes[u.name]),
                           fwd_comm=_comms(ev1[u.name]["forward"], ev2[u.name]["forward"], n1, n2),
                           bwd_comm=_comms(ev1[u.name]["backward"], ev2[u.name]["backward"], n1, n2)))
     return choice, {"tp": tp, "sp": sp, "units": units}

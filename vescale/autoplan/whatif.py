@@ -45,6 +45,7 @@ from ..device_mesh import DeviceMesh
 from ..dtensor import DTensor
 from ..parallel import parallelize as _parallelize
 from ..parallel.parallelize import parallelize_module
+from ..parallel.tp_grads import partial_gradients_of
 from ..placement_types import InterleavedShard, Placement, Replicate, Shard, to_c
 from .commfit import CommModel
 from .profile import Linear, Profile, call_model, loss_of, slice_batch, without_cache
@@ -216,9 +217,19 @@ class _Recorder:
 
     def __exit__(self, *exc):
         _C.trace_collectives(False)
-        self.events = [(e["kind"], e["group_size"], e["bytes"]) for e in _C.trace_events(self.first)]
+        raw = _C.trace_events(self.first)
+        # The reduction of Partial gradients (tp_grads) is priced from the gradients' bytes
+        # (partial_grad_bytes), not from where this run's buckets happened to fall, and
+        # differs under DDP: left out here. _before maps a count() to a place in `events`.
+        kept = [e["source"] != "tp" for e in raw]
+        self._before = list(itertools.accumulate(kept, initial=0))
+        self.events = [(e["kind"], e["group_size"], e["bytes"]) for e, keep in zip(raw, kept) if keep]
         if not _C.trace_recording():
             _C.trace_clear()
+
+    def position(self, count: int) -> int:
+        """Where the events recorded before ``count()`` returned ``count`` end in ``events``."""
+        return self._before[count]
 
 
 def placement_cost(events, comm: CommModel) -> float:
@@ -484,8 +495,8 @@ def _choose_ends(choice: "TPChoice", profile: Profile, meta: nn.Module, batch, m
     for combo in itertools.product(*per_group):
         assignment = {x.weight: Shard(d) for g, d in zip(groups, combo) for x in g}
         try:
-            _, _, events = unit_collectives(profile, meta, batch, choice.plan(ends=assignment), tp,
-                                            choice.sequence_parallel, comm=None, meta_model=True)
+            events = unit_collectives(profile, meta, batch, choice.plan(ends=assignment), tp,
+                                      choice.sequence_parallel, comm=None, meta_model=True).events
         except Exception as e:  # noqa: BLE001
             choice.problems.append(f"ends {assignment}: {type(e).__name__}: {str(e).splitlines()[0]}")
             continue
@@ -624,11 +635,19 @@ def _split_events(events: list, marks: dict, forward_end: int, units: list[str])
     return per
 
 
+@dataclass
+class UnitCollectives:
+    per_unit: dict       # unit -> {"forward": events, "backward": events}, events (kind, group size, bytes)
+    param_bytes: dict    # unit -> bytes of its parameters one TP rank holds
+    partial_bytes: dict  # unit -> of those, the bytes whose gradients arrive Partial (reduced by tp_grads)
+    events: list         # all of them, in order
+
+
 def unit_collectives(profile: Profile, model: nn.Module, batch, plan: dict, tp: int, sequence_parallel: bool, *,
                      comm: CommModel | None = None, meta_model: bool = False):
     """Runs the whole model on meta with ``plan`` over a virtual TP mesh: per unit, the
     collectives of its forward and backward [(kind, group size, bytes)], and the bytes of
-    its parameters one TP rank holds. Returns (per_unit, param_bytes, loss_events)."""
+    its parameters one TP rank holds, and of those whose gradients are Partial sums."""
     meta = model if meta_model else meta_copy(model)
     meta = meta_copy(meta)  # parallelize_module changes it
     mesh = VirtualMesh([tp], ["TP"])
@@ -644,19 +663,23 @@ def unit_collectives(profile: Profile, model: nn.Module, batch, plan: dict, tp: 
             finally:
                 for h in handles:
                     h.remove()
-    per = _split_events(rec.events, marks, forward_end, [u.name for u in profile.units])
-    param_bytes = {}
+    marks = {"fwd": [(n, k, rec.position(c)) for n, k, c in marks["fwd"]],
+             "grad": {n: rec.position(c) for n, c in marks["grad"].items()}}
+    per = _split_events(rec.events, marks, rec.position(forward_end), [u.name for u in profile.units])
+    partial = {id(p) for r in partial_gradients_of(meta) for p in r.last_reduced}
+    param_bytes, partial_bytes = {}, {}
     seen = set()
     for u in profile.units:
-        total = 0
+        param_bytes[u.name] = partial_bytes[u.name] = 0
         for p in meta.get_submodule(u.name).parameters():
             if id(p) in seen:
                 continue
             seen.add(id(p))
             local = _C.local_tensor(p) if isinstance(p, DTensor) else p
-            total += local.numel() * local.element_size()
-        param_bytes[u.name] = total
-    return per, param_bytes, rec.events
+            param_bytes[u.name] += local.numel() * local.element_size()
+            if id(p) in partial:
+                partial_bytes[u.name] += local.numel() * local.element_size()
+    return UnitCollectives(per, param_bytes, partial_bytes, rec.events)
 
 
 # ---- local compute at sharded shapes -------------------------------------------------------------

@@ -13,6 +13,13 @@ shard. ``no_sync()`` accumulates locally (gradient accumulation).
 With ``reduce_scatter=True`` (ZeRO-2, set by DistributedOptimizer) a bucket is
 reduce-scattered instead: each rank keeps only its slice of every gradient (see
 ``vescale.parallel.optimizer``), and the full gradients are dropped.
+
+Tensor-parallel parameters replicated over a TP dim get gradients Partial over it (see
+``vescale.parallel.tp_grads``); DDP reduces those too, in the same buckets: when the DP
+and TP groups together are the world, by one all-reduce over the world group (the sum
+over both at once, then divided by the DP size); otherwise the TP sum follows the DP
+one, one collective per bucket. Under ZeRO-2 the TP sum is taken of each rank's slices
+only, after the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -24,15 +31,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import _trace
+from .. import _C, _trace
 from ..device_mesh import DeviceMesh
 from .._local import local_of  # noqa: F401  (re-exported: vescale.parallel.ddp.local_of)
 from ..deferred import has_deferred, is_deferred, materialize_module
+from .tp_grads import land, launch_partial_sums, partial_dims, partial_gradients_of
 
 __all__ = ["DDP"]
 
 
-@dataclass
+@dataclass(eq=False)
 class Slot:
     """Where one parameter's local gradient sits in its bucket: flat, padded to a
     multiple of the DP size, laid out rank-major so a reduce-scatter hands every rank
@@ -52,6 +60,9 @@ class Bucket:
     buffer: torch.Tensor | None = None
     pending: int = 0
     work: object = None
+    in_buffer: list[Slot] = field(default_factory=list)  # the slots the DP collective carries
+    tp: list = field(default_factory=list)  # Partial (TP) sums in flight (tp_grads.launch_partial_sums)
+    partial: list = field(default_factory=list)  # ZeRO-2: (slot, its gradient's Partial TP dims)
 
     def numel(self) -> int:
         return self.chunk_total
@@ -84,6 +95,11 @@ class DDP(nn.Module):
         # and ZeRO-3 (DistributedOptimizer) materialises only each rank's slices
         self._deferred = has_deferred(module)
         self._slot_of = {id(s.param): (b, s) for b in self.buckets for s in b.slots}
+        # tensor-parallel Partial gradients: reduced here, with the DP ones
+        self._partial_params = set()
+        for reducer in partial_gradients_of(module):
+            reducer.driver = self
+            self._partial_params.update(id(p) for p in reducer.params)
         self._broadcast_parameters()
         for b in self.buckets:
             for s in b.slots:
@@ -183,16 +199,36 @@ class DDP(nn.Module):
     def _launch(self, b: Bucket) -> None:
         if self.reduce_scatter:
             self._launch_reduce_scatter(b)
-        else:  # all-reduce: gradients back to back, no padding
-            flat = [local_of(s.param.grad).reshape(-1) if s.param.grad is not None
-                    else torch.zeros(s.numel, dtype=b.dtype, device=b.device) for s in b.slots]
-            b.buffer = torch.cat(flat)
-            token = _trace.collective_started("all_reduce", self.group, b.buffer, source="ddp")
-            b.work = (_trace.traced(dist.all_reduce(b.buffer, group=self.group, async_op=True), token), b.buffer)
+            return
+        # all-reduce: gradients back to back, no padding; Partial (TP) gradients summed
+        # over DP x TP at once where one group (the world) holds both
+        over_world = [self._sums_over_world(s.param) for s in b.slots]
+        b.tp = launch_partial_sums([s.param for s, w in zip(b.slots, over_world) if w],
+                                   over_world=True, divide_by=self.world)
+        b.in_buffer = [s for s, w in zip(b.slots, over_world) if not w]
+        flat = [local_of(s.param.grad).reshape(-1) if s.param.grad is not None
+                else torch.zeros(s.numel, dtype=b.dtype, device=b.device) for s in b.in_buffer]
+        b.buffer = torch.cat(flat) if flat else torch.zeros(0, dtype=b.dtype, device=b.device)
+        token = _trace.collective_started("all_reduce", self.group, b.buffer, source="ddp")
+        b.work = (_trace.traced(dist.all_reduce(b.buffer, group=self.group, async_op=True), token), b.buffer)
+
+    def _is_partial(self, p: nn.Parameter) -> tuple[int, ...]:
+        """The TP mesh dims over which ``p``'s gradient is still a Partial sum."""
+        if id(p) not in self._partial_params or p.grad is None:
+            return ()
+        return partial_dims(p.grad)
+
+    def _sums_over_world(self, p: nn.Parameter) -> bool:
+        dims = self._is_partial(p)
+        mesh = p.device_mesh if dims else None
+        return bool(dims) and len(dims) == sum(n > 1 for n in mesh.shape) \
+            and self.world * mesh.size() == dist.get_world_size()
 
     def _launch_reduce_scatter(self, b: Bucket) -> None:
         """Rank-major and padded, so that each rank receives its own slice of every gradient."""
         b.buffer = torch.empty(self.world, b.chunk_total, dtype=b.dtype, device=b.device)
+        b.partial = [(s, self._is_partial(s.param)) for s in b.slots if self._is_partial(s.param)]
+        b.in_buffer = b.slots
         for s in b.slots:
             rows = b.buffer[:, s.offset:s.offset + s.chunk]
             if s.param.grad is None:  # unused this step: contributes zeros
@@ -219,14 +255,37 @@ class DDP(nn.Module):
             work.wait()
             result.div_(self.world)
             offset = 0
-            for s in b.slots:
+            for s in b.in_buffer:
                 if self.reduce_scatter:
                     self.grad_shards[id(s.param)] = result[s.offset:s.offset + s.chunk].clone()
                 elif s.param.grad is not None:
                     grad = local_of(s.param.grad)
                     grad.copy_(result[offset:offset + s.numel].view_as(grad))
                 offset += s.numel
-            b.work, b.buffer = None, None
+            if self.reduce_scatter:
+                self._sum_partial_slices(b.partial)
+            else:  # the TP sums: those over the world, and those that follow the DP sum
+                b.tp += launch_partial_sums([s.param for s in b.in_buffer if self._is_partial(s.param)])
+                land(b.tp)
+            b.work, b.buffer, b.in_buffer, b.partial = None, None, [], []
+
+    def _sum_partial_slices(self, partial: list[tuple[Slot, tuple[int, ...]]]) -> None:
+        """ZeRO-2: this rank's slices of Partial (TP) gradients, summed over their TP
+        dims, one collective per bucket and dim. Every TP rank at this DP coordinate
+        holds the same slice of a replicated parameter's gradient."""
+        groups: dict[tuple, list[Slot]] = {}
+        for s, dims in partial:
+            groups.setdefault((_C.mesh_of(s.param), dims), []).append(s)
+        for (_, dims), slots in groups.items():
+            shards = [self.grad_shards[id(s.param)] for s in slots]
+            buffer = torch.cat(shards)
+            for d in dims:
+                group = slots[0].param.device_mesh.get_group(d)
+                _trace.call("all_reduce", group, buffer, dist.all_reduce, buffer, group=group, source="tp")
+            offset = 0
+            for shard in shards:
+                shard.copy_(buffer[offset:offset + shard.numel()])
+                offset += shard.numel()
 
 
 def _reduce_scatter(out: torch.Tensor, whole: torch.Tensor, group):

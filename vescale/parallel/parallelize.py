@@ -35,6 +35,7 @@ from ..device_mesh import DeviceMesh
 from ..dtensor import DTensor, distribute_tensor
 from ..placement_types import InterleavedShard, Placement, Replicate, Shard
 from .pipeline.stage import is_elsewhere
+from .tp_grads import PartialGradients
 
 __all__ = ["parallelize_module"]
 
@@ -61,6 +62,7 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, sharding_plan
     hooks = _hook_targets(module, device_mesh, forward_rules)
     _distribute_parameters(assignments, device_mesh)
     _install_forward_hooks(hooks, device_mesh)
+    PartialGradients.install(module)  # replicated parameters' Partial gradients, bucketed
     return module
 
 
