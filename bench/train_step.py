@@ -2,7 +2,8 @@
 """Training-step time of a GPT on 4 CPU ranks: vescale's plans vs the same plans built from
 torch's own stack (DistributedDataParallel, torch.distributed.tensor.parallel, fully_shard).
 
-    .venv/bin/python bench/train_step.py [--quick] [--json PATH]
+    .venv/bin/python bench/train_step.py [--quick] [--json PATH] [--plans P,...] [--size big]
+        [--per-parameter-tp-grads] [--profile]
 
 Plans (4 gloo ranks, spawned here; rank 0 reports):
 
@@ -11,6 +12,8 @@ Plans (4 gloo ranks, spawned here; rank 0 reports):
     DP2xTP2   parallelize_module(gpt_plan) on "TP"      the same TP plan (parallelize_module with
               + DDP on "DP"                             Colwise/RowwiseParallel) + fully_shard on "DP"
     TP4       parallelize_module(gpt_plan), 1-d mesh    the same TP plan, 1-d mesh
+    +SP       gpt_plan(sequence_parallel=True)          torch's SequenceParallel LayerNorms,
+              (DP2xTP2+SP, TP4+SP)                      PrepareModuleInput, Shard(1) outputs
     ZeRO-2    DDP + DistributedOptimizer(zero_stage=2)  fully_shard(reshard_after_forward=False)
     ZeRO-3    DDP + DistributedOptimizer(zero_stage=3)  fully_shard per block and root
 
@@ -19,6 +22,10 @@ same global batch for both stacks. Per plan, each stack is built, warmed up and 
 measured alone; then the two take turns step by step (a dist.barrier() before each) so that
 load on the shared machine slows them alike. A step's time is the slowest rank's; the table
 shows medians and interquartile ranges. A benchmark, never a test: problems are listed, not raised.
+
+--size big: GPT 8 layers x 512 wide, sequence 512, global batch 4 (fewer timed steps).
+--per-parameter-tp-grads: vescale without bucketed TP gradients (tp_grads), as before
+them: every Partial gradient all-reduced by itself; for comparison.
 """
 
 import os
@@ -60,17 +67,26 @@ WORLD = 4
 # lr-sized AdamW noise that would blur the loss comparison.
 CONFIG = GPTConfig(block_size=128, vocab_size=1024, n_layer=4, n_head=8, n_embd=256, dropout=0.0, bias=False)
 GLOBAL_BATCH, SEQ = 8, 128
+SIZES = {"small": (CONFIG, GLOBAL_BATCH, SEQ),
+         "big": (GPTConfig(block_size=512, vocab_size=1024, n_layer=8, n_head=8, n_embd=512, dropout=0.0, bias=False),
+                 4, 512)}
 LR = 1e-3
-PLANS = ("DP4", "DP2xTP2", "TP4", "ZeRO-2", "ZeRO-3")
+PLANS = ("DP4", "DP2xTP2", "TP4", "ZeRO-2", "ZeRO-3", "DP2xTP2+SP", "TP4+SP")
 STACKS = ("torch", "vescale")
 LOSS_RTOL = 1e-4  # fp32: both stacks reduce in different orders, so allow rounding
 
 
-def settings(quick: bool) -> dict:
+def settings(quick: bool, size: str) -> dict:
     # warmup steps (untimed), memory steps (alone, peak RSS), timed steps per stack;
     # a rank still running after watchdog_s dumps its stack and exits
-    return (dict(warmup=2, mem_steps=1, timed=5, watchdog_s=300) if quick
-            else dict(warmup=3, mem_steps=2, timed=30, watchdog_s=1200))
+    if quick:
+        return dict(warmup=2, mem_steps=1, timed=5, watchdog_s=600)
+    return dict(warmup=3, mem_steps=2, timed=30 if size == "small" else 10, watchdog_s=3600)
+
+
+def use_size(size: str) -> None:
+    global CONFIG, GLOBAL_BATCH, SEQ
+    CONFIG, GLOBAL_BATCH, SEQ = SIZES[size]
 
 
 # ---- memory ----------------------------------------------------------------------------------
@@ -151,11 +167,12 @@ def new_model() -> GPT:
 
 def build_vescale(plan: str, m1, m2) -> Setup:
     model = new_model()
+    plan, sp = plan.removesuffix("+SP"), plan.endswith("+SP")
     if plan == "TP4":
-        parallelize_module(model, m1, gpt_plan())
+        parallelize_module(model, m1, gpt_plan(sequence_parallel=sp))
         return Setup(model, torch.optim.AdamW(model.parameters(), lr=LR), dp_rows(0, 1))
     if plan == "DP2xTP2":
-        parallelize_module(model, m2["TP"], gpt_plan())
+        parallelize_module(model, m2["TP"], gpt_plan(sequence_parallel=sp))
         dp = m2["DP"]
     else:
         dp = m1
@@ -176,14 +193,15 @@ def torch_fsdp(model: GPT, dp_mesh, reshard_after_forward: bool) -> None:
 def build_torch(plan: str, m1, m2) -> Setup:
     model = new_model()
     t1, t2 = m1.to_torch(), m2.to_torch()  # the very same process groups as vescale's meshes
+    plan, sp = plan.removesuffix("+SP"), plan.endswith("+SP")
     if plan == "TP4":
-        torch_gpt_tp(model, t1)
+        torch_gpt_tp(model, t1, sequence_parallel=sp)
         return Setup(model, torch.optim.AdamW(model.parameters(), lr=LR), dp_rows(0, 1), loss_ctx=loss_parallel)
     if plan == "DP4":
         model = DistributedDataParallel(model, process_group=t1.get_group(0))
     elif plan == "DP2xTP2":
         # torch's DDP takes no DTensor parameters; torch's 2-D recipe shards over DP instead
-        torch_gpt_tp(model, t2["TP"])
+        torch_gpt_tp(model, t2["TP"], sequence_parallel=sp)
         torch_fsdp(model, t2["DP"], reshard_after_forward=True)
     else:
         torch_fsdp(model, t1, reshard_after_forward=plan == "ZeRO-3")
@@ -320,6 +338,10 @@ def summarize(plan: str, every: list, untimed: int, problems: list) -> dict:
 
 def _rank_main(rank: int, port: int, cfg: dict, plans: list, out_path: str) -> None:
     torch.set_num_threads(1)
+    use_size(cfg["size"])  # (a spawned rank imports this module afresh)
+    if cfg["per_parameter_tp_grads"]:  # as before tp_grads: the engine reduces each Partial gradient alone
+        from vescale.parallel import parallelize as _parallelize
+        _parallelize.PartialGradients.install = staticmethod(lambda module, **kwargs: None)
     faulthandler.dump_traceback_later(cfg["watchdog_s"], exit=True)  # a hang shows where, then ends
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
@@ -375,8 +397,14 @@ def main() -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--plans", default=",".join(PLANS), help="comma-separated subset of " + ",".join(PLANS))
     ap.add_argument("--profile", action="store_true", help="also profile one more step of each stack")
+    ap.add_argument("--size", choices=sorted(SIZES), default="small", help="the model and batch (see above)")
+    ap.add_argument("--per-parameter-tp-grads", action="store_true",
+                    help="vescale without bucketed tensor-parallel gradients (for comparison)")
     args = ap.parse_args()
-    cfg, plans = dict(settings(args.quick), profile=args.profile), args.plans.split(",")
+    cfg = dict(settings(args.quick, args.size), profile=args.profile, size=args.size,
+               per_parameter_tp_grads=args.per_parameter_tp_grads)
+    plans = args.plans.split(",")
+    use_size(args.size)
 
     load_before = os.getloadavg()
     t0 = time.time()
