@@ -194,7 +194,7 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
             mine = ddp.grad_shards.get(id(p))
             mine = torch.zeros(slot.chunk, dtype=local_of(p).dtype) if mine is None else mine.contiguous()
             rows = torch.empty(ddp.world * slot.chunk, dtype=mine.dtype)
-            _all_gather(rows, mine, ddp.group)
+            _all_gather(rows, mine, ddp.group).wait()
             local = rows[: slot.numel].view(local_of(p).shape)
             grad = (vescale.DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
                     if isinstance(p, vescale.DTensor) else local)

@@ -169,3 +169,28 @@ def test_gradient_accumulation(pool4, layout):
 def test_sgd_parameters_match(pool4, layout):
     for failures in pool4.run(_case_train, "llama", layout, 1, "sgd"):
         assert failures == []
+
+
+def _case_zero3_prefetch():
+    m = mesh("1d4")
+    torch.manual_seed(0)
+    model = DDP(GPT(GPTConfig(bias=False)), m)
+    opt = DistributedOptimizer(torch.optim.SGD, models=[model], zero_stage=3, lr=0.1)
+    idx = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    hits = []
+    for _ in range(2):
+        before = opt.sharded.prefetch_hits
+        model(idx, idx).backward()
+        hits.append(opt.sharded.prefetch_hits - before)
+        opt.step()
+        opt.zero_grad()
+    return hits, len(model.module.transformer.h), len(opt.sharded._prefetched)
+
+
+def test_zero3_prefetches_the_next_unit_in_backward(pool4):
+    """Each block's backward gather was started during the backward of the unit after it
+    (the root's, then the next block's), as FSDP2 prefetches; nothing is left pending
+    after backward. The values are those of test_four_ranks' zero3 layouts."""
+    for hits, blocks, pending in pool4.run(_case_zero3_prefetch):
+        assert hits == [blocks, blocks]
+        assert pending == 0

@@ -60,6 +60,15 @@ class ShardedParameters:
                 if owned:
                     self._hook(unit, owned)
         self.release(list(self.sharded.values()))
+        # Backward prefetch (as FSDP2 does): when a unit is gathered for its backward, the
+        # gather of the unit whose forward finished just before its own starts too,
+        # overlapping this unit's backward. What is left when backward ends is dropped (the optimizer
+        # then changes the slices).
+        self._forward_order: list[list[_Sharded]] = []
+        self._prefetched: dict[int, list] = {}  # id(unit entries) -> start_gather_slices' result
+        self._backward_queued = False
+        self._forward_restarts = True
+        self.prefetch_hits = 0  # gathers served by a prefetch (for tests and benchmarks)
 
     def slice_of(self, param: nn.Parameter) -> torch.Tensor:
         return self.sharded[id(param)].slice
@@ -78,12 +87,38 @@ class ShardedParameters:
     # ---- gather and release ----
 
     def gather(self, entries: list[_Sharded]) -> None:
-        """One all-gather per dtype for all of `entries` that are not whole yet."""
-        empty = [e for e in entries if local_of(e.param).untyped_storage().nbytes() == 0]  # else whole already
-        for e, rows in all_gather_slices(empty, [e.slice for e in empty], self.group):
+        """One all-gather per dtype for all of `entries` that are not whole yet (waiting
+        for the one prefetched for them, if any)."""
+        started = self._prefetched.pop(id(entries), None)
+        empty = [e for e in entries if _empty(e)]  # else whole already
+        if started is None:
+            started = start_gather_slices(empty, [e.slice for e in empty], self.group)
+        elif len(empty) != len(entries):  # (partly whole: the prefetch is not needed)
+            _wait(started)
+            started = start_gather_slices(empty, [e.slice for e in empty], self.group)
+        else:
+            self.prefetch_hits += 1
+        for e, rows in finish_gather_slices(started):
             local = local_of(e.param)
             local.untyped_storage().resize_((local.storage_offset() + local.numel()) * local.element_size())
             fill_rows(_alias(local), rows)
+
+    def _prefetch_before(self, entries: list[_Sharded]) -> None:
+        """Starts gathering the unit whose forward finished just before ``entries``' one."""
+        order = self._forward_order
+        at = next((i for i, u in enumerate(order) if u is entries), None)
+        if not at:
+            return
+        previous = order[at - 1]
+        if id(previous) not in self._prefetched and all(_empty(e) for e in previous):
+            self._prefetched[id(previous)] = start_gather_slices(previous, [e.slice for e in previous], self.group)
+
+    def _backward_ended(self) -> None:
+        for started in self._prefetched.values():
+            _wait(started)  # (then dropped)
+        self._prefetched.clear()
+        self._backward_queued = False
+        self._forward_restarts = True
 
     def release(self, entries: list[_Sharded]) -> None:
         for e in entries:
@@ -99,11 +134,18 @@ class ShardedParameters:
             self.gather(entries)
 
         def before_backward(*grads):
+            if not self._backward_queued:
+                self._backward_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
             waiting["count"] = len(entries)
             self.gather(entries)
+            self._prefetch_before(entries)
 
         def after_forward(mod, args, output):
             self.release(entries)
+            if self._forward_restarts:  # the first forward since a backward: a new order
+                self._forward_order, self._forward_restarts = [], False
+            self._forward_order.append(entries)  # (backward visits the units in reverse)
             # gathered again when the first gradient of any output arrives (a module
             # backward pre-hook would miss outputs that are not tensors or tuples of
             # them, such as Hugging Face's ModelOutput)
@@ -157,11 +199,17 @@ def all_gather_slices(owners: list, slices: list[torch.Tensor], group):
     """Yields (owner, rows) for each parameter owner (anything with .param and .slot):
     its DP slices from every rank, `rows` being world x chunk, rank-major, the last rows
     padded. ``slices`` are this rank's slices; one all-gather per dtype and device."""
+    return finish_gather_slices(start_gather_slices(owners, slices, group))
+
+
+def start_gather_slices(owners: list, slices: list[torch.Tensor], group) -> list:
+    """all_gather_slices' collectives, started (asynchronous); finish_gather_slices waits."""
     world = dist.get_world_size(group)
     by_kind: dict[tuple, list] = {}
     for owner, mine in zip(owners, slices):
         local = local_of(owner.param)
         by_kind.setdefault((local.dtype, local.device), []).append((owner, mine))
+    started = []
     for (dtype, device), members in by_kind.items():
         total = sum(owner.slot.chunk for owner, _ in members)
         packed = torch.zeros(total, dtype=dtype, device=device)
@@ -170,10 +218,16 @@ def all_gather_slices(owners: list, slices: list[torch.Tensor], group):
             packed[offset:offset + mine.numel()].copy_(mine)
             offset += owner.slot.chunk
         gathered = torch.empty(world * total, dtype=dtype, device=device)
-        _all_gather(gathered, packed, group)
-        gathered = gathered.view(world, total)
+        started.append(([owner for owner, _ in members], gathered.view(world, total), _all_gather(gathered, packed, group)))
+    return started
+
+
+def finish_gather_slices(started: list):
+    """Waits for start_gather_slices' collectives; yields (owner, rows) as all_gather_slices."""
+    _wait(started)
+    for owners, gathered, _ in started:
         offset = 0
-        for owner, _ in members:
+        for owner in owners:
             yield owner, gathered[:, offset:offset + owner.slot.chunk]
             offset += owner.slot.chunk
 
@@ -188,7 +242,19 @@ def fill_rows(flat: torch.Tensor, rows: torch.Tensor) -> None:
         flat[full * chunk:].copy_(rows[full, :tail])
 
 
-def _all_gather(out: torch.Tensor, mine: torch.Tensor, group) -> None:
+def _all_gather(out: torch.Tensor, mine: torch.Tensor, group):
+    """Started, not waited for: returns the work."""
     # torch 2.13 renames all_gather_into_tensor to all_gather_single; 2.11 has only the former.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    _trace.call("all_gather", group, mine, gather, out, mine, group=group, source="zero")
+    token = _trace.collective_started("all_gather", group, mine, source="zero")
+    return _trace.traced(gather(out, mine, group=group, async_op=True), token)
+
+
+def _wait(started: list) -> None:
+    for _, _, work in started:
+        work.wait()
+
+
+def _empty(e: _Sharded) -> bool:
+    """Whether the parameter's storage is released (not whole)."""
+    return local_of(e.param).untyped_storage().nbytes() == 0
