@@ -41,13 +41,18 @@ std::atomic<uint64_t> bytes[kKinds];
 uint64_t nbytes(const at::Tensor& x) { return static_cast<uint64_t>(x.numel()) * x.element_size(); }
 
 // Counts the call and, while an observer is on, times and records it.
-trace::Timed count(Kind kind, const at::Tensor& x, const Mesh& mesh, int32_t mesh_dim) {
-  const auto m = static_cast<size_t>(mesh_dim);
+trace::Timed count(Kind kind, const at::Tensor& x, const std::string& group, int64_t group_size, int32_t mesh_dim,
+                   const std::string* mesh_dim_name) {
   const uint64_t n = nbytes(x);
   calls[kind].fetch_add(1, std::memory_order_relaxed);
   bytes[kind].fetch_add(n, std::memory_order_relaxed);
-  return trace::Timed(kKindNames[kind], mesh.group_names[m], mesh.shape[m], mesh_dim,
-                      m < mesh.dim_names.size() ? &mesh.dim_names[m] : nullptr, n);
+  return trace::Timed(kKindNames[kind], group, group_size, mesh_dim, mesh_dim_name, n);
+}
+
+trace::Timed count(Kind kind, const at::Tensor& x, const Mesh& mesh, int32_t mesh_dim) {
+  const auto m = static_cast<size_t>(mesh_dim);
+  return count(kind, x, mesh.group_names[m], mesh.shape[m], mesh_dim,
+               m < mesh.dim_names.size() ? &mesh.dim_names[m] : nullptr);
 }
 
 // Boxed call: the group_name argument is typed `Any`, which typed calls can't express.
@@ -225,12 +230,9 @@ at::Tensor all_reduce(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_
 
 at::Tensor all_reduce_flat(const at::Tensor& x, ReduceOp op, const Mesh& mesh) {
   static const auto fn = functional_op("_c10d_functional::all_reduce");
-  const uint64_t n = nbytes(x);
-  calls[kAllReduce].fetch_add(1, std::memory_order_relaxed);
-  bytes[kAllReduce].fetch_add(n, std::memory_order_relaxed);
   std::string dims;
   for (const auto& name : mesh.dim_names) dims += (dims.empty() ? "" : "*") + name;
-  trace::Timed timed(kKindNames[kAllReduce], mesh.flat_group_name, mesh.numel(), -1, &dims, n);
+  auto timed = count(kAllReduce, x, mesh.flat_group_name, mesh.numel(), -1, &dims);
   return call_and_wait(fn, {x.contiguous(), reduce_name(op), mesh.flat_group_name});
 }
 

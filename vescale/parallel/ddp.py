@@ -35,7 +35,7 @@ from .. import _C, _trace
 from ..device_mesh import DeviceMesh
 from .._local import local_of  # noqa: F401  (re-exported: vescale.parallel.ddp.local_of)
 from ..deferred import has_deferred, is_deferred, materialize_module
-from .tp_grads import land, launch_partial_sums, partial_dims, partial_gradients_of
+from .tp_grads import copy_back, land, launch_partial_sums, partial_dims, partial_gradients_of, sum_over_dims
 
 __all__ = ["DDP"]
 
@@ -227,7 +227,7 @@ class DDP(nn.Module):
     def _launch_reduce_scatter(self, b: Bucket) -> None:
         """Rank-major and padded, so that each rank receives its own slice of every gradient."""
         b.buffer = torch.empty(self.world, b.chunk_total, dtype=b.dtype, device=b.device)
-        b.partial = [(s, self._is_partial(s.param)) for s in b.slots if self._is_partial(s.param)]
+        b.partial = [(s, dims) for s in b.slots if (dims := self._is_partial(s.param))]
         b.in_buffer = b.slots
         for s in b.slots:
             rows = b.buffer[:, s.offset:s.offset + s.chunk]
@@ -279,13 +279,8 @@ class DDP(nn.Module):
         for (_, dims), slots in groups.items():
             shards = [self.grad_shards[id(s.param)] for s in slots]
             buffer = torch.cat(shards)
-            for d in dims:
-                group = slots[0].param.device_mesh.get_group(d)
-                _trace.call("all_reduce", group, buffer, dist.all_reduce, buffer, group=group, source="tp")
-            offset = 0
-            for shard in shards:
-                shard.copy_(buffer[offset:offset + shard.numel()])
-                offset += shard.numel()
+            sum_over_dims(buffer, slots[0].param.device_mesh, dims)
+            copy_back(buffer, shards)
 
 
 def _reduce_scatter(out: torch.Tensor, whole: torch.Tensor, group):

@@ -35,7 +35,8 @@ from .. import _C, _trace
 from .._local import local_of
 from ..deferred import is_deferred
 
-__all__ = ["PartialGradients", "partial_dims", "partial_gradients_of", "launch_partial_sums", "land"]
+__all__ = ["PartialGradients", "partial_dims", "partial_gradients_of", "launch_partial_sums", "land",
+           "sum_over_dims", "copy_back"]
 
 
 _claimed: "weakref.WeakSet[nn.Parameter]" = weakref.WeakSet()
@@ -166,18 +167,26 @@ def land(launched: list) -> None:
     parameter's placements. Empties ``launched``."""
     for work, buffer, ps, rest, divide_by in launched:
         work.wait()
-        for d in rest:
-            group = ps[0].device_mesh.get_group(d)
-            _trace.call("all_reduce", group, buffer, dist.all_reduce, buffer, group=group, source="tp")
+        sum_over_dims(buffer, ps[0].device_mesh, rest)
         if divide_by != 1:
             buffer.div_(divide_by)
-        offset = 0
+        copy_back(buffer, [local_of(p.grad) for p in ps])
         for p in ps:
-            local = local_of(p.grad)
-            local.copy_(buffer[offset:offset + local.numel()].view_as(local))
-            offset += local.numel()
             _C.relabel(p.grad, _C.placements_of(p))
     launched.clear()
+
+
+def sum_over_dims(buffer: torch.Tensor, mesh, dims) -> None:
+    """All-reduces ``buffer`` in place over each of ``mesh``'s ``dims`` in turn."""
+    for d in dims:
+        group = mesh.get_group(d)
+        _trace.call("all_reduce", group, buffer, dist.all_reduce, buffer, group=group, source="tp")
+
+
+def copy_back(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copies the flat ``buffer`` (the tensors back to back) into ``tensors``."""
+    for t, piece in zip(tensors, buffer.split([t.numel() for t in tensors])):
+        t.copy_(piece.view_as(t))
 
 
 def _mark_before_forward(owner: nn.Module, names: list[str]) -> None:

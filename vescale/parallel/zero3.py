@@ -62,8 +62,8 @@ class ShardedParameters:
         self.release(list(self.sharded.values()))
         # Backward prefetch (as FSDP2 does): when a unit is gathered for its backward, the
         # gather of the unit whose forward finished just before its own starts too,
-        # overlapping this unit's backward. What is left when backward ends is dropped (the optimizer
-        # then changes the slices).
+        # overlapping this unit's backward. What is left when backward ends is dropped
+        # (the optimizer then changes the slices).
         self._forward_order: list[list[_Sharded]] = []
         self._prefetched: dict[int, list] = {}  # id(unit entries) -> start_gather_slices' result
         self._backward_queued = False
@@ -90,15 +90,14 @@ class ShardedParameters:
         """One all-gather per dtype for all of `entries` that are not whole yet (waiting
         for the one prefetched for them, if any)."""
         started = self._prefetched.pop(id(entries), None)
-        empty = [e for e in entries if _empty(e)]  # else whole already
         if started is None:
-            started = start_gather_slices(empty, [e.slice for e in empty], self.group)
-        elif len(empty) != len(entries):  # (partly whole: the prefetch is not needed)
-            _wait(started)
+            empty = [e for e in entries if _empty(e)]  # else whole already
             started = start_gather_slices(empty, [e.slice for e in empty], self.group)
         else:
             self.prefetch_hits += 1
         for e, rows in finish_gather_slices(started):
+            if not _empty(e):  # whole already (a prefetch covers the whole unit)
+                continue
             local = local_of(e.param)
             local.untyped_storage().resize_((local.storage_offset() + local.numel()) * local.element_size())
             fill_rows(_alias(local), rows)
