@@ -28,15 +28,16 @@ constexpr uint32_t UMASK = 0x80000000U;
 constexpr uint32_t LMASK = 0x7fffffffU;
 
 inline uint32_t twist(uint32_t u, uint32_t v) {
-  return ((((u & UMASK) | (v & LMASK)) >> 1)) ^ ((v & 1U) ? MATRIX_A : 0U);
+  return (((u & UMASK) | (v & LMASK)) >> 1) ^ ((0U - (v & 1U)) & MATRIX_A);  // branch-free: vectorises
 }
 
-// at::mt19937's next_state, on the words alone.
-void regenerate(uint32_t* p0) {
-  uint32_t* p = p0;
-  for (int j = N - M + 1; --j; p++) *p = p[M] ^ twist(p[0], p[1]);
-  for (int j = M; --j; p++) *p = p[M - N] ^ twist(p[0], p[1]);
-  *p = p[M - N] ^ twist(p[0], p0[0]);
+// at::mt19937's next_state, on the words alone. Written as indexed loops so that the
+// compiler vectorises them (the reads ahead are anti-dependences, the reads 227 behind
+// are far enough); the AVX2 clone streams about 1.7x faster than the baseline one.
+__attribute__((target_clones("avx2", "default"))) void regenerate(uint32_t* s) {
+  for (int i = 0; i < N - M; ++i) s[i] = s[i + M] ^ twist(s[i], s[i + 1]);
+  for (int i = N - M; i < N - 1; ++i) s[i] = s[i + M - N] ^ twist(s[i], s[i + 1]);
+  s[N - 1] = s[M - 1] ^ twist(s[N - 1], s[0]);
 }
 
 using Poly = std::vector<uint64_t>;  // bit i = coefficient of t^i
@@ -235,9 +236,9 @@ void jump(at::mt19937_data_pod& s, uint64_t n) {
 }
 
 uint64_t jump_threshold() {
-  // bench/rng_jump.py (2 shared cores, load 5): a jump costs 8-13 ms from 2^24 outputs on;
-  // streaming 0.19-0.28 ns per output: 3.2 ms for 2^24, 19 ms for 2^26
-  return uint64_t{1} << 25;
+  // bench/rng_jump.py (AVX2 machine, quiet): a jump costs 4-11 ms from 2^24 outputs on;
+  // streaming 0.09 ns per output (the vectorised regenerate): 1.5 ms for 2^24, 6 ms for 2^26
+  return uint64_t{1} << 26;
 }
 
 void advance(at::mt19937_data_pod& s, uint64_t n) {

@@ -16,6 +16,9 @@ replays its ops:
   buffers of at most one 1 Mi-element chunk: bitwise the values of a single-device run,
   in memory of the box plus one chunk (fills whose use of the generator is not known,
   e.g. ``normal_`` on fewer than 16 elements, stream the whole sequence instead);
+* ``trunc_normal_`` (torch's rejection sampler) streams its rounds chunk by chunk, the
+  elements still rejected kept as bits (``_stream_trunc_normal``); with bounds past 10
+  std it never rejects and is drawn for the box like ``normal_``;
 * pointwise ops with scalar arguments (``mul_``, ``add_``, ``clamp_``, ``erfinv_``,
   ``fill_``, ``zero_``) run on the box alone;
 * anything else (a copy from a computed tensor, ``orthogonal_``, views) is replayed
@@ -258,19 +261,23 @@ def _stream(node: _Node, shape, dtype, box: Box | None, into: torch.Tensor | Non
     rest (vescale._C._rng_draw_box; sharding_rules/random_local.h), in buffers of at most
     one chunk. Otherwise the whole sequence is streamed chunk by chunk, keeping the box."""
     kind, a, b = _fill_params(node)
+    if not _draw_known(node.rng, kind, a, b, shape, dtype, box, into):
+        _stream_whole(node, shape, dtype, box, into)
+
+
+def _draw_known(rng: torch.Tensor, kind: str, a: float, b: float, shape, dtype, box: Box | None,
+                into: torch.Tensor | None) -> bool:
+    """A fill of ``kind`` from generator state ``rng``, box only (see _stream); False when
+    its use of the generator is not known (nothing drawn then)."""
     if box is None:
-        torch.set_rng_state(node.rng)
-        if _C._rng_skip(kind, dtype, math.prod(shape)):
-            return
-    else:
-        saved = torch.get_rng_state()
-        torch.set_rng_state(node.rng)
-        try:
-            if _C._rng_draw_box(kind, a, b, list(shape), list(box.offsets), list(box.sizes), into):
-                return
-        finally:
-            torch.set_rng_state(saved)
-    _stream_whole(node, shape, dtype, box, into)
+        torch.set_rng_state(rng)
+        return _C._rng_skip(kind, dtype, math.prod(shape))
+    saved = torch.get_rng_state()
+    torch.set_rng_state(rng)
+    try:
+        return _C._rng_draw_box(kind, a, b, list(shape), list(box.offsets), list(box.sizes), into)
+    finally:
+        torch.set_rng_state(saved)
 
 
 def _stream_whole(node: _Node, shape, dtype, box: Box | None, into: torch.Tensor | None) -> None:
@@ -313,11 +320,156 @@ def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buf[:numel]
 
 
+# ---- trunc_normal_, streamed ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Truncated:
+    mean: float
+    std: float
+    lo: float  # the bounds in the tensor's dtype, as torch compares them
+    hi: float
+    # bounds beyond 10 std (torchtitan's trunc_normal_(std=0.02) keeps a=-2, b=2): the CPU
+    # Box-Muller never goes past 8.6 std (sqrt(-2 ln u) with u >= 2^-53), so nothing is
+    # rejected and the init is one normal_ fill, drawn for the box only
+    never_rejects: bool = False
+
+
+def _trunc_normal(node: _Node) -> _Truncated | None:
+    """The parameters of a recorded ``trunc_normal_`` that can be streamed: torch 2.13's
+    rejection sampler (whole-tensor ``normal_`` rounds, each element keeping its first
+    draw inside [a, b]; the branch taken when [a, b] holds more than 30% of the mass) on a
+    float32/float64 tensor of at least 16 elements that is its whole storage."""
+    if not node.python or node.func.__name__ != "_no_grad_trunc_normal_" or not _trunc_normal_matches(node.func):
+        return None
+    import inspect
+
+    bound = inspect.signature(node.func).bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    t, mean, std, a, b = (bound.arguments[k] for k in ("tensor", "mean", "std", "a", "b"))
+    if t.dtype not in (torch.float32, torch.float64) or t.numel() < 16 or not _covers(t):
+        return None
+    cdf = lambda x: (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0  # noqa: E731
+    if cdf((b - mean) / std) - cdf((a - mean) / std) <= 0.3:
+        return None  # torch's other branch (uniform proposals): replayed whole
+    lo, hi = (torch.tensor(v, dtype=t.dtype, device="cpu").item() for v in (a, b))
+    return _Truncated(float(mean), float(std), lo, hi, (a - mean) / std < -10 and (b - mean) / std > 10)
+
+
+def _stream_trunc_normal(node: _Node, p: _Truncated, box: Box | None, into: torch.Tensor | None) -> None:
+    """Replays the rejection rounds chunk by chunk: a round is a whole-tensor normal_ (drawn
+    in chunks, which give the same numbers), and the elements still outside [lo, hi] are
+    kept as a bit per element; the box's elements take their first accepted draw. Memory:
+    one chunk and n/8 bytes, not the tensor. Time: every round draws the whole tensor
+    (chunks with nothing pending are skipped, not drawn). With no box (recording), only
+    the generator moves: to where the real init leaves it."""
+    t = node.args[0]
+    shape, n = tuple(t.shape), t.numel()
+    if p.never_rejects:
+        assert _draw_known(node.rng, "normal_", p.mean, p.std, shape, t.dtype, box, into)
+        return
+    bounds = _chunks(n)
+    longest = max(b - a for a, b in bounds)
+    buf = _scratch(longest, t.dtype)
+    rejected_buf, other_buf = (torch.empty(longest, dtype=torch.bool, device="cpu") for _ in range(2))
+    pending: list[torch.Tensor | None] = [None] * len(bounds)  # packed bits; None: all accepted
+    saved = torch.get_rng_state()
+    torch.set_rng_state(node.rng)
+    try:
+        first = True
+        while first or any(bits is not None for bits in pending):
+            for i, (a, b) in enumerate(bounds):
+                if not first and pending[i] is None:
+                    _C._rng_skip("normal_", t.dtype, b - a)
+                    continue
+                piece = buf[: b - a].normal_(p.mean, p.std)
+                still, take = rejected_buf[: b - a], other_buf[: b - a]
+                torch.lt(piece, p.lo, out=still)
+                still.logical_or_(torch.gt(piece, p.hi, out=take))
+                if first:
+                    take = None  # every element takes its first draw
+                else:
+                    _unpack_bits(pending[i], take)   # take: pending before this round
+                    still.logical_and_(take)         # pending after it
+                    take.logical_xor_(still)         # pending before, accepted now
+                if box is not None:
+                    _write_box(piece, take, shape, a, b, box, into)
+                pending[i] = _pack_bits(still) if bool(still.any()) else None
+            first = False
+    finally:
+        after = torch.get_rng_state()
+        torch.set_rng_state(saved)
+    if box is None:
+        torch.set_rng_state(after)  # recording: the generator moves on as the real init moves it
+
+
+def _write_box(piece: torch.Tensor, take: torch.Tensor | None, shape, a: int, b: int, box: Box,
+               into: torch.Tensor) -> None:
+    """Copies the elements of flat [a, b) that lie in ``box`` (only those in ``take``)."""
+    pos = 0
+    for fb in flat_range(shape, a, b):
+        overlap = fb.intersect(box)
+        if overlap is not None:
+            src = overlap.view_of(piece[pos:pos + fb.numel()].view(fb.sizes), fb)
+            dst = overlap.view_of(into, box)
+            if take is None:
+                dst.copy_(src)
+            else:
+                torch.where(overlap.view_of(take[pos:pos + fb.numel()].view(fb.sizes), fb), src, dst, out=dst)
+        pos += fb.numel()
+
+
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A bool vector as bits (element j: bit j % 8 of byte j // 8)."""
+    bits = torch.zeros((mask.numel() + 7) // 8, dtype=torch.uint8, device="cpu")
+    for k in range(8):
+        part = mask[k::8]
+        bits[: part.numel()].bitwise_or_(part.to(torch.uint8).bitwise_left_shift_(k))
+    return bits
+
+
+def _unpack_bits(bits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    for k in range(8):
+        part = out[k::8]
+        torch.ne(bits[: part.numel()].bitwise_and(1 << k), 0, out=part)
+    return out
+
+
+_trunc_check: list[bool] = []
+
+
+def _trunc_normal_matches(real) -> bool:
+    """Whether _stream_trunc_normal gives the values and generator state of ``real``, this
+    torch's trunc_normal_ sampler (checked once per process on a small case with several
+    rounds): another torch version's sampler is then replayed whole, never streamed wrongly."""
+    if not _trunc_check:
+        saved = torch.get_rng_state()
+        try:
+            torch.manual_seed(1234)
+            rng = torch.get_rng_state()
+            expected = real(torch.empty(37, 29, device="cpu"), 0.1, 1.0, -1.1, 1.3)
+            expected_state = torch.get_rng_state()
+            meta = torch.empty(37, 29, device="meta")
+            node = _Node(0, real, (meta, 0.1, 1.0, -1.1, 1.3), {}, rng, meta, python=True)
+            got = torch.empty(37, 29, device="cpu")
+            _trunc_check.append(True)  # provisionally, for the check's own call
+            _stream_trunc_normal(node, _Truncated(0.1, 1.0, -1.1, 1.3), whole((37, 29)), got)
+            torch.set_rng_state(rng)
+            _stream_trunc_normal(node, _Truncated(0.1, 1.0, -1.1, 1.3), None, None)
+            _trunc_check[0] = torch.equal(got, expected) and torch.equal(torch.get_rng_state(), expected_state)
+        finally:
+            torch.set_rng_state(saved)
+    return _trunc_check[0]
+
+
 def _advance(node: _Node) -> None:
     """While recording: move the real generator past this random op."""
     fill = _random_fill(node)
     if fill is not None and _covers(fill[2]):
         _stream(node, tuple(fill[2].shape), fill[2].dtype, None, None)
+        return
+    trunc = _trunc_normal(node)
+    if trunc is not None:
+        _stream_trunc_normal(node, trunc, None, None)
         return
     # any other random op: run it for real, whole (a transient tensor), just to advance
     torch.set_rng_state(node.rng)
@@ -332,20 +484,31 @@ def _covers(t: torch.Tensor) -> bool:
 
 # ---- materialisation --------------------------------------------------------------------------
 
-def materialize(meta: torch.Tensor, box: Box | None = None) -> torch.Tensor:
-    """The values of a deferred tensor inside ``box`` (default: all of it), as a new CPU tensor."""
+def materialize(meta: torch.Tensor, box: Box | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
+    """The values of a deferred tensor inside ``box`` (default: all of it), as a new CPU
+    tensor, or written into ``into`` (of the box's sizes) and returned: a contiguous
+    ``into`` is filled in place, with no temporary of the box's size."""
     box = box or whole(meta.shape)
+    if into is not None:
+        if not into.is_contiguous():
+            return into.copy_(materialize(meta, box))
+        if tuple(into.shape) != tuple(box.sizes) or into.dtype != meta.dtype:
+            raise ValueError(f"materialize: into is {tuple(into.shape)} {into.dtype}, the box is "
+                             f"{tuple(box.sizes)} {meta.dtype}")
     if _key(meta) in _sources:
-        return _sources[_key(meta)](box)
+        values = _sources[_key(meta)](box)
+        return values if into is None else into.copy_(values)
     if _key(meta) not in _histories:
         raise RuntimeError("vescale.deferred_init: this meta tensor's recording is gone (its module was "
                            "garbage collected); materialise a deferred model while it is alive")
     history = _histories[_key(meta)]
     if _covers(meta) and _local_ok(history, meta):
-        out = torch.empty(box.sizes, dtype=meta.dtype, device="cpu")
+        out = torch.empty(box.sizes, dtype=meta.dtype, device="cpu") if into is None else into
         for node in history.nodes[_last_overwrite(history.nodes):]:
             if _random_fill(node) is not None:
                 _stream(node, tuple(meta.shape), meta.dtype, box, out)
+            elif node.python:  # trunc_normal_ (_local_ok let no other through)
+                _stream_trunc_normal(node, _trunc_normal(node), box, out)
             elif node.func in _FACTORIES:
                 _replay_factory(node, out)
             else:
@@ -353,7 +516,8 @@ def materialize(meta: torch.Tensor, box: Box | None = None) -> torch.Tensor:
         return out
     full = _replay_storage(_key(meta), seq=None)
     view = torch.as_strided(full, meta.shape, meta.stride(), meta.storage_offset())
-    return box.view_of(view, whole(meta.shape)).clone()
+    values = box.view_of(view, whole(meta.shape))
+    return values.clone() if into is None else into.copy_(values)
 
 
 def _last_overwrite(nodes: list) -> int:
@@ -363,7 +527,7 @@ def _last_overwrite(nodes: list) -> int:
     for i in range(len(nodes) - 1, -1, -1):
         n = nodes[i]
         if (_random_fill(n) is not None or n.func in _FACTORIES or n.func is aten.fill_.Scalar
-                or n.func is aten.zero_.default):
+                or n.func is aten.zero_.default or _trunc_normal(n) is not None):
             return i
     return 0
 
@@ -374,7 +538,7 @@ def _local_ok(history: _History, meta: torch.Tensor) -> bool:
         target = node.out if node.func in _FACTORIES or node.func in _RANDOM_FACTORIES else node.args[0]
         if not isinstance(target, torch.Tensor) or not _covers(target):
             return False
-        if node.func in _FACTORIES or _random_fill(node) is not None:
+        if node.func in _FACTORIES or _random_fill(node) is not None or _trunc_normal(node) is not None:
             continue
         if node.python or node.func not in _POINTWISE_SCALAR:
             return False

@@ -153,14 +153,12 @@ def _materialize_shard(tensor: torch.Tensor, mesh: DeviceMesh, cp) -> torch.Tens
     parts = _shard_parts(list(tensor.shape), mesh, cp)
     if len(parts) == 1:
         local = materialize(tensor, parts[0][1])
-    else:  # an InterleavedShard: one piece per block
+    else:  # an InterleavedShard: one piece per block, each written in place (temporaries
+        # of a piece's size, freed between the shards being kept, would fragment the heap)
         sizes, _ = _C.local_shape(list(tensor.shape), cp, list(mesh.shape), list(mesh.get_coordinate()))
-        local = None
+        local = torch.empty(sizes, dtype=tensor.dtype, device="cpu")
         for shard_box, global_box in parts:
-            piece = materialize(tensor, global_box)
-            if local is None:
-                local = piece.new_empty(sizes)
-            shard_box.view_of(local, Box((0,) * local.dim(), tuple(sizes))).copy_(piece)
+            materialize(tensor, global_box, into=shard_box.view_of(local, Box((0,) * local.dim(), tuple(sizes))))
     out = _C.from_local(local, _register(mesh), cp, list(tensor.shape), _strides_like(tensor.shape, tensor.stride()))
     return out.requires_grad_(tensor.requires_grad)
 

@@ -161,14 +161,19 @@ def test_sequence_parallel_dropout_draws_the_local_block(pool4):
 # ---- deferred_init: three Linear(2000, 2000) over 4 ranks ------------------------------------
 
 class Three(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, init: str = "normal_"):
         super().__init__()
         self.layers = torch.nn.ModuleList(torch.nn.Linear(2000, 2000, bias=False) for _ in range(3))
         for layer in self.layers:  # an _init_weights pass after nn.Linear's kaiming_uniform_
-            torch.nn.init.normal_(layer.weight, std=0.02)
+            if init == "normal_":
+                torch.nn.init.normal_(layer.weight, std=0.02)
+            elif init == "trunc_normal_":  # bounds at 1.5 std: 13% of the first draws rejected, several rounds
+                torch.nn.init.trunc_normal_(layer.weight, std=0.02, a=-0.03, b=0.03)
+            else:  # torchtitan's: bounds at +-2, 100 std: nothing is ever rejected
+                torch.nn.init.trunc_normal_(layer.weight, std=0.02)
 
 
-def _case_deferred_three(placement_dim: int) -> dict:
+def _case_deferred_three(placement_dim: int, init: str) -> dict:
     import ctypes
     import gc
 
@@ -176,9 +181,9 @@ def _case_deferred_three(placement_dim: int) -> dict:
     from vescale.parallel import parallelize_module
 
     m = mesh("1d4")
-    deferred_init(Three)  # the first dispatch mode loads library code: not model memory
+    deferred_init(Three, init)  # the first dispatch mode loads library code: not model memory
     torch.manual_seed(0)
-    ref = Three()
+    ref = Three(init)
     ref_next = torch.rand(3)
     del ref
     gc.collect()
@@ -189,7 +194,7 @@ def _case_deferred_three(placement_dim: int) -> dict:
         base = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
     torch.manual_seed(0)
     _C._rng_reset_drawn_elements()
-    model = deferred_init(Three)
+    model = deferred_init(Three, init)
     recorded_draws = _C._rng_drawn_elements()
     after_record = torch.rand(3)
     parallelize_module(model, m, {"parameter": {r"layers\.\d+\.weight": [Shard(placement_dim)]}})
@@ -197,21 +202,35 @@ def _case_deferred_three(placement_dim: int) -> dict:
     with open("/proc/self/status") as f:
         peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) - base
     torch.manual_seed(0)
-    ref = Three()
+    ref = Three(init)
     equal = all(torch.equal(p.full_tensor(), r) for p, r in zip(model.parameters(), ref.parameters()))
     local = sum(p.to_local().numel() for p in model.parameters())
     return dict(equal=equal, same_next=torch.equal(after_record, ref_next),
                 recorded_draws=recorded_draws, drawn=drawn, local=local, peak_kb=peak, local_kb=local * 4 // 1024)
 
 
+@pytest.mark.parametrize("init", ["normal_", "trunc_normal_wide"])
 @pytest.mark.parametrize("placement_dim", [0, 1])
-def test_deferred_linears_draw_and_hold_only_the_shard(pool4, placement_dim):
+def test_deferred_linears_draw_and_hold_only_the_shard(pool4, placement_dim, init):
     """Bitwise single-device values; recording draws nothing; each rank draws its shard
     (rounded to normal_'s groups of 16: at most one group per row of a column shard) and
     peaks at its shard plus one 4 MiB chunk and a constant (the whole model is 48 MB, a
-    shard 12 MB)."""
-    for r in pool4.run(_case_deferred_three, placement_dim):
+    shard 12 MB). A trunc_normal_ whose bounds lie beyond what normal_ can draw is one
+    normal_ fill, drawn the same way."""
+    for r in pool4.run(_case_deferred_three, placement_dim, init):
         assert r["equal"] and r["same_next"], r
         assert r["recorded_draws"] == 0, r
         assert r["local"] <= r["drawn"] <= r["local"] + 3 * 2000 * 32, r
         assert r["peak_kb"] < r["local_kb"] + 10 * 1024, r
+
+
+@pytest.mark.parametrize("placement_dim", [0, 1])
+def test_deferred_trunc_normal_holds_only_the_shard(pool4, placement_dim):
+    """trunc_normal_ (a rejection sampler: rounds of whole-tensor normal_ until every
+    element is inside the bounds) is streamed round by round in chunks, the elements still
+    rejected kept as bits: single-device values and generator state, and a peak of the
+    shard plus a chunk, its masks and the bits (a tensor is 16 MB; replaying one whole,
+    as before, peaked above 30 MB over the shard)."""
+    for r in pool4.run(_case_deferred_three, placement_dim, "trunc_normal_"):
+        assert r["equal"] and r["same_next"], r
+        assert r["peak_kb"] < r["local_kb"] + 12 * 1024, r
