@@ -18,8 +18,9 @@ Plans (4 gloo ranks, spawned here; rank 0 reports):
     ZeRO-3    DDP + DistributedOptimizer(zero_stage=3)  fully_shard per block and root
 
 A step is forward + backward + AdamW step + zero_grad on the same seed-0 model and the
-same global batch for both stacks. Per plan, each stack is built, warmed up and its memory
-measured alone; then the two take turns step by step (a dist.barrier() before each) so that
+same global batch for both stacks. Each plan runs in fresh ranks. Per plan, each stack is
+built, warmed up and its memory measured alone (glibc's mmap threshold at 64 KiB, so that
+peak RSS is the peak of live tensors, not of heap fragments); then the two take turns step by step (a dist.barrier() before each) so that
 load on the shared machine slows them alike. A step's time is the slowest rank's; the table
 shows medians and interquartile ranges. A benchmark, never a test: problems are listed, not raised.
 
@@ -113,6 +114,18 @@ def peak_anon_kb() -> int:
     shared pages now (those were mapped in during the warm-up and stay put since)."""
     st = status_kb()
     return st["VmHWM"] - st["RssFile"] - st["RssShmem"]
+
+
+def exact_rss(on: bool) -> None:
+    """glibc's mmap threshold: at 64 KiB while memory is measured, so every tensor of 64 KiB
+    or more gets pages of its own, returned to the OS when freed, and the peak RSS is the
+    peak of live tensors (with the default, heap reuse and fragmentation moved peaks by
+    +-10 MB between runs and plan orders); 32 MiB, the most the default adapts to, while
+    timing, with the heap trimmed only past 64 MiB free (fixing the threshold turns off
+    glibc's own adaptation of both, and a trim at every large free makes the next step
+    fault its pages in again)."""
+    _libc.mallopt(-3, (64 << 10) if on else (32 << 20))  # M_MMAP_THRESHOLD
+    _libc.mallopt(-1, (128 << 10) if on else (64 << 20))  # M_TRIM_THRESHOLD
 
 
 def reset_peak() -> None:
@@ -263,6 +276,7 @@ def loss_values(s: Setup) -> list:
 def prepare(stack: str, plan: str, meshes, data, cfg) -> tuple[Setup, dict]:
     """Builds one stack alone, warms it up, and measures its memory: the peak (anonymous) RSS
     over a few steady steps minus that before it was built, and its parameter+grad+state bytes."""
+    exact_rss(True)
     base_kb = settle_memory()
     s = (build_vescale if stack == "vescale" else build_torch)(plan, *meshes)
     for i in range(cfg["warmup"]):
@@ -272,7 +286,10 @@ def prepare(stack: str, plan: str, meshes, data, cfg) -> tuple[Setup, dict]:
     last = cfg["warmup"] + cfg["mem_steps"] - 1
     for i in range(cfg["warmup"], last + 1):  # the last one keeps its gradients, to count them
         train_step(s, data[i % len(data)], zero_grad=i < last)
-    mem = dict(peak_mb=(peak_anon_kb() - base_kb) / 1024, state_mb=state_bytes(s) / 2**20)
+    gc.collect()
+    mem = dict(peak_mb=(peak_anon_kb() - base_kb) / 1024, state_mb=state_bytes(s) / 2**20,
+               rest_mb=(status_kb()["RssAnon"] - base_kb) / 1024)
+    exact_rss(False)
     s.opt.zero_grad(set_to_none=True)
     return s, mem
 
@@ -318,7 +335,8 @@ def summarize(plan: str, every: list, untimed: int, problems: list) -> dict:
         q = statistics.quantiles(steps, n=4) if len(steps) > 1 else [steps[0]] * 3
         row[stack] = dict(ms=q[1], q1=q[0], q3=q[2], steps_ms=steps, losses=every[0][stack]["losses"],
                           peak_mb=max(r[stack]["peak_mb"] for r in every),
-                          state_mb=max(r[stack]["state_mb"] for r in every))
+                          state_mb=max(r[stack]["state_mb"] for r in every),
+                          rest_mb=max(r[stack]["rest_mb"] for r in every))
     if "torch" in row and "vescale" in row:
         row["ratio"] = row["vescale"]["ms"] / row["torch"]["ms"]
         # the stacks took turns, so step i of each ran under about the same load: paired ratios
@@ -365,9 +383,9 @@ def _rank_main(rank: int, port: int, cfg: dict, plans: list, out_path: str) -> N
 
 def print_report(rows: list, problems: list) -> None:
     f = lambda x, spec=".0f": "-" if x is None else format(x, spec)  # noqa: E731
-    line = "%-8s %17s %17s %5s %5s %5s %6s %6s %6s %6s %8s %6s  %s"
+    line = "%-8s %17s %17s %5s %5s %5s %6s %6s %6s %6s %6s %6s %8s %6s  %s"
     print(line % ("plan", "torch ms (IQR)", "vescale ms (IQR)", "v/t", "pair", "won", "peakT", "peakV",
-                  "stateT", "stateV", "loss rd", "others", "no slower?"))
+                  "stateT", "stateV", "restT", "restV", "loss rd", "others", "no slower?"))
     for r in rows:
         t, v = r.get("torch", {}), r.get("vescale", {})
         cell = lambda d: f"{f(d.get('ms'))} ({f(d.get('q1'))}-{f(d.get('q3'))})" if d else "-"  # noqa: E731
@@ -375,11 +393,14 @@ def print_report(rows: list, problems: list) -> None:
         print(line % (r["plan"], cell(t), cell(v), f(r.get("ratio"), ".2f"), f(r.get("paired_ratio"), ".2f"),
                       f(r.get("vescale_faster_share"), ".0%"), f(t.get("peak_mb")),
                       f(v.get("peak_mb")), f(t.get("state_mb"), ".1f"), f(v.get("state_mb"), ".1f"),
-                      f(r.get("loss_rel_diff"), ".1e"), f(r.get("others_cpu_share"), ".0%"), ok))
+                      f(t.get("rest_mb"), ".1f"), f(v.get("rest_mb"), ".1f"), f(r.get("loss_rel_diff"), ".1e"),
+                      f(r.get("others_cpu_share"), ".0%"), ok))
     print("\nms: slowest rank's step, median (interquartile range); v/t: vescale / torch medians;\n"
           "pair: median of step-by-step ratios vescale/torch; won: share of those pairs vescale was faster in;\n"
           "peak: max over ranks of peak anonymous RSS (MB) in steady steps minus that before the stack was built;\n"
-          "state: MB of parameters + gradients + optimizer state per rank; loss rd: max relative loss\n"
+          "state: MB of parameters + gradients + optimizer state per rank (vescale ZeRO: memory_bytes());\n"
+          "rest: anonymous RSS (MB) when state was counted (after the last step, gradients kept) minus\n"
+          "that before the stack was built: what state should account for; loss rd: max relative loss\n"
           "difference between the stacks over the untimed first steps; others: CPU other processes took\n"
           "during the timed steps, as a share of all cores (rerun when it is not near 0%)")
     print("\nproblems found:" if problems else "\nno problems found (no errors, fallbacks or loss mismatches)")
@@ -408,11 +429,15 @@ def main() -> int:
 
     load_before = os.getloadavg()
     t0 = time.time()
+    result = dict(rows=[], problems=[])
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "rank0.json")
-        mp.spawn(_rank_main, args=(free_port(), cfg, plans, out_path), nprocs=WORLD, join=True)
-        with open(out_path) as fh:
-            result = json.load(fh)
+        for plan in plans:  # fresh ranks per plan: no heap state or leftovers of the plan before
+            mp.spawn(_rank_main, args=(free_port(), cfg, [plan], out_path), nprocs=WORLD, join=True)
+            with open(out_path) as fh:
+                one = json.load(fh)
+            result["rows"] += one["rows"]
+            result["problems"] += one["problems"]
     load = dict(before=load_before, after=os.getloadavg())
     print(f"train step: GPT {CONFIG}, global batch {GLOBAL_BATCH}x{SEQ}, AdamW; torch {torch.__version__}, "
           f"{WORLD} gloo ranks, {cfg['warmup']}+{cfg['mem_steps']} untimed + {cfg['timed']} timed steps per stack"

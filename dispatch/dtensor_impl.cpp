@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <atomic>
+
 namespace vescale {
 
 namespace {
@@ -9,6 +11,8 @@ namespace {
 c10::DispatchKeySet dtensor_key_set() {
   return c10::DispatchKeySet({kDTensorKey, kDTensorAutogradKey, c10::DispatchKey::ADInplaceOrView});
 }
+
+std::atomic<int64_t> g_live{0};
 
 }  // namespace
 
@@ -18,7 +22,23 @@ DTensorImpl::DTensorImpl(at::Tensor local, SpecPtr spec)
       spec_(std::move(spec)) {
   set_storage_access_should_throw();
   set_sizes_and_strides(spec_->shape, spec_->stride, spec_->storage_offset);
+  g_live.fetch_add(1, std::memory_order_relaxed);
 }
+
+DTensorImpl::~DTensorImpl() {
+  if (!released_) g_live.fetch_sub(1, std::memory_order_relaxed);
+}
+
+void DTensorImpl::release_resources() {
+  c10::TensorImpl::release_resources();
+  local_ = at::Tensor();
+  reduced_ = Reduced{};
+  copy_of.reset();
+  released_ = true;
+  g_live.fetch_sub(1, std::memory_order_relaxed);
+}
+
+int64_t DTensorImpl::live() { return g_live.load(std::memory_order_relaxed); }
 
 const char* DTensorImpl::tensorimpl_type_name() const {
   // Shown by torch in "Cannot access storage of <name>".

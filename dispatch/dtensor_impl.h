@@ -22,6 +22,9 @@ constexpr c10::DispatchKey kDTensorAutogradKey = c10::DispatchKey::AutogradPriva
 class DTensorImpl final : public c10::TensorImpl {
  public:
   DTensorImpl(at::Tensor local, SpecPtr spec);
+  ~DTensorImpl() override;
+  // DTensors whose shard is still held (a debug counter: a training step must leave none behind).
+  static int64_t live();
 
   const at::Tensor& local() const { return local_; }
   const SpecPtr& spec() const { return spec_; }
@@ -77,6 +80,12 @@ class DTensorImpl final : public c10::TensorImpl {
       c10::VariableVersion&& version_counter,
       bool allow_tensor_metadata_change) const override;
   void shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& impl) override;
+  // The last strong reference went while weak ones remain (the registries of kept
+  // reductions and view copies hold DTensors weakly): the shard and everything kept with
+  // it go now, not when the last weak reference does. Without this, a registry entry
+  // kept its own key's storage alive through the dead wrapper, and every reduced
+  // Partial input leaked its shard.
+  void release_resources() override;
 
  protected:
   const char* tensorimpl_type_name() const override;
@@ -93,6 +102,7 @@ class DTensorImpl final : public c10::TensorImpl {
   SpecPtr reduced_from_;
   uint32_t reduced_version_ = 0;
   uint32_t reduced_local_version_ = 0;
+  bool released_ = false;
 };
 
 inline bool is_dtensor(const at::TensorBase& t) {

@@ -166,6 +166,7 @@ PYBIND11_MODULE(_C, m) {
     gen->set_engine(engine);
   }, py::arg("n"), py::arg("how") = "auto");
   m.def("_rng_jump_threshold", &mt::jump_threshold);
+  m.def("_live_dtensors", &DTensorImpl::live);
   m.def("_rng_drawn_elements", &rng::drawn_elements);
   m.def("_rng_reset_drawn_elements", &rng::reset_drawn_elements);
   m.def("is_dtensor", [](const at::Tensor& t) { return is_dtensor(t); });

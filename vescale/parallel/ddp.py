@@ -10,9 +10,11 @@ backward waits for every bucket. For a DTensor parameter the reduction acts on t
 rank's local shard: DP ranks at the same tensor-parallel coordinate hold the same
 shard. ``no_sync()`` accumulates locally (gradient accumulation).
 
-With ``reduce_scatter=True`` (ZeRO-2, set by DistributedOptimizer) a bucket is
-reduce-scattered instead: each rank keeps only its slice of every gradient (see
-``vescale.parallel.optimizer``), and the full gradients are dropped.
+With ``shard_gradients()`` (ZeRO-2 and 3, called by DistributedOptimizer) buckets are
+reduce-scattered instead, one per unit as FSDP groups them (each ``nn.ModuleList``
+member, then the rest; ``vescale.parallel.zero3``): each rank keeps only its slice of
+every gradient, and each whole gradient is copied into its bucket and dropped as soon
+as backward has produced it, so whole gradients never pile up.
 
 Tensor-parallel parameters replicated over a TP dim get gradients Partial over it (see
 ``vescale.parallel.tp_grads``); DDP reduces those too, in the same buckets: when the DP
@@ -63,6 +65,7 @@ class Bucket:
     in_buffer: list[Slot] = field(default_factory=list)  # the slots the DP collective carries
     tp: list = field(default_factory=list)  # Partial (TP) sums in flight (tp_grads.launch_partial_sums)
     partial: list = field(default_factory=list)  # ZeRO-2: (slot, its gradient's Partial TP dims)
+    staged: set = field(default_factory=set)  # ZeRO-2: ids of the slots copied into `buffer` already
 
     def numel(self) -> int:
         return self.chunk_total
@@ -82,9 +85,10 @@ class DDP(nn.Module):
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.reduce_scatter = reduce_scatter
+        self._cap_mb = bucket_cap_mb
         self._sync = True
         self._callback_queued = False
-        self.buckets = self._make_buckets(bucket_cap_mb)
+        self.buckets = self._make_buckets(bucket_cap_mb, by_unit=reduce_scatter)
         from .pipeline.engine import is_pipeline  # (the pipeline imports this module)
         if is_pipeline(module):  # it reduces once per step, after its schedule
             # a plain reference, not a submodule: DDP already holds the pipeline as its
@@ -94,7 +98,7 @@ class DDP(nn.Module):
         # deferred tensors get the same values on every rank when materialised: no broadcast,
         # and ZeRO-3 (DistributedOptimizer) materialises only each rank's slices
         self._deferred = has_deferred(module)
-        self._slot_of = {id(s.param): (b, s) for b in self.buckets for s in b.slots}
+        self._index_slots()
         # tensor-parallel Partial gradients: reduced here, with the DP ones
         self._partial_params = set()
         for reducer in partial_gradients_of(module):
@@ -143,6 +147,15 @@ class DDP(nn.Module):
         finally:
             self._sync = old
 
+    def shard_gradients(self) -> None:
+        """ZeRO-2/3 (DistributedOptimizer calls it before reading the slots): gradients are
+        reduce-scattered from now on, in one bucket per unit (capped at ``bucket_cap_mb``)
+        instead of size-capped buckets: a unit's gradients are copied into their bucket
+        as they arrive, so the transient whole gradients are one unit's, as in FSDP."""
+        self.reduce_scatter = True
+        self.buckets = self._make_buckets(self._cap_mb, by_unit=True)
+        self._index_slots()
+
     def sync_gradients(self) -> None:
         """Reduces every gradient now: after backward passes run under ``no_sync``
         (gradient accumulation, or a pipeline schedule's micro-batches)."""
@@ -150,18 +163,24 @@ class DDP(nn.Module):
 
     # ---- set-up ----
 
-    def _make_buckets(self, cap_mb: float) -> list[Bucket]:
+    def _make_buckets(self, cap_mb: float, by_unit: bool = False) -> list[Bucket]:
         params, seen = [], set()
         for p in self.module.parameters():
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
+        unit_of: dict[int, int] = {}
+        if by_unit:
+            from .zero3 import _units  # (zero3 imports this module)
+            for i, unit in enumerate(_units(self.module)):
+                for p in unit.parameters():
+                    unit_of.setdefault(id(p), i)
         buckets: list[Bucket] = []
         open_buckets: dict[tuple, Bucket] = {}
         cap = int(cap_mb * 2**20)
         for p in reversed(params):  # gradients arrive roughly in reverse order
             local = local_of(p)
-            key = (local.dtype, local.device)
+            key = (local.dtype, local.device, unit_of.get(id(p)))
             b = open_buckets.get(key)
             if b is None or (b.chunk_total * self.world * local.element_size() >= cap):
                 b = Bucket(local.dtype, local.device)
@@ -171,6 +190,12 @@ class DDP(nn.Module):
             b.slots.append(Slot(p, local.numel(), chunk, b.chunk_total))
             b.chunk_total += chunk
         return buckets
+
+    def _index_slots(self) -> None:
+        self._slot_of = {id(s.param): (b, s) for b in self.buckets for s in b.slots}
+
+    def bucket_of(self, param: nn.Parameter) -> Bucket:
+        return self._slot_of[id(param)][0]
 
     def _broadcast_parameters(self) -> None:
         """Start from the same values on every DP rank (rank 0's)."""
@@ -191,7 +216,9 @@ class DDP(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             for b in self.buckets:
                 b.pending = len(b.slots)
-        bucket, _ = self._slot_of[id(param)]
+        bucket, slot = self._slot_of[id(param)]
+        if self.reduce_scatter:
+            self._stage(bucket, slot)
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch(bucket)
@@ -224,23 +251,37 @@ class DDP(nn.Module):
         return bool(dims) and len(dims) == sum(n > 1 for n in mesh.shape) \
             and self.world * mesh.size() == dist.get_world_size()
 
+    def _stage(self, b: Bucket, s: Slot) -> None:
+        """Copies a gradient into its bucket's buffer, rank-major and padded so that a
+        reduce-scatter hands each rank its own slice of every gradient, and drops it."""
+        if b.buffer is None:
+            b.buffer = torch.empty(self.world, b.chunk_total, dtype=b.dtype, device=b.device)
+        rows = b.buffer[:, s.offset:s.offset + s.chunk]
+        b.staged.add(id(s))
+        if s.param.grad is None:  # unused this step: contributes zeros
+            rows.zero_()
+            return
+        if dims := self._is_partial(s.param):
+            b.partial.append((s, dims))
+        flat = local_of(s.param.grad).reshape(-1)
+        full = s.numel // s.chunk
+        rows[:full].copy_(flat[: full * s.chunk].view(full, s.chunk))
+        if full < self.world:  # the rest of the gradient, then padding
+            rows[full:].zero_()
+            rows[full, : s.numel - full * s.chunk].copy_(flat[full * s.chunk:])
+        s.param.grad = None  # only this rank's slice is kept
+
     def _launch_reduce_scatter(self, b: Bucket) -> None:
-        """Rank-major and padded, so that each rank receives its own slice of every gradient."""
-        b.buffer = torch.empty(self.world, b.chunk_total, dtype=b.dtype, device=b.device)
-        b.partial = [(s, dims) for s in b.slots if (dims := self._is_partial(s.param))]
-        b.in_buffer = b.slots
-        for s in b.slots:
-            rows = b.buffer[:, s.offset:s.offset + s.chunk]
-            if s.param.grad is None:  # unused this step: contributes zeros
-                rows.zero_()
-                continue
-            flat = local_of(s.param.grad).reshape(-1)
-            full = s.numel // s.chunk
-            rows[:full].copy_(flat[: full * s.chunk].view(full, s.chunk))
-            if full < self.world:  # the rest of the gradient, then padding
-                rows[full:].zero_()
-                rows[full, : s.numel - full * s.chunk].copy_(flat[full * s.chunk:])
-            s.param.grad = None  # only this rank's slice is kept
+        for s in b.slots:  # what backward did not hand over (no_sync steps, unused parameters)
+            if id(s) not in b.staged:
+                self._stage(b, s)
+        b.in_buffer, b.staged = b.slots, set()
+        # the whole-gradient buffers of earlier units: waited for and dropped, one left in
+        # flight (overlapping this unit's), so that they add up to two units, not the model
+        for earlier in self.buckets:
+            if earlier is not b and earlier.work is not None and earlier.buffer is not None:
+                earlier.work[0].wait()
+                earlier.buffer = None
         out = torch.empty(b.chunk_total, dtype=b.dtype, device=b.device)
         token = _trace.collective_started("reduce_scatter", self.group, b.buffer, source="zero")
         b.work = (_trace.traced(_reduce_scatter(out, b.buffer.view(-1), self.group), token), out)
@@ -250,28 +291,31 @@ class DDP(nn.Module):
         for b in self.buckets:
             if b.work is None:
                 self._launch(b)  # a parameter did not get a gradient this step
+        partial = []  # ZeRO-2: Partial (TP) slices, summed after every bucket's reduce-scatter
         for b in self.buckets:
             work, result = b.work
             work.wait()
             result.div_(self.world)
             offset = 0
             for s in b.in_buffer:
-                if self.reduce_scatter:
-                    self.grad_shards[id(s.param)] = result[s.offset:s.offset + s.chunk].clone()
+                if self.reduce_scatter:  # a view: the bucket's slice buffer lives until zero_grad
+                    self.grad_shards[id(s.param)] = result[s.offset:s.offset + s.chunk]
                 elif s.param.grad is not None:
                     grad = local_of(s.param.grad)
                     grad.copy_(result[offset:offset + s.numel].view_as(grad))
                 offset += s.numel
             if self.reduce_scatter:
-                self._sum_partial_slices(b.partial)
+                partial += b.partial
             else:  # the TP sums: those over the world, and those that follow the DP sum
                 b.tp += launch_partial_sums([s.param for s in b.in_buffer if self._is_partial(s.param)])
                 land(b.tp)
             b.work, b.buffer, b.in_buffer, b.partial = None, None, [], []
+        if partial:
+            self._sum_partial_slices(partial)
 
     def _sum_partial_slices(self, partial: list[tuple[Slot, tuple[int, ...]]]) -> None:
         """ZeRO-2: this rank's slices of Partial (TP) gradients, summed over their TP
-        dims, one collective per bucket and dim. Every TP rank at this DP coordinate
+        dims, one collective per mesh and set of dims for the whole step. Every TP rank at this DP coordinate
         holds the same slice of a replicated parameter's gradient."""
         groups: dict[tuple, list[Slot]] = {}
         for s, dims in partial:

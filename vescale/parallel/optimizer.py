@@ -65,7 +65,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.zero_stage = zero_stage
         for ddp in models:
-            ddp.reduce_scatter = zero_stage >= 2
+            if zero_stage >= 2:
+                ddp.shard_gradients()
             if zero_stage < 3:  # stages 1 and 2 hold whole parameters
                 ddp.materialize()
         self.owned: list[Owned] = []
@@ -76,9 +77,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     start = min(self.rank * slot.chunk, slot.numel)
                     end = min(start + slot.chunk, slot.numel)
                     values = flat_slice(slot.param, start, end)  # only the slice, for a deferred model
-                    master = nn.Parameter(values.to(torch.float32).clone())
+                    if values.dtype == torch.float32 and zero_stage < 3:
+                        # fp32 parameters are their own master weights: a view of the
+                        # parameter, updated in place (no copy of the slice)
+                        master = nn.Parameter(values.detach())
+                    else:  # ZeRO-3's slice of an fp32 parameter is the master itself
+                        master = nn.Parameter(values.detach().to(torch.float32, copy=True))
                     self.owned.append(Owned(slot.param, slot, start, end, master))
-                    slices[id(slot.param)] = values
+                    slices[id(slot.param)] = master.detach() if values.dtype == torch.float32 else values.clone()
         self.inner = optimizer_cls(self._master_groups(param_groups), **optimizer_kwargs)
         self.sharded = None
         if zero_stage == 3:
@@ -137,7 +143,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.inner.step()
         if self.sharded is not None:
             for o in self.owned:  # the next forward gathers them
-                self.sharded.slice_of(o.param).copy_(o.master.detach())
+                if o.param.dtype != torch.float32:  # (an fp32 slice is the master)
+                    self.sharded.slice_of(o.param).copy_(o.master.detach())
             # a whole copy still held (a pipeline stage's forward ends before its root
             # module's does, so that unit is never released) is stale now
             self.sharded.release(list(self.sharded.sharded.values()))
@@ -161,9 +168,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return local_of(o.param.grad).reshape(-1)[o.start:o.end]
 
     def _gather_parameters(self) -> None:
-        """All-gather the updated slices, one collective per dtype and device."""
-        for o, rows in all_gather_slices(self.owned, [o.master.detach() for o in self.owned], self.group):
-            fill_rows(local_of(o.param).view(-1), rows)
+        """All-gather the updated slices, one collective per DDP bucket (and dtype): the
+        transient buffer is one bucket's, not the whole model's."""
+        by_bucket: dict[int, list[Owned]] = {}
+        for o in self.owned:
+            by_bucket.setdefault(id(self._bucket(o)), []).append(o)
+        for owned in by_bucket.values():
+            for o, rows in all_gather_slices(owned, [o.master.detach() for o in owned], self.group):
+                fill_rows(local_of(o.param).view(-1), rows)
+
+    def _bucket(self, o: Owned):
+        return next(ddp.bucket_of(o.param) for ddp in self.ddps if id(o.param) in ddp._slot_of)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for o in self.owned:
@@ -177,17 +192,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now for parameters, gradients and optimizer state
         (master weights included)."""
-        def nbytes(t):
-            return 0 if t is None else local_of(t).untyped_storage().nbytes()
+        counted: set[int] = set()  # storages, each once (views: grad slices, fp32 masters)
 
-        params = sum(nbytes(o.param) for o in self.owned)
+        def nbytes(tensors) -> int:
+            total = 0
+            for t in tensors:
+                if t is None:
+                    continue
+                storage = local_of(t).untyped_storage()
+                if storage.nbytes() and storage.data_ptr() not in counted:
+                    counted.add(storage.data_ptr())
+                    total += storage.nbytes()
+            return total
+
+        params = nbytes(o.param for o in self.owned)
         if self.sharded is not None:
-            params += sum(self.sharded.slice_of(o.param).untyped_storage().nbytes() for o in self.owned)
-        grads = sum(nbytes(o.param.grad) for o in self.owned)
-        grads += sum(s.untyped_storage().nbytes() for ddp in self.ddps for s in ddp.grad_shards.values())
-        state = sum(o.master.untyped_storage().nbytes() for o in self.owned)
-        state += sum(v.untyped_storage().nbytes() for s in self.inner.state.values() for v in s.values()
-                     if isinstance(v, torch.Tensor))
+            params += nbytes(self.sharded.slice_of(o.param) for o in self.owned)
+        grads = nbytes(o.param.grad for o in self.owned)
+        grads += nbytes(s for ddp in self.ddps for s in ddp.grad_shards.values())
+        state = nbytes(o.master for o in self.owned)  # 0 where the master is the parameter
+        state += nbytes(v for s in self.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor))
         return {"params": params, "grads": grads, "optimizer_state": state}
 
     # ---- norms and state ----

@@ -46,8 +46,7 @@ class ShardedParameters:
         self.group = group
         self.world = dist.get_world_size(group)
         self.sharded: dict[int, _Sharded] = {}
-        for slot, start, end, values in slots:
-            values = values.clone()
+        for slot, start, end, values in slots:  # `values`: this rank's slice, owned from now on
             if is_deferred(slot.param):  # a storage to gather into, never touched until then
                 torch.utils.swap_tensors(slot.param, nn.Parameter(torch.empty(slot.param.shape, dtype=values.dtype),
                                                                   requires_grad=slot.param.requires_grad))
