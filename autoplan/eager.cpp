@@ -127,11 +127,11 @@ double partial_grad_reduction(const CommCost& cost, const Config& c, double buck
   return static_cast<double>(runs) * nb * cost.time("all_reduce", group, bytes / nb);
 }
 
-// A reduction of `bytes` over `dp` ranks in DDP's buckets.
-double bucketed(const CommCost& cost, const std::string& kind, int64_t dp, double bytes, double bucket) {
-  if (dp <= 1 || bytes <= 0) return 0;
-  const double nb = std::max(1.0, std::ceil(bytes / bucket));
-  return nb * cost.time(kind, dp, bytes / nb);
+// DDP's buckets of `bytes` of gradients: as many as the cap asks, of equal size.
+std::vector<double> buckets_of(double bytes, double cap) {
+  if (bytes <= 0) return {};
+  const double nb = std::max(1.0, std::ceil(bytes / cap));
+  return std::vector<double>(static_cast<size_t>(nb), bytes / nb);
 }
 
 }  // namespace
@@ -454,9 +454,17 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
   e.rank_memory.assign(static_cast<size_t>(c.pp), Memory{});
   for (int64_t r = 0; r < c.pp; ++r) {
     double rb = 0, rn = 0, rt = 0, rsaved = 0, rpmax = 0, rf = 0, rbk = 0, rtp = 0, rz = 0, rpg = 0;
+    // ZeRO-2/3 reduce-scatter one unit's gradients per bucket (vescale/parallel/ddp.py
+    // shard_gradients): each block, and the root (everything outside the blocks)
+    std::vector<double> unit_bytes;
+    double root_unit_bytes = 0;
     for (int64_t s = 0; s < S; ++s) {
       const auto us = static_cast<size_t>(s);
       if ((c.pp > 1 ? sched->placement[us] : 0) != r) continue;
+      for (const auto i : stages.units[us]) {
+        if (p.units[i].kind == 1) unit_bytes.push_back(l.units[i].param_bytes);
+        else root_unit_bytes += l.units[i].param_bytes;
+      }
       rb += pbytes[us];
       rn += pnumel[us];
       rt += ptensors[us];
@@ -469,8 +477,10 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       rpg += pgrad[us];
     }
     rb += p.glue_param_bytes / static_cast<double>(c.tp);
+    root_unit_bytes += p.glue_param_bytes / static_cast<double>(c.tp);
     if (c.pp > 1 && r == last_rank && first_rank != last_rank) {  // its own copy of a tensor tied to the first stage
       rb += p.tied_param_bytes / static_cast<double>(c.tp);
+      root_unit_bytes += p.tied_param_bytes / static_cast<double>(c.tp);
       rn += p.tied_param_bytes / 4.0 / static_cast<double>(c.tp);
       rt += 1;
     }
@@ -480,20 +490,37 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       // Partial (TP) gradients summed over DP x TP at once are not in DDP's own buckets
       const bool composed = c.pp == 1 && c.zero <= 1;
       const double grads = rb * p.grad_bytes_per_param_byte - (composed ? rpg : 0.0);
-      const double nb = std::max(1.0, std::ceil(grads / p.bucket_bytes));
-      const double red = bucketed(cost, c.zero >= 2 ? "reduce_scatter" : "all_reduce", c.dp, grads, p.bucket_bytes);
-      if (r == 0) {
-        e.rank0_comms.push_back({c.zero >= 2 ? "reduce_scatter" : "all_reduce", c.dp, grads / nb,
-                                 static_cast<int64_t>(nb), "dp"});
-        if (c.zero == 1 || c.zero == 2) e.rank0_comms.push_back({"all_gather", c.dp, rb / dpd, 1, "zero"});
+      std::vector<double> buckets;
+      if (c.zero >= 2) {
+        unit_bytes.push_back(root_unit_bytes);
+        for (const double u : unit_bytes)
+          for (const double b : buckets_of(u * p.grad_bytes_per_param_byte, p.bucket_bytes)) buckets.push_back(b);
+      } else {
+        buckets = buckets_of(grads, p.bucket_bytes);
+      }
+      const auto nb = static_cast<double>(std::max<size_t>(1, buckets.size()));
+      const char* kind = c.zero >= 2 ? "reduce_scatter" : "all_reduce";
+      double red = 0;
+      for (const double b : buckets) {
+        red += cost.time(kind, c.dp, b);
+        if (r == 0) e.rank0_comms.push_back({kind, c.dp, b, 1, "dp"});
+      }
+      if (r == 0 && (c.zero == 1 || c.zero == 2)) {  // ZeRO-2 gathers the updated slices per bucket
+        if (c.zero == 1) e.rank0_comms.push_back({"all_gather", c.dp, rb / dpd, 1, "zero"});
+        else
+          for (const double b : buckets) e.rank0_comms.push_back({"all_gather", c.dp, b / p.grad_bytes_per_param_byte / dpd, 1, "zero"});
       }
       // without a pipeline the buckets but the last overlap the rest of the backward
       const double hidden = c.pp == 1 && nb > 1 ? std::min(red * (nb - 1) / nb, 0.5 * rbk) : 0.0;
       dp_t += red - hidden;
       // DDP packs the gradients into its bucket, averages and unpacks them (ZeRO-2/3 keep a slice)
       dp_t += p.copy_per_byte * grads * (c.zero >= 2 ? 2.0 + 1.0 / dpd : 3.0);
-      if (c.zero == 1 || c.zero == 2)  // the updated slices gathered and unpacked into the parameters
+      if (c.zero == 1)  // the updated slices gathered and unpacked into the parameters
         dp_t += cost.time("all_gather", c.dp, std::ceil(rb / dpd)) + p.copy_per_byte * (rb + rb / dpd);
+      if (c.zero == 2) {  // the same, bucket by bucket
+        for (const double b : buckets) dp_t += cost.time("all_gather", c.dp, std::ceil(b / p.grad_bytes_per_param_byte / dpd));
+        dp_t += p.copy_per_byte * (rb + rb / dpd);
+      }
       if (c.zero == 3) dp_t += p.copy_per_byte * rb / dpd;  // the updated slices into the parameters' slices
       dp_t += cost.time("all_reduce", c.dp, 8);
     }
