@@ -66,6 +66,9 @@ class Bucket:
     tp: list = field(default_factory=list)  # Partial (TP) sums in flight (tp_grads.launch_partial_sums)
     partial: list = field(default_factory=list)  # ZeRO-2: (slot, its gradient's Partial TP dims)
     staged: set = field(default_factory=set)  # ZeRO-2: ids of the slots copied into `buffer` already
+    # all-reduce: the buffer kept from step to step (as torch's DDP keeps its buckets): a
+    # fresh one each step costs its page faults, several times the copy into it
+    kept: torch.Tensor | None = None
 
     def numel(self) -> int:
         return self.chunk_total
@@ -235,7 +238,10 @@ class DDP(nn.Module):
         b.in_buffer = [s for s, w in zip(b.slots, over_world) if not w]
         flat = [local_of(s.param.grad).reshape(-1) if s.param.grad is not None
                 else torch.zeros(s.numel, dtype=b.dtype, device=b.device) for s in b.in_buffer]
-        b.buffer = torch.cat(flat) if flat else torch.zeros(0, dtype=b.dtype, device=b.device)
+        total = sum(s.numel for s in b.in_buffer)
+        if b.kept is None or b.kept.numel() != total:
+            b.kept = torch.empty(total, dtype=b.dtype, device=b.device)
+        b.buffer = torch.cat(flat, out=b.kept) if flat else b.kept
         token = _trace.collective_started("all_reduce", self.group, b.buffer, source="ddp")
         b.work = (_trace.traced(dist.all_reduce(b.buffer, group=self.group, async_op=True), token), b.buffer)
 
