@@ -1,5 +1,6 @@
-"""Per-rank memory of each ZeRO stage on DP=4: parameter, gradient and optimizer-state
-bytes (master weights, where they are not the parameters themselves, included) must be the expected fraction of the model's."""
+"""Per-rank memory of each ZeRO stage on DP=4: parameter, gradient, master-weight and
+optimizer-state bytes must be the expected fractions of the model's; and nothing of a
+training step outlives it."""
 
 import pytest
 import torch
@@ -9,18 +10,19 @@ from vescale.parallel import DDP, DistributedOptimizer
 from dist_utils import mesh
 from tests.models.gpt import GPT, GPTConfig
 
-# (params, grads, optimizer state) as fractions of the parameter bytes P, for DP = 4.
-# AdamW keeps two fp32 moments. fp32 parameters are their own master weights (ZeRO-1/2:
+# (params, grads, master, optimizer state) as fractions of the parameter bytes P, for
+# DP = 4. AdamW keeps two fp32 moments per element of the slice: 2/4 of P for fp32
+# parameters, 2 * 2/4 for bf16. fp32 parameters are their own master weights (ZeRO-1/2:
 # the master slice is a view of the parameter; ZeRO-3: the parameter's slice is the
-# master): state 2/4. bf16 parameters get an fp32 master slice (twice their bytes):
-# state (2 + 2 * 2) / 4 of P.
+# master): 0. bf16 parameters get an fp32 master slice: 2/4 of P.
 EXPECTED = {
-    (1, torch.float32): (1.0, 1.0, 0.5),
-    (2, torch.float32): (1.0, 0.25, 0.5),
-    (3, torch.float32): (0.25, 0.25, 0.5),
-    (2, torch.bfloat16): (1.0, 0.25, 1.5),
-    (3, torch.bfloat16): (0.25, 0.25, 1.5),
+    (1, torch.float32): (1.0, 1.0, 0.0, 0.5),
+    (2, torch.float32): (1.0, 0.25, 0.0, 0.5),
+    (3, torch.float32): (0.25, 0.25, 0.0, 0.5),
+    (2, torch.bfloat16): (1.0, 0.25, 0.5, 1.0),
+    (3, torch.bfloat16): (0.25, 0.25, 0.5, 1.0),
 }
+KEYS = ("params", "grads", "master", "optimizer_state")
 SLACK = 0.03  # per-parameter padding to a multiple of DP, and scalar step counters
 
 
@@ -36,12 +38,12 @@ def _case_memory(stage: int, dtype: torch.dtype):
     opt.step()
     after_step = opt.memory_bytes()
     return {"params": after_step["params"] / P, "grads": after_backward["grads"] / P,
-            "optimizer_state": after_step["optimizer_state"] / P}
+            "master": after_step["master"] / P, "optimizer_state": after_step["optimizer_state"] / P}
 
 
 @pytest.mark.parametrize("stage,dtype", list(EXPECTED), ids=[f"zero{s}-{str(d)[6:]}" for s, d in EXPECTED])
 def test_zero_memory_fractions(pool4, stage, dtype):
-    want = dict(zip(("params", "grads", "optimizer_state"), EXPECTED[stage, dtype]))
+    want = dict(zip(KEYS, EXPECTED[stage, dtype]))
     for got in pool4.run(_case_memory, stage, dtype):
         for key, fraction in want.items():
             assert abs(got[key] - fraction) <= SLACK, f"ZeRO-{stage} {key}: {got[key]:.3f} of the model, expected {fraction}"

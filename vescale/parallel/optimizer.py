@@ -190,8 +190,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ---- memory, norms and state ----
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds now for parameters, gradients and optimizer state
-        (master weights included)."""
+        """Bytes this rank holds now for parameters, gradients, fp32 master weights
+        (none where the parameters are fp32: they are their own masters) and the inner
+        optimizer's state; each storage counted once."""
         counted: set[int] = set()  # storages, each once (views: grad slices, fp32 masters)
 
         def nbytes(tensors) -> int:
@@ -210,9 +211,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             params += nbytes(self.sharded.slice_of(o.param) for o in self.owned)
         grads = nbytes(o.param.grad for o in self.owned)
         grads += nbytes(s for ddp in self.ddps for s in ddp.grad_shards.values())
-        state = nbytes(o.master for o in self.owned)  # 0 where the master is the parameter
-        state += nbytes(v for s in self.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-        return {"params": params, "grads": grads, "optimizer_state": state}
+        master = nbytes(o.master for o in self.owned)  # 0 where the master is the parameter
+        state = nbytes(v for s in self.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+        return {"params": params, "grads": grads, "master": master, "optimizer_state": state}
 
     # ---- norms and state ----
 
