@@ -12,6 +12,7 @@ torch's ``new_group`` falls back to torch's default, not the world group's timeo
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from datetime import timedelta
@@ -37,7 +38,8 @@ class DeviceMesh:
     """
 
     def __init__(self, device_type: str, mesh, *, mesh_dim_names: Sequence[str] | None = None,
-                 timeout: timedelta | float | None = None, _torch_mesh: _TorchDeviceMesh | None = None):
+                 timeout: timedelta | float | None = None, _torch_mesh: _TorchDeviceMesh | None = None,
+                 _flat_groups: dict[frozenset, str] | None = None):
         ranks = torch.as_tensor(mesh, dtype=torch.int64, device="cpu")
         _check_ranks(ranks)
         if mesh_dim_names is not None:
@@ -47,10 +49,13 @@ class DeviceMesh:
                                  f"but the mesh has {ranks.dim()}")
             if len(set(mesh_dim_names)) != len(mesh_dim_names):
                 raise ValueError(f"mesh_dim_names must be distinct, got {mesh_dim_names}")
-        if _torch_mesh is None:
+        if _torch_mesh is None:  # every rank of the world is here: groups can be created
             _torch_mesh = _TorchDeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names,
                                            backend_override=_timeout_overrides(device_type, ranks.shape, timeout))
+            _flat_groups = _create_flat_groups(_torch_mesh, ranks, timeout)
         self._torch = _torch_mesh
+        # this rank's group over the ranks of several mesh dims at once, per set of dims
+        self._flat_groups = _flat_groups if _flat_groups is not None else {}
         install_failure_notes()  # after torch's own hook (init_process_group), so that ours runs first
         self._device_type = device_type
         self._ranks = ranks
@@ -61,7 +66,8 @@ class DeviceMesh:
             self._c = _C.Mesh(list(ranks.shape), ranks.flatten().tolist(),
                               list(mesh_dim_names or [""] * ranks.dim()),
                               [_torch_mesh.get_group(i).group_name for i in range(ranks.dim())],
-                              list(coordinate), device_type, _flat_group_name(_torch_mesh, ranks))
+                              list(coordinate), device_type,
+                              self._flat_groups.get(frozenset(range(ranks.dim())), ""))
 
     # ---- shape and names ----
     @property
@@ -139,7 +145,10 @@ class DeviceMesh:
         for n in key:
             self._dim(n)
         sub = self._torch[key if len(key) > 1 else key[0]]
-        return DeviceMesh(self._device_type, sub.mesh, mesh_dim_names=key, _torch_mesh=sub)
+        position = {self._dim(n): i for i, n in enumerate(key)}
+        flat = {frozenset(position[d] for d in dims): name for dims, name in self._flat_groups.items()
+                if dims <= position.keys()}
+        return DeviceMesh(self._device_type, sub.mesh, mesh_dim_names=key, _torch_mesh=sub, _flat_groups=flat)
 
     def _dim(self, mesh_dim: int | str) -> int:
         if isinstance(mesh_dim, str):
@@ -172,18 +181,36 @@ class DeviceMesh:
         return f"DeviceMesh('{self._device_type}', {self._ranks.tolist()}{names})"
 
 
-def _flat_group_name(torch_mesh: _TorchDeviceMesh, ranks: torch.Tensor) -> str:
-    """The group over all of a multi-dim mesh's ranks, when one exists without creating
-    one (creating a group takes every rank of the world, which a mesh may not have at
-    hand): the world group, for a mesh over every rank whose groups are the world's kind
-    (not the planner's virtual meshes over fake groups). The engine reduces a value
-    Partial over every mesh dim with one all-reduce through it."""
-    if ranks.dim() < 2 or ranks.numel() != dist.get_world_size():
-        return ""
+def _create_flat_groups(torch_mesh: _TorchDeviceMesh, ranks: torch.Tensor,
+                        timeout) -> dict[frozenset, str]:
+    """This rank's group over each set of two or more mesh dims with more than one rank
+    (every slice of the mesh along them), created with the mesh (creating a group takes
+    every rank of the world, which a sub-mesh or a redistribution does not have at hand).
+    The engine reduces a value Partial over all of a mesh's dims with one all-reduce
+    through it instead of one per dim (the sub-mesh ``mesh["DP", "TP"]`` of a 3-d mesh
+    gets its dims' group). Slices that span the world use the world group; none for the
+    planner's virtual meshes over fake groups."""
     world_backend = dist.get_backend()
-    if any(dist.get_backend(torch_mesh.get_group(d)) != world_backend for d in range(ranks.dim())):
-        return ""
-    return dist.group.WORLD.group_name
+    if ranks.dim() < 2 or world_backend == "fake" or any(
+            dist.get_backend(torch_mesh.get_group(d)) != world_backend for d in range(ranks.dim())):
+        return {}
+    timeout = _as_timedelta(timeout) if timeout is not None else collective_timeout()
+    real = [d for d in range(ranks.dim()) if ranks.shape[d] > 1]
+    groups: dict[frozenset, str] = {}
+    for k in range(2, len(real) + 1):
+        for dims in itertools.combinations(real, k):
+            rest = [d for d in range(ranks.dim()) if d not in dims]
+            slices = ranks.permute(*rest, *dims).reshape(-1, math.prod(ranks.shape[d] for d in dims))
+            if slices.shape[1] == dist.get_world_size():
+                name = dist.group.WORLD.group_name
+            else:
+                mine, _ = dist.new_subgroups_by_enumeration(slices.tolist(), timeout=timeout)
+                name = mine.group_name if mine is not None else ""
+            # the size-1 dims do not change the slices: the sets with them share the group
+            for extra in range(ranks.dim() - len(real) + 1):
+                for ones in itertools.combinations([d for d in range(ranks.dim()) if d not in real], extra):
+                    groups[frozenset(dims + ones)] = name
+    return groups
 
 
 def _check_ranks(ranks: torch.Tensor) -> None:

@@ -32,6 +32,12 @@ def pool4():
     _pools.pop(4).close()
 
 
+@pytest.fixture(scope="module")
+def pool8():  # 3-d meshes with two ranks per dim (sub-meshes that do not span the world)
+    yield _pool(8)
+    _pools.pop(8).close()
+
+
 def pytest_sessionfinish(session, exitstatus):
     for pool in _pools.values():
         pool.close()

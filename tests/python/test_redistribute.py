@@ -148,3 +148,26 @@ def test_partial_over_every_dim_is_one_all_reduce(pool4):
         assert counts["sum,sum"] == ((1, local_bytes), None)
         assert counts["sum,max"] == ((2, 2 * local_bytes), None)  # two reduce ops: one per dim
         assert counts["sum,shard"][0][0] == 1 and counts["sum,shard"][1] is None
+
+
+def _case_partial_over_a_sub_mesh_is_one_all_reduce():
+    m = vescale.DeviceMesh("cpu", torch.arange(8).reshape(2, 2, 2), mesh_dim_names=("PP", "DP", "TP"))
+    full = rand((6, 5), seed=7)
+    out = {}
+    for names in [("PP", "DP", "TP"), ("DP", "TP"), ("PP", "TP"), ("DP",)]:
+        sub = m[names] if len(names) < 3 else m
+        x = make_dtensor(full, sub, [Partial()] * len(names), seed=8)
+        vescale.reset_collective_counts()
+        y = x.redistribute(sub, [Replicate()] * len(names))
+        out[names] = (vescale.collective_counts()["all_reduce"], mismatch(y.full_tensor(), full))
+    return out, full.numel() * full.element_size()
+
+
+def test_partial_over_a_sub_mesh_is_one_all_reduce(pool8):
+    """On a 2x2x2 mesh of 8 ranks, [Partial, Partial] over a 2-d sub-mesh (adjacent dims or
+    not) that spans 4 of the 8 ranks is one all-reduce through the group the mesh created
+    for those dims; over the whole mesh, one through the world; the values are checked."""
+    for out, local_bytes in pool8.run(_case_partial_over_a_sub_mesh_is_one_all_reduce):
+        for names, (counts, bad) in out.items():
+            assert bad is None, (names, bad)
+            assert counts == (1, local_bytes), (names, counts)
