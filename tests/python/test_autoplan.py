@@ -58,9 +58,12 @@ def _hf(name: str):
         # make InterleavedShard of c_attn cost gathers (the what-if runs see that too)
         return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ,
                                                 attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0))
+    # "qwen2-no-cache" trains without a KV cache, as training scripts do: transformers'
+    # mask code then reads whether the positions are packed sequences out of a tensor,
+    # which the what-if runs on meta take from the profile (vescale/autoplan/scalars.py)
     return tf.Qwen2ForCausalLM(tf.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                                              max_position_embeddings=SEQ))
+                                              max_position_embeddings=SEQ, use_cache=name != "qwen2-no-cache"))
 
 
 # ---- the profile ----------------------------------------------------------------------------------
@@ -137,6 +140,7 @@ CASES = {
     "hf-llama": (lambda: _hf("hf-llama"), hf_plan, "hf"),
     "gpt2": (lambda: _hf("gpt2"), lambda m: gpt2_plan(), "hf"),
     "qwen2": (lambda: _hf("qwen2"), hf_plan, "hf"),
+    "qwen2-no-cache": (lambda: _hf("qwen2-no-cache"), hf_plan, "hf"),
 }
 
 

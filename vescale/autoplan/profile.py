@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..parallel.pipeline.engine import loss_in
+from .scalars import ScalarTape
 from ..parallel.pipeline.split import Layout, find_layout
 
 __all__ = ["Linear", "UnitProfile", "Profile", "profile_model", "call_model", "loss_of", "slice_batch",
@@ -111,6 +112,8 @@ class Profile:
     working: tuple = (0.0, 0.0)    # bytes a forward + backward adds at its peak beyond the gradients (a + b n)
     optimizer_temp: float = 0.0    # bytes the optimizer step adds at its peak, per parameter element
     copy_per_byte: float = 0.0     # seconds per byte of a tensor copy (DDP buckets, ZeRO slices)
+    # values the model read out of its tensors, per place in its code (vescale.autoplan.scalars)
+    scalars: dict = field(default_factory=dict)
 
     @property
     def blocks_list(self) -> list[UnitProfile]:
@@ -791,7 +794,8 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         # the input-gradient share of each block cluster's backward, and the split's cost
         shares: dict = {}
         split_costs: dict = {}
-        block_inputs = _capture_block_inputs(model, layout, small_batch, loss_fn)
+        with ScalarTape() as tape:  # what the what-if runs on meta will need to be told
+            block_inputs = _capture_block_inputs(model, layout, small_batch, loss_fn)
         for u in layout.blocks:
             sig = _signature(u.module)
             if sig not in shares and u.block in block_inputs:
@@ -864,7 +868,8 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         measured_at=(small, B), step=dict(forward_s=tf2, backward_s=tb2, forward_small_s=tf1, backward_small_s=tb1),
         optimizer=opt, backward_ops=st["backward_ops"], param_bytes=sum(p.numel() * p.element_size() for p in params),
         dtype_bytes=dtype_bytes, seconds=time.perf_counter() - start, ranks=ranks, cores=cores,
-        working=_line(small, working[small], B, working[B]), optimizer_temp=opt_temp, copy_per_byte=copy_s)
+        working=_line(small, working[small], B, working[B]), optimizer_temp=opt_temp, copy_per_byte=copy_s,
+        scalars=tape.values)
 
 
 def _capture_block_inputs(model, layout: Layout, batch, loss_fn) -> dict[int, list]:

@@ -49,6 +49,7 @@ from ..parallel.tp_grads import partial_gradients_of
 from ..placement_types import InterleavedShard, Placement, Replicate, Shard, to_c
 from .commfit import CommModel
 from .profile import Linear, Profile, call_model, loss_of, slice_batch, without_cache
+from .scalars import replay_mode, replays_profile
 
 __all__ = ["VirtualMesh", "what_if", "meta_copy", "tensor_parallel_plan", "unit_collectives", "TPChoice",
            "sharded_times", "placement_cost"]
@@ -174,13 +175,14 @@ def _plain_meta(t) -> bool:
 def what_if(meta: bool = True):
     """While open: parallelize_module turns meta parameters into meta shards and its hooks
     move meta DTensors; plain meta tensors that meet DTensors are replicated; attention on
-    meta picks the CPU's kernel."""
+    meta picks the CPU's kernel; values read out of meta tensors are the profile's
+    (vescale.autoplan.scalars, inside tensor_parallel_plan and unit_collectives)."""
     old = _parallelize._WHAT_IF[0]
     _parallelize._WHAT_IF[0] = meta
     F.scaled_dot_product_attention = _meta_sdpa
     mode = _PlainMetaAsReplicated() if meta else contextlib.nullcontext()
     try:
-        with mode:
+        with mode, replay_mode() if meta else contextlib.nullcontext():
             yield
     finally:
         F.scaled_dot_product_attention = _sdpa
@@ -385,6 +387,7 @@ def _run_region(region_mod: nn.Module, inputs: tuple, assignment, mesh, sp: bool
     return rec.events
 
 
+@replays_profile
 def tensor_parallel_plan(profile: Profile, model: nn.Module, batch, tp: int, comm: CommModel, *,
                          sequence_parallel: bool = False) -> "TPChoice":
     """The tensor-parallel sharding plan of least communication for ``tp`` ranks, found by
@@ -643,6 +646,7 @@ class UnitCollectives:
     events: list         # all of them, in order
 
 
+@replays_profile
 def unit_collectives(profile: Profile, model: nn.Module, batch, plan: dict, tp: int, sequence_parallel: bool, *,
                      comm: CommModel | None = None, meta_model: bool = False):
     """Runs the whole model on meta with ``plan`` over a virtual TP mesh: per unit, the
