@@ -553,14 +553,23 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       }
       transient = std::max(0.0, p.working_a + p.working_b * n - all_saved) / static_cast<double>(c.tp);
     }
-    const double during = rsaved + transient + grads;                 // forward and backward
-    const double reduce = c.dp > 1 ? 2 * grads : grads;              // the gradients and their bucket
+    // ZeRO-2/3 copy each gradient into its unit's bucket as it arrives and keep a slice:
+    // whole gradients of at most two units (one reducing, one filling) and the slices
+    double live_grads = grads;
+    if (c.dp > 1 && c.zero >= 2) {
+      double largest = root_unit_bytes;
+      for (const double u : unit_bytes) largest = std::max(largest, u);
+      live_grads = std::min(grads, 2 * largest * p.grad_bytes_per_param_byte) + grads / dpd;
+    }
+    const double during = rsaved + transient + live_grads;            // forward and backward
+    // the gradients and their bucket (DDP's all-reduce); ZeRO-2/3's are in live_grads
+    const double reduce = c.dp > 1 ? (c.zero >= 2 ? live_grads : 2 * grads) : grads;
     const double kept = c.zero >= 2 ? grads / dpd : grads;
     const double stepping = kept + p.optimizer_temp_per_element * elements;  // the optimizer step
     const double top = std::max({during, reduce, stepping});
     if (top == during) {
       mem.activations = rsaved + transient;
-      mem.grads = grads;
+      mem.grads = live_grads;
     } else {
       mem.activations = 0;
       mem.grads = top;  // gradients, their bucket, or the step's temporaries with them

@@ -28,13 +28,14 @@
 // computing at once, a pipeline rank computing while others wait runs faster.
 //
 // Memory of a rank: parameters (1/dp of them under ZeRO-3, plus the largest unit
-// gathered) and optimizer state (two fp32 moments; under ZeRO also an fp32 master copy,
-// both 1/dp) all the time, plus the largest of three moments: the forward and backward
-// (the bytes each micro-batch's forward saves, times the micro-batches the schedule keeps
-// in flight on that rank at its worst moment, the transient buffers measured on the whole
-// model, and the gradients), the end of the backward (the gradients and the bucket the
-// data-parallel reduction packs them into), and the optimizer step (the gradients it
-// keeps and its temporaries, measured per element).
+// gathered) and optimizer state (two fp32 moments; under ZeRO an fp32 master copy too
+// where the parameters are not fp32, both 1/dp) all the time, plus the largest of three
+// moments: the forward and backward (the bytes each micro-batch's forward saves, times
+// the micro-batches the schedule keeps in flight on that rank at its worst moment, the
+// transient buffers measured on the whole model, and the gradients: under ZeRO-2/3 their
+// slices and two units' whole gradients), the end of the backward (the gradients and the
+// bucket the data-parallel reduction packs them into), and the optimizer step (the
+// gradients it keeps and its temporaries, measured per element).
 //
 // Recomputation (activation checkpointing of every block): a block keeps only its input
 // (the bytes the block before hands on) and runs its forward, collectives included, again
@@ -119,7 +120,7 @@ struct Problem {
   int64_t batch = 1;                       // samples per step (global)
   double optimizer_per_tensor = 0, optimizer_per_element = 0;  // seconds of the step
   double state_bytes_per_element = 8;      // AdamW: two fp32 moments
-  double master_bytes_per_element = 4;     // ZeRO: an fp32 master copy
+  double master_bytes_per_element = 4;     // ZeRO: an fp32 master copy (0 for fp32 parameters)
   double grad_bytes_per_param_byte = 1;
   double glue_param_bytes = 0;             // held by every pipeline stage (summed over them each step)
   double tied_param_bytes = 0;             // one tensor held by the first and the last stage

@@ -428,6 +428,8 @@ def plan_eager(model: nn.Module, sample_batch, *, world: int | None = None, cons
                "optimizer_per_tensor": profile.optimizer[0], "optimizer_per_element": profile.optimizer[1],
                "glue_param_bytes": float(glue), "tied_param_bytes": float(tied),
                "grad_bytes_per_param_byte": 1.0, "cores": float(profile.cores),
+               # ZeRO keeps an fp32 master slice only for parameters that are not fp32
+               "master_bytes_per_element": 0.0 if profile.dtype_bytes == 4 else 4.0,
                "profiled_busy": profile.ranks if profile.cores else 1,
                "working_a": profile.working[0], "working_b": profile.working[1],
                "optimizer_temp_per_element": profile.optimizer_temp, "copy_per_byte": profile.copy_per_byte}
