@@ -454,15 +454,15 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
   e.rank_memory.assign(static_cast<size_t>(c.pp), Memory{});
   for (int64_t r = 0; r < c.pp; ++r) {
     double rb = 0, rn = 0, rt = 0, rsaved = 0, rpmax = 0, rf = 0, rbk = 0, rtp = 0, rz = 0, rpg = 0;
-    // ZeRO-2/3 reduce-scatter one unit's gradients per bucket (vescale/parallel/ddp.py
-    // shard_gradients): each block, and the root (everything outside the blocks)
-    std::vector<double> unit_bytes;
+    // ZeRO's units on this rank (vescale/parallel/ddp.py shard_gradients reduce-scatters
+    // one unit's gradients per bucket): each block, then the root (everything outside them)
+    std::vector<double> zero_units;
     double root_unit_bytes = 0;
     for (int64_t s = 0; s < S; ++s) {
       const auto us = static_cast<size_t>(s);
       if ((c.pp > 1 ? sched->placement[us] : 0) != r) continue;
       for (const auto i : stages.units[us]) {
-        if (p.units[i].kind == 1) unit_bytes.push_back(l.units[i].param_bytes);
+        if (p.units[i].kind == 1) zero_units.push_back(l.units[i].param_bytes);
         else root_unit_bytes += l.units[i].param_bytes;
       }
       rb += pbytes[us];
@@ -484,6 +484,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       rn += p.tied_param_bytes / 4.0 / static_cast<double>(c.tp);
       rt += 1;
     }
+    zero_units.push_back(root_unit_bytes);
     // data parallelism: the gradients' reduction, the parameters' gather after a ZeRO-1/2 step, the loss
     double dp_t = partial_grad_reduction(cost, c, p.bucket_bytes, rpg, r == 0 ? &e.rank0_comms : nullptr);
     if (c.dp > 1) {
@@ -492,8 +493,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       const double grads = rb * p.grad_bytes_per_param_byte - (composed ? rpg : 0.0);
       std::vector<double> buckets;
       if (c.zero >= 2) {
-        unit_bytes.push_back(root_unit_bytes);
-        for (const double u : unit_bytes)
+        for (const double u : zero_units)
           for (const double b : buckets_of(u * p.grad_bytes_per_param_byte, p.bucket_bytes)) buckets.push_back(b);
       } else {
         buckets = buckets_of(grads, p.bucket_bytes);
@@ -505,22 +505,21 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
         red += cost.time(kind, c.dp, b);
         if (r == 0) e.rank0_comms.push_back({kind, c.dp, b, 1, "dp"});
       }
-      if (r == 0 && (c.zero == 1 || c.zero == 2)) {  // ZeRO-2 gathers the updated slices per bucket
-        if (c.zero == 1) e.rank0_comms.push_back({"all_gather", c.dp, rb / dpd, 1, "zero"});
-        else
-          for (const double b : buckets) e.rank0_comms.push_back({"all_gather", c.dp, b / p.grad_bytes_per_param_byte / dpd, 1, "zero"});
-      }
       // without a pipeline the buckets but the last overlap the rest of the backward
       const double hidden = c.pp == 1 && nb > 1 ? std::min(red * (nb - 1) / nb, 0.5 * rbk) : 0.0;
       dp_t += red - hidden;
       // DDP packs the gradients into its bucket, averages and unpacks them (ZeRO-2/3 keep a slice)
       dp_t += p.copy_per_byte * grads * (c.zero >= 2 ? 2.0 + 1.0 / dpd : 3.0);
-      if (c.zero == 1)  // the updated slices gathered and unpacked into the parameters
-        dp_t += cost.time("all_gather", c.dp, std::ceil(rb / dpd)) + p.copy_per_byte * (rb + rb / dpd);
-      if (c.zero == 2) {  // the same, bucket by bucket
-        for (const double b : buckets) dp_t += cost.time("all_gather", c.dp, std::ceil(b / p.grad_bytes_per_param_byte / dpd));
-        dp_t += p.copy_per_byte * (rb + rb / dpd);
+      // ZeRO-1/2: the updated slices gathered (ZeRO-2: bucket by bucket) and unpacked into the parameters
+      std::vector<double> gathered;
+      if (c.zero == 1) gathered.push_back(rb / dpd);
+      if (c.zero == 2)
+        for (const double b : buckets) gathered.push_back(b / p.grad_bytes_per_param_byte / dpd);
+      for (const double g : gathered) {
+        dp_t += cost.time("all_gather", c.dp, std::ceil(g));
+        if (r == 0) e.rank0_comms.push_back({"all_gather", c.dp, g, 1, "zero"});
       }
+      if (!gathered.empty()) dp_t += p.copy_per_byte * (rb + rb / dpd);
       if (c.zero == 3) dp_t += p.copy_per_byte * rb / dpd;  // the updated slices into the parameters' slices
       dp_t += cost.time("all_reduce", c.dp, 8);
     }
@@ -557,8 +556,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
     // whole gradients of at most two units (one reducing, one filling) and the slices
     double live_grads = grads;
     if (c.dp > 1 && c.zero >= 2) {
-      double largest = root_unit_bytes;
-      for (const double u : unit_bytes) largest = std::max(largest, u);
+      const double largest = *std::max_element(zero_units.begin(), zero_units.end());
       live_grads = std::min(grads, 2 * largest * p.grad_bytes_per_param_byte) + grads / dpd;
     }
     const double during = rsaved + transient + live_grads;            // forward and backward

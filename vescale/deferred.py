@@ -31,6 +31,7 @@ have (skipped, without drawing, where the fill's consumption is known), so whate
 
 from __future__ import annotations
 
+import inspect
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -341,8 +342,6 @@ def _trunc_normal(node: _Node) -> _Truncated | None:
     float32/float64 tensor of at least 16 elements that is its whole storage."""
     if not node.python or node.func.__name__ != "_no_grad_trunc_normal_" or not _trunc_normal_matches(node.func):
         return None
-    import inspect
-
     bound = inspect.signature(node.func).bind(*node.args, **node.kwargs)
     bound.apply_defaults()
     t, mean, std, a, b = (bound.arguments[k] for k in ("tensor", "mean", "std", "a", "b"))
@@ -364,8 +363,10 @@ def _stream_trunc_normal(node: _Node, p: _Truncated, box: Box | None, into: torc
     the generator moves: to where the real init leaves it."""
     t = node.args[0]
     shape, n = tuple(t.shape), t.numel()
-    if p.never_rejects:
-        assert _draw_known(node.rng, "normal_", p.mean, p.std, shape, t.dtype, box, into)
+    if p.never_rejects:  # (_trunc_normal allows only fills whose draw is modelled)
+        if not _draw_known(node.rng, "normal_", p.mean, p.std, shape, t.dtype, box, into):
+            raise RuntimeError(f"vescale.deferred_init: the normal_ draw of a {t.dtype} trunc_normal_ of "
+                               f"{n} elements is not modelled")
         return
     bounds = _chunks(n)
     longest = max(b - a for a, b in bounds)
@@ -451,11 +452,10 @@ def _trunc_normal_matches(real) -> bool:
             meta = torch.empty(37, 29, device="meta")
             node = _Node(0, real, (meta, 0.1, 1.0, -1.1, 1.3), {}, rng, meta, python=True)
             got = torch.empty(37, 29, device="cpu")
-            _trunc_check.append(True)  # provisionally, for the check's own call
             _stream_trunc_normal(node, _Truncated(0.1, 1.0, -1.1, 1.3), whole((37, 29)), got)
             torch.set_rng_state(rng)
             _stream_trunc_normal(node, _Truncated(0.1, 1.0, -1.1, 1.3), None, None)
-            _trunc_check[0] = torch.equal(got, expected) and torch.equal(torch.get_rng_state(), expected_state)
+            _trunc_check.append(torch.equal(got, expected) and torch.equal(torch.get_rng_state(), expected_state))
         finally:
             torch.set_rng_state(saved)
     return _trunc_check[0]

@@ -29,8 +29,8 @@ __all__ = ["ScalarTape", "replaying", "replays_profile"]
 
 _READ = torch.ops.aten._local_scalar_dense.default
 # frames inside these are not the model's: the place of a read is the first frame outside
-_LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,)) + (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+_LIBRARIES = (os.path.dirname(torch.__file__) + os.sep,
+              os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)  # vescale
 
 
 def _place() -> tuple[str, int]:
@@ -55,14 +55,14 @@ class ScalarTape(TorchDispatchMode):
         if func is not _READ:
             return func(*args, **kwargs)
         t = args[0]
-        key = (*_place(), str(t.dtype))
-        if self.recording:
-            value = func(*args, **kwargs)
-            self.values.setdefault(key, []).append(value)
-            return value
-        if not t.is_meta:
+        if not self.recording and not t.is_meta:
             return func(*args, **kwargs)
-        return self._replay(key)
+        key = (*_place(), str(t.dtype))
+        if not self.recording:
+            return self._replay(key)
+        value = func(*args, **kwargs)
+        self.values.setdefault(key, []).append(value)
+        return value
 
     def _replay(self, key: tuple):
         where = f"{key[0]}:{key[1]} ({key[2]})"

@@ -197,8 +197,10 @@ class DDP(nn.Module):
     def _index_slots(self) -> None:
         self._slot_of = {id(s.param): (b, s) for b in self.buckets for s in b.slots}
 
-    def bucket_of(self, param: nn.Parameter) -> Bucket:
-        return self._slot_of[id(param)][0]
+    def bucket_of(self, param: nn.Parameter) -> Bucket | None:
+        """The bucket that reduces ``param``'s gradient; None for a parameter not of this model."""
+        found = self._slot_of.get(id(param))
+        return found[0] if found else None
 
     def _broadcast_parameters(self) -> None:
         """Start from the same values on every DP rank (rank 0's)."""

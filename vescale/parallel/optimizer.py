@@ -178,7 +178,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 fill_rows(local_of(o.param).view(-1), rows)
 
     def _bucket(self, o: Owned):
-        return next(ddp.bucket_of(o.param) for ddp in self.ddps if id(o.param) in ddp._slot_of)
+        return next(b for ddp in self.ddps if (b := ddp.bucket_of(o.param)) is not None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for o in self.owned:
