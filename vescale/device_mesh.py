@@ -67,7 +67,7 @@ class DeviceMesh:
                               list(mesh_dim_names or [""] * ranks.dim()),
                               [_torch_mesh.get_group(i).group_name for i in range(ranks.dim())],
                               list(coordinate), device_type,
-                              self._flat_groups.get(_spanned(ranks.shape), ""))
+                              self._flat_groups.get(frozenset(range(ranks.dim())), ""))
 
     # ---- shape and names ----
     @property
@@ -147,7 +147,7 @@ class DeviceMesh:
         sub = self._torch[key if len(key) > 1 else key[0]]
         position = {self._dim(n): i for i, n in enumerate(key)}
         flat = {frozenset(position[d] for d in dims): name for dims, name in self._flat_groups.items()
-                if dims <= position.keys()}  # (the dims of more than one rank stay so)
+                if dims <= position.keys()}
         return DeviceMesh(self._device_type, sub.mesh, mesh_dim_names=key, _torch_mesh=sub, _flat_groups=flat)
 
     def _dim(self, mesh_dim: int | str) -> int:
@@ -181,35 +181,35 @@ class DeviceMesh:
         return f"DeviceMesh('{self._device_type}', {self._ranks.tolist()}{names})"
 
 
-def _spanned(shape) -> frozenset:
-    """The dims of more than one rank: what a flat group is keyed by (size-1 dims do not
-    change a mesh's slices)."""
-    return frozenset(d for d, n in enumerate(shape) if n > 1)
-
-
 def _create_flat_groups(torch_mesh: _TorchDeviceMesh, ranks: torch.Tensor,
                         timeout) -> dict[frozenset, str]:
-    """This rank's group over each set of two or more mesh dims of more than one rank
+    """This rank's group over each set of two or more mesh dims with more than one rank
     (every slice of the mesh along them), created with the mesh (creating a group takes
     every rank of the world, which a sub-mesh or a redistribution does not have at hand).
     The engine reduces a value Partial over all of a mesh's dims with one all-reduce
     through it instead of one per dim (the sub-mesh ``mesh["DP", "TP"]`` of a 3-d mesh
-    gets its dims' group). Slices that span the world use the world group; nothing is
-    created for the planner's virtual meshes over fake groups."""
+    gets its dims' group). Slices that span the world use the world group; none for the
+    planner's virtual meshes over fake groups."""
     world_backend = dist.get_backend()
-    if any(dist.get_backend(torch_mesh.get_group(d)) != world_backend for d in range(ranks.dim())):
+    if ranks.dim() < 2 or world_backend == "fake" or any(
+            dist.get_backend(torch_mesh.get_group(d)) != world_backend for d in range(ranks.dim())):
         return {}
     timeout = _as_timedelta(timeout) if timeout is not None else collective_timeout()
+    real = [d for d in range(ranks.dim()) if ranks.shape[d] > 1]
     groups: dict[frozenset, str] = {}
-    for k in range(2, len(_spanned(ranks.shape)) + 1):
-        for dims in itertools.combinations(sorted(_spanned(ranks.shape)), k):
+    for k in range(2, len(real) + 1):
+        for dims in itertools.combinations(real, k):
             rest = [d for d in range(ranks.dim()) if d not in dims]
             slices = ranks.permute(*rest, *dims).reshape(-1, math.prod(ranks.shape[d] for d in dims))
             if slices.shape[1] == dist.get_world_size():
-                groups[frozenset(dims)] = dist.group.WORLD.group_name
-            elif world_backend != "fake":
+                name = dist.group.WORLD.group_name
+            else:
                 mine, _ = dist.new_subgroups_by_enumeration(slices.tolist(), timeout=timeout)
-                groups[frozenset(dims)] = mine.group_name if mine is not None else ""
+                name = mine.group_name if mine is not None else ""
+            # the size-1 dims do not change the slices: the sets with them share the group
+            for extra in range(ranks.dim() - len(real) + 1):
+                for ones in itertools.combinations([d for d in range(ranks.dim()) if d not in real], extra):
+                    groups[frozenset(dims + ones)] = name
     return groups
 
 
