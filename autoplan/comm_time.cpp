@@ -14,29 +14,29 @@ double collective_time(const Hardware& hw, Collective kind, double bytes, Group 
   if (g.size <= 1 || bytes <= 0) return 0;
   const int64_t local = members_per_node(hw, g);
   const int64_t nodes = (g.size + local - 1) / local;
-  const LinkCost nv = hw.nvlink(), ib = hw.ib();
+  const collectives::LinkCost nv = hw.nvlink(), ib = hw.ib();
   if (nodes == 1) {
     switch (kind) {
-      case Collective::all_reduce: return all_reduce_cost(nv, bytes, local);
-      case Collective::all_gather: return all_gather_cost(nv, bytes, local);
-      case Collective::reduce_scatter: return reduce_scatter_cost(nv, bytes, local);
+      case Collective::all_reduce: return collectives::all_reduce_cost(nv, bytes, local);
+      case Collective::all_gather: return collectives::all_gather_cost(nv, bytes, local);
+      case Collective::reduce_scatter: return collectives::reduce_scatter_cost(nv, bytes, local);
     }
   }
   const double slice = bytes / static_cast<double>(local);  // each member's share across nodes
   switch (kind) {
     case Collective::all_reduce:
-      return reduce_scatter_cost(nv, bytes, local) + all_reduce_cost(ib, slice, nodes) +
-             all_gather_cost(nv, bytes, local);
+      return collectives::reduce_scatter_cost(nv, bytes, local) + collectives::all_reduce_cost(ib, slice, nodes) +
+             collectives::all_gather_cost(nv, bytes, local);
     case Collective::all_gather:
-      return all_gather_cost(ib, slice, nodes) + all_gather_cost(nv, bytes, local);
+      return collectives::all_gather_cost(ib, slice, nodes) + collectives::all_gather_cost(nv, bytes, local);
     case Collective::reduce_scatter:
-      return reduce_scatter_cost(nv, bytes, local) + reduce_scatter_cost(ib, slice, nodes);
+      return collectives::reduce_scatter_cost(nv, bytes, local) + collectives::reduce_scatter_cost(ib, slice, nodes);
   }
   return 0;
 }
 
 double p2p_time(const Hardware& hw, double bytes, bool same_node) {
-  return p2p_cost(same_node ? hw.nvlink() : hw.ib(), bytes);
+  return collectives::p2p_cost(same_node ? hw.nvlink() : hw.ib(), bytes);
 }
 
 }  // namespace vescale::autoplan

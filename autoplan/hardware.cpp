@@ -74,11 +74,11 @@ Hardware h100() {
 
 }  // namespace
 
-LinkCost Hardware::nvlink() const {
+collectives::LinkCost Hardware::nvlink() const {
   return {nvlink_latency, 1.0 / (nvlink_bw * nvlink_efficiency), 1.0 / (hbm_bw * hbm_efficiency)};
 }
 
-LinkCost Hardware::ib() const {
+collectives::LinkCost Hardware::ib() const {
   return {ib_latency, 1.0 / (ib_bw * ib_efficiency), 1.0 / (hbm_bw * hbm_efficiency)};
 }
 

@@ -34,8 +34,8 @@ struct Hardware {
   double overlap_compute_share = 0;
 
   // The alpha-beta links of collectives/cost_model.h with the achieved bandwidths.
-  LinkCost nvlink() const;
-  LinkCost ib() const;
+  collectives::LinkCost nvlink() const;
+  collectives::LinkCost ib() const;
 };
 
 // "a100_80gb" (DGX A100 as in NVIDIA's Selene) or "h100_sxm" (DGX H100); raises on others,

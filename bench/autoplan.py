@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.models from a checkout
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples.models from a checkout
 
 import vescale  # noqa: E402
 import vescale.train as _train  # noqa: E402
@@ -69,14 +69,14 @@ BATCH = 8
 # ---- models --------------------------------------------------------------------------------------
 
 def _gpt(n_layer=4, n_embd=256):
-    from tests.models.gpt import GPT, GPTConfig
+    from examples.models.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     return GPT(GPTConfig(block_size=SEQ, vocab_size=2048, n_layer=n_layer, n_head=8, n_embd=n_embd, dropout=0.0,
                          bias=False))
 
 
 def _llama(layers=4, hidden=256):
-    from tests.models.llama import LlamaConfig, LlamaForCausalLM
+    from examples.models.llama import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=hidden, intermediate_size=2 * hidden,
                                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,

@@ -46,7 +46,7 @@ WORLD = 4
 
 
 def config(layers: int):
-    from tests.models.gpt import GPTConfig
+    from examples.models.gpt import GPTConfig
     return GPTConfig(block_size=1024, vocab_size=50304, n_layer=layers, n_head=16, n_embd=1024, dropout=0.0,
                      bias=False)
 
@@ -54,7 +54,7 @@ def config(layers: int):
 def vescale_model(cfg, seed: int, tp_mesh):
     """Built shard by shard (vescale.deferred_init): four ranks holding three models each
     would not fit in memory if every model were first built whole."""
-    from tests.models.gpt import GPT
+    from examples.models.gpt import GPT
     from vescale.parallel import parallelize_module
     from vescale.parallel.plans import gpt_plan
 
@@ -66,7 +66,7 @@ def torch_model(cfg, seed: int, tp_mesh):
     """gpt_plan in torch's terms; the state DCP sees, without the tied output projection's
     second name (vescale writes a tied tensor once too). Only the saved model (seed 0) gets
     real values; load targets are built on the meta device and given storage (to_empty)."""
-    from tests.models.gpt import GPT
+    from examples.models.gpt import GPT
 
     torch.manual_seed(seed)
     with torch.device("meta" if seed else "cpu"):

@@ -39,7 +39,7 @@ WORLD = 4
 
 
 def config(layers: int):
-    from tests.models.gpt import GPTConfig
+    from examples.models.gpt import GPTConfig
     return GPTConfig(block_size=1024, vocab_size=50304, n_layer=layers, n_head=20, n_embd=1280, dropout=0.0,
                      bias=False)
 
@@ -59,7 +59,7 @@ def torch_init_weights(model, cfg) -> None:
 
 
 def build(way: str, cfg, vmesh):
-    from tests.models.gpt import GPT
+    from examples.models.gpt import GPT
     import vescale
     from vescale.parallel import parallelize_module
     from vescale.parallel.plans import gpt_plan
@@ -89,7 +89,7 @@ def _rank(rank: int, port: int, way: str, layers: int, out: str) -> None:
 
     vmesh = vescale.DeviceMesh("cpu", list(range(WORLD)))
     cfg = config(layers)
-    from tests.models.gpt import GPT  # noqa: F401  (imports before the clock)
+    from examples.models.gpt import GPT  # noqa: F401  (imports before the clock)
     with torch.device("meta"):
         GPT(config(1))
     vescale.deferred_init(GPT, config(1))  # the first dispatch mode loads library code: not counted

@@ -17,7 +17,7 @@ torch's stages are built as torchtitan builds them: a deep copy of the model per
 the blocks it does not own deleted (and the embeddings / head set to None off the first /
 last stage); vescale gets the whole model and the same split points. Three parts:
 
-1. step time: a small GPT of plain PyTorch blocks (tests/models/gpt.py's Block), forward +
+1. step time: a small GPT of plain PyTorch blocks (examples/models/gpt.py's Block), forward +
    backward of the whole batch through the schedule. The two stacks take turns step by step
    (a barrier before each), so load on the shared machine slows them alike; a step's time is
    the slowest rank's; medians. The first warm-up step of each stack runs the same batch and
@@ -63,12 +63,12 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                                     ScheduleInterleavedZeroBubble)
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.models from a checkout
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples.models from a checkout
 
 import vescale  # noqa: E402
 from vescale.parallel import PipelineParallel  # noqa: E402
 from vescale.parallel.pipeline import analytic_bubble, make_schedule, simulate  # noqa: E402
-from tests.models.gpt import Block, GPTConfig  # noqa: E402
+from examples.models.gpt import Block, GPTConfig  # noqa: E402
 from bench.common import free_port  # noqa: E402
 
 WORLD = 4
@@ -104,7 +104,7 @@ def split_points(schedule: str, n_blocks: int) -> list[tuple[int, int]]:
 # ---- the models ----------------------------------------------------------------------------------
 
 class PipeGPT(nn.Module):
-    """A GPT of tests/models/gpt.py's blocks, untied embedding and head, written as torchtitan
+    """A GPT of examples/models/gpt.py's blocks, untied embedding and head, written as torchtitan
     writes its models: a stage made by deleting modules (set to None) still runs forward."""
 
     def __init__(self, cfg: GPTConfig):

@@ -53,13 +53,13 @@ from torch.distributed.tensor import DTensor as TorchDTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.models from a checkout
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples.models from a checkout
 
 import vescale  # noqa: E402
 from vescale.parallel import DDP, DistributedOptimizer, parallelize_module  # noqa: E402
 from vescale.parallel.ddp import local_of  # noqa: E402
 from vescale.parallel.plans import gpt_plan  # noqa: E402
-from tests.models.gpt import GPT, GPTConfig  # noqa: E402
+from examples.models.gpt import GPT, GPTConfig  # noqa: E402
 from bench.common import free_port, torch_gpt_tp  # noqa: E402
 
 WORLD = 4

@@ -1,6 +1,6 @@
 #include "collectives/cost_model.h"
 
-namespace vescale {
+namespace vescale::collectives {
 
 const LinkCost& link_cost(c10::DeviceType device) {
   // gloo over loopback TCP vs NCCL over NVLink: latency and bandwidth differ by
@@ -35,4 +35,4 @@ double local_copy_cost(const LinkCost& c, double bytes) { return c.copy_s_per_by
 
 double p2p_cost(const LinkCost& c, double bytes) { return c.alpha_s + c.beta_s_per_byte * bytes; }
 
-}  // namespace vescale
+}  // namespace vescale::collectives

@@ -11,7 +11,7 @@
 
 #include <cstdint>
 
-namespace vescale {
+namespace vescale::collectives {
 
 struct LinkCost {
   double alpha_s;           // latency per message, seconds
@@ -31,4 +31,4 @@ double local_copy_cost(const LinkCost& c, double bytes);
 // One message of `bytes` from one rank to another (a pipeline send).
 double p2p_cost(const LinkCost& c, double bytes);
 
-}  // namespace vescale
+}  // namespace vescale::collectives

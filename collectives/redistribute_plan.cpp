@@ -6,7 +6,7 @@
 
 #include <sstream>
 
-namespace vescale {
+namespace vescale::collectives {
 
 std::string RedistStep::str() const {
   std::ostringstream os;
@@ -179,4 +179,4 @@ RedistPlan plan_redistribution(
   return Planner(mesh, src, dst, shape, dtype).run();
 }
 
-}  // namespace vescale
+}  // namespace vescale::collectives

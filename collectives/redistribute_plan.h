@@ -14,12 +14,12 @@
 // shards split outermost first). With one reduce op the order does not matter; with
 // mixed ops every partial dim is all-reduced, innermost first, before phase 2.
 
-#include "dispatch/spec.h"
+#include "core/spec.h"
 
 #include <string>
 #include <vector>
 
-namespace vescale {
+namespace vescale::collectives {
 
 struct RedistStep {
   enum class Kind : uint8_t {
@@ -61,4 +61,4 @@ inline RedistPlan plan_redistribution(const TensorSpec& src, PlacementsRef dst) 
   return plan_redistribution(*src.mesh, src.placements, dst, src.shape, src.dtype);
 }
 
-}  // namespace vescale
+}  // namespace vescale::collectives

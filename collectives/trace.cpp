@@ -6,7 +6,7 @@
 #include <chrono>
 #include <mutex>
 
-namespace vescale::trace {
+namespace vescale::collectives::trace {
 
 namespace detail {
 std::atomic<uint32_t> flags{0};
@@ -136,4 +136,4 @@ Timed::~Timed() {
   record(std::move(event_));
 }
 
-}  // namespace vescale::trace
+}  // namespace vescale::collectives::trace

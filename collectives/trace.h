@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-namespace vescale::trace {
+namespace vescale::collectives::trace {
 
 enum Flag : uint32_t {
   kCollectives = 1,  // record collectives (vescale.debug.comm_trace)
@@ -125,4 +125,4 @@ class Timed {
   CollectiveEvent event_;
 };
 
-}  // namespace vescale::trace
+}  // namespace vescale::collectives::trace

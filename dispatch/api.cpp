@@ -116,10 +116,10 @@ at::Tensor to_local(const at::Tensor& dtensor, std::optional<Placements> grad_pl
 at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placements) {
   auto* impl = checked_dtensor_impl(dtensor, "redistribute");
   static const std::string kName = "redistribute";
-  const trace::ApiContext context(kName);
+  const collectives::trace::ApiContext context(kName);
   const auto& src = impl->spec();
   auto dst = with_placements(src, placements);
-  const auto plan = plan_redistribution(*src, dst->placements);
+  const auto plan = collectives::plan_redistribution(*src, dst->placements);
   auto local = collectives::execute_redistribution(plan, *src->mesh, src->shape, src->stride, impl->local());
   if (plan.empty()) local = local.clone();
   return make_dtensor(std::move(local), std::move(dst));
@@ -190,7 +190,7 @@ at::Tensor distribute_tensor(const at::Tensor& full, MeshPtr mesh, PlacementsRef
                     " mesh; move the tensor to that device first");
   at::NoGradGuard no_grad;
   static const std::string kName = "distribute_tensor";
-  const trace::ApiContext context(kName);
+  const collectives::trace::ApiContext context(kName);
   const auto shape = full.sizes();
   auto spec = make_spec(mesh, placements, shape, strides_like(shape, full.strides()), full.scalar_type());
   at::Tensor data = full.detach();
@@ -212,7 +212,7 @@ at::Tensor distribute_tensor(const at::Tensor& full, MeshPtr mesh, PlacementsRef
   }
   const Placements replicated(placements.size(), Placement::replicate());
   auto full_spec = with_placements(spec, replicated);
-  const auto plan = plan_redistribution(*full_spec, spec->placements);
+  const auto plan = collectives::plan_redistribution(*full_spec, spec->placements);
   auto local = collectives::execute_redistribution(plan, *mesh, spec->shape, spec->stride, data);
   if (local.unsafeGetTensorImpl() == full.unsafeGetTensorImpl() || local.is_alias_of(full))
     local = local.clone();

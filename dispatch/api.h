@@ -2,7 +2,7 @@
 // The DTensor operations behind the Python API, autograd-aware where they move data
 // between layouts: from_local, to_local, redistribute, distribute_tensor.
 
-#include "dispatch/spec.h"
+#include "core/spec.h"
 
 #include <ATen/core/Tensor.h>
 

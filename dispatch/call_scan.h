@@ -6,7 +6,7 @@
 // DTensor's interned spec pointer, a plain tensor's metadata, or a non-tensor value
 // (Scalar and float arguments contribute only their type, see ArgKind::TypeOnly).
 
-#include "dispatch/mesh.h"
+#include "core/mesh.h"
 #include "dispatch/op_info.h"
 
 #include <ATen/core/Tensor.h>

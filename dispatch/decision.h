@@ -15,8 +15,8 @@ struct Decision {
   // Per flattened input (null specs for undefined slots).
   std::vector<SpecPtr> sources;       // the spec the input had when decided
   std::vector<SpecPtr> targets;       // the spec the local op needs
-  std::vector<RedistPlan> to_target;  // sources -> targets (empty: use as is)
-  std::vector<RedistPlan> write_back; // targets -> sources, for written inputs that move
+  std::vector<collectives::RedistPlan> to_target;  // sources -> targets (empty: use as is)
+  std::vector<collectives::RedistPlan> write_back; // targets -> sources, for written inputs that move
   // Per flattened result; empty for the replicate fallback, whose results are
   // replicated and take their shape from the local result.
   std::vector<SpecPtr> outputs;

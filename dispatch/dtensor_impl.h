@@ -6,7 +6,7 @@
 // {kDTensorKey, its autograd key, ADInplaceOrView}, so autograd and view tracking
 // run above it and every aten op then reaches vescale's handler.
 
-#include "dispatch/spec.h"
+#include "core/spec.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/TensorImpl.h>

@@ -187,7 +187,7 @@ void run_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   // The only cost of vescale.debug's observers while they are off: one relaxed load.
-  if (C10_UNLIKELY(trace::flags() != 0)) {
+  if (C10_UNLIKELY(collectives::trace::flags() != 0)) {
     observed_kernel(op, stack, &run_kernel);
     return;
   }

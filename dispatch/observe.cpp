@@ -17,6 +17,9 @@
 
 namespace vescale {
 
+namespace trace = collectives::trace;
+
+
 namespace {
 
 std::string shape_str(c10::ArrayRef<int64_t> shape) {

@@ -2,7 +2,7 @@
 // Observing the per-op path: vescale.explain's decision capture, the op context of the
 // collective recorder (collectives/trace.h) and NaN/Inf detection.
 //
-// The handler reads one flag word (trace::flags()); when it is zero nothing here runs.
+// The handler reads one flag word (collectives::trace::flags()); when it is zero nothing here runs.
 // When an observer is on, the call goes through observed_kernel, which wraps the
 // normal kernel: before it, the decision is recomputed with the rule's candidates
 // logged (vescale.explain); during it, the collectives it issues are collected; after
@@ -47,7 +47,7 @@ struct OpExplanation {
   std::vector<ExplainedTensor> inputs;
   CandidateLog candidates;
   std::vector<ExplainedTensor> outputs;
-  std::vector<trace::CollectiveEvent> collectives;
+  std::vector<collectives::trace::CollectiveEvent> collectives;
 
   std::string str() const;
 };

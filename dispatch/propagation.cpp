@@ -127,9 +127,14 @@ std::unique_ptr<Decision> from_choice(const OpCall& call, const CallScan& scan,
     d->sources[i] = source_spec(scan.tensors[i], in, mesh);
     d->targets[i] = with_placements(d->sources[i], choice.inputs[i]);
     if (d->targets[i] == d->sources[i]) continue;
-    d->to_target[i] = plan_redistribution(*d->sources[i], d->targets[i]->placements);
+    // The plans the rule priced when it has them (the same inputs: shape, dtype, mesh).
+    d->to_target[i] = i < choice.to_target.size() && choice.to_target[i]
+        ? std::move(*choice.to_target[i])
+        : collectives::plan_redistribution(*d->sources[i], d->targets[i]->placements);
     if (in.written)
-      d->write_back[i] = plan_redistribution(*d->targets[i], d->sources[i]->placements);
+      d->write_back[i] = i < choice.write_back.size() && choice.write_back[i]
+          ? std::move(*choice.write_back[i])
+          : collectives::plan_redistribution(*d->targets[i], d->sources[i]->placements);
   }
   for (size_t j = 0; j < n_out; ++j) {
     const auto& out = call.outputs[j];

@@ -44,7 +44,7 @@ void forget_reductions(const at::Tensor& written_local) {
   for (auto& impl : alive) static_cast<DTensorImpl*>(impl.get())->drop_reduced();
 }
 
-at::Tensor laid_out_as(DTensorImpl& impl, const RedistPlan& plan, const SpecPtr& target) {
+at::Tensor laid_out_as(DTensorImpl& impl, const collectives::RedistPlan& plan, const SpecPtr& target) {
   const auto& src = *impl.spec();
   if (C10_LIKELY(!any_partial(src.placements)))
     return collectives::execute_redistribution(plan, *src.mesh, src.shape, src.stride, impl.local());
@@ -55,7 +55,7 @@ at::Tensor laid_out_as(DTensorImpl& impl, const RedistPlan& plan, const SpecPtr&
                          : nullptr;
   if (kept != nullptr) {
     if (kept->spec == target) return kept->local;
-    const auto moves = plan_redistribution(*kept->spec, target->placements);
+    const auto moves = collectives::plan_redistribution(*kept->spec, target->placements);
     return collectives::execute_redistribution(moves, *src.mesh, src.shape, src.stride, kept->local);
   }
   auto local = collectives::execute_redistribution(plan, *src.mesh, src.shape, src.stride, impl.local());

@@ -21,7 +21,7 @@ namespace vescale {
 // from the kept reduction of its Partial value when there is one. A first full
 // reduction is kept; the result may then be the kept tensor itself (the handler passes
 // it to the local op and never hands it out).
-at::Tensor laid_out_as(DTensorImpl& impl, const RedistPlan& plan, const SpecPtr& target);
+at::Tensor laid_out_as(DTensorImpl& impl, const collectives::RedistPlan& plan, const SpecPtr& target);
 
 // After an op wrote into `written_local`: drops the reductions kept for tensors whose
 // shard shares its storage. Costs one relaxed load while nothing is kept anywhere.

@@ -29,7 +29,7 @@ const void* storage_key(const at::Tensor& local) {
 // `from` laid out as `to_spec` (same global shape), copied into `to_local`.
 void copy_laid_out(const at::Tensor& from, const TensorSpec& from_spec, const at::Tensor& to_local,
                    const SpecPtr& to_spec) {
-  const auto plan = plan_redistribution(from_spec, to_spec->placements);
+  const auto plan = collectives::plan_redistribution(from_spec, to_spec->placements);
   to_local.copy_(collectives::execute_redistribution(plan, *from_spec.mesh, from_spec.shape, from_spec.stride, from));
   if (!to_local.is_inference()) to_local.unsafeGetTensorImpl()->bump_version();
   forget_reductions(to_local);

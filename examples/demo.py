@@ -2,7 +2,7 @@
 
     make demo          # or: .venv/bin/torchrun --standalone --nproc-per-node 4 examples/demo.py
 
-The model is the plain-PyTorch Llama of tests/models (RMSNorm, RoPE, SwiGLU, grouped-
+The model is the plain-PyTorch Llama of examples/models (RMSNorm, RoPE, SwiGLU, grouped-
 query attention); nothing in it knows about vescale. The veScale RFC's loop makes it
 parallel, with a hand-written plan (printed at the start):
 
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import vescale  # noqa: E402
 from vescale.parallel.plans import llama_plan  # noqa: E402
-from tests.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from examples.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 CONFIG = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)

@@ -71,7 +71,7 @@ void embedding_vocab_locally(const c10::OperatorHandle& op, torch::jit::Stack* s
 
 ShardingChoice embedding_rule(const OpCall& call) {
   const int64_t idx_ndim = call.inputs[1].ndim();
-  DimStrategies s = {{{R, R}, {R}}, {{S(1), R}, {S(idx_ndim)}}, {{S(0), R}, {P}}};
+  DimStrategies s = {{{S(1), R}, {S(idx_ndim)}}, {{S(0), R}, {P}}};
   for (int64_t d = 0; d < idx_ndim; ++d) s.push_back({{R, S(d)}, {S(d)}});
   auto choice = choose_cheapest(call, s);
   if (shards(choice.inputs[0], 0)) choice.local_fn = embedding_vocab_locally;
@@ -97,8 +97,8 @@ void embedding_backward_vocab_locally(const c10::OperatorHandle& op, torch::jit:
 
 ShardingChoice embedding_backward_rule(const OpCall& call) {
   const int64_t idx_ndim = call.inputs[1].ndim();
-  const bool scale_by_freq = call.bool_arg(4);  // frequencies must be counted globally
-  DimStrategies s = {{{R, R}, {R}}, {{S(idx_ndim), R}, {S(1)}}, {{P, R}, {P}}};
+  const bool scale_by_freq = call.bool_arg("scale_grad_by_freq");  // frequencies must be counted globally
+  DimStrategies s = {{{S(idx_ndim), R}, {S(1)}}, {{P, R}, {P}}};
   if (!scale_by_freq) {
     s.push_back({{R, R}, {S(0)}});
     for (int64_t d = 0; d < idx_ndim; ++d) s.push_back({{S(d), S(d)}, {P}});
@@ -170,8 +170,8 @@ void nll_locally(const c10::OperatorHandle& op, torch::jit::Stack* stack, const 
 // nll_loss_forward(self, target, weight?, reduction, ignore_index) -> (output, total_weight)
 ShardingChoice nll_loss_rule(const OpCall& call) {
   const bool batched = call.inputs[0].ndim() == 2;
-  const auto reduction = call.int_arg(3);
-  DimStrategies s = {{{R, R, R}, {R, R}}};
+  const auto reduction = call.int_arg("reduction");
+  DimStrategies s;
   if (batched) {
     // Rows split. Mean needs the global weight, so the targets are whole.
     if (reduction == kNone) s.push_back({{S(0), S(0), R}, {S(0), P}});
@@ -210,8 +210,8 @@ void nll_backward_locally(const c10::OperatorHandle& op, torch::jit::Stack* stac
 // nll_loss_backward(grad_output, self, target, weight?, reduction, ignore_index, total_weight)
 ShardingChoice nll_loss_backward_rule(const OpCall& call) {
   const bool batched = call.inputs[1].ndim() == 2;
-  const auto reduction = call.int_arg(4);
-  DimStrategies s = {{{R, R, R, R, R}, {R}}};
+  const auto reduction = call.int_arg("reduction");
+  DimStrategies s;
   if (batched) {
     const Placement grad = reduction == kNone ? S(0) : R;
     s.push_back({{grad, S(0), S(0), R, R}, {S(0)}});

@@ -16,11 +16,11 @@ namespace {
 
 ShardingChoice fft_rule(const OpCall& call) {
   const int64_t n = call.inputs[0].ndim();
-  const auto transformed = call.dims_arg(1, n, false);
-  DimStrategies s = {{{Placement::replicate()}, {Placement::replicate()}}};
+  const auto transformed = call.dims_arg("dim", n, false);
+  DimStrategies s;
   for (int64_t d = 0; d < n; ++d) {
     if (std::find(transformed.begin(), transformed.end(), d) != transformed.end()) continue;
-    if (!splits_evenly(call, call.inputs[0].shape[static_cast<size_t>(d)])) continue;
+    if (!divides_over_all_ranks(call, call.inputs[0].shape[static_cast<size_t>(d)])) continue;
     const auto S = Placement::shard(static_cast<int32_t>(d));
     s.push_back({{S}, {S}});
   }

@@ -90,7 +90,7 @@ ShardingChoice tril_rule(const OpCall& call) {
 // alike (pad holds (before, after) pairs from the last dim backwards).
 ShardingChoice constant_pad_rule(const OpCall& call) {
   const int64_t n = call.inputs[0].ndim();
-  const auto pad = call.int_list_arg(1);
+  const auto pad = call.int_list_arg("pad");
   std::vector<int64_t> whole;
   for (size_t i = 0; i + 1 < pad.size(); i += 2)
     if (pad[i] != 0 || pad[i + 1] != 0) whole.push_back(n - 1 - static_cast<int64_t>(i / 2));
@@ -108,9 +108,9 @@ ShardingChoice roll_rule(const OpCall& call) {
 // repeat(self, repeats): leading new dims and repeated dims whole; a dim repeated once
 // keeps its split (shifted past the new leading dims).
 ShardingChoice repeat_rule(const OpCall& call) {
-  const auto repeats = call.int_list_arg(1);
+  const auto repeats = call.int_list_arg("repeats");
   const int64_t lead = static_cast<int64_t>(repeats.size()) - call.inputs[0].ndim();
-  DimStrategies s = {{{R}, {R}}};
+  DimStrategies s;
   for (int64_t d = 0; d < call.inputs[0].ndim(); ++d)
     if (repeats[static_cast<size_t>(d + lead)] == 1) s.push_back({{S(d)}, {S(d + lead)}});
   return choose_cheapest(call, s);
@@ -138,7 +138,7 @@ IndexedView indexed_view(const OpCall& call) {
   IndexedView v;
   const auto& self = call.inputs[0];
   const int64_t ndim = self.ndim();
-  const size_t n_indices = call.arg(1).toListRef().size();
+  const size_t n_indices = call.arg("indices").toListRef().size();
   int64_t d = 0, index_ndim = 0, first = -1, last = -1, n_defined = 0;
   bool adjacent = true;
   std::vector<bool> indexed(static_cast<size_t>(ndim), false);
@@ -187,7 +187,7 @@ IndexedView indexed_view(const OpCall& call) {
 // index.Tensor(self, indices): untouched dims may stay split; indices replicated.
 ShardingChoice index_rule(const OpCall& call) {
   const size_t n_in = call.inputs.size();
-  DimStrategies s = {{Placements(n_in, R), {R}}};
+  DimStrategies s;
   const auto view = indexed_view(call);
   if (view.ok && view.ndim == call.outputs[0].ndim()) {
     for (const auto& [d, v] : view.untouched) {

@@ -1,15 +1,17 @@
-// The matmul family. Per mesh dim, for C[m,n] = A[m,k] @ B[k,n]:
+// The matmul family. Per mesh dim, from the einsum equations of einsum.h; for
+// C[m,n] = A[m,k] @ B[k,n] ("mk,kn->mn"):
 //
 //   A         B         C
-//   R         R         R
+//   R         R         R          (the framework's, always first)
 //   S(m)      R         S(m)       rows split
 //   R         S(n)      S(n)       columns split
 //   S(k)      S(k)      Partial    contraction split
 //   Partial   R         Partial    linear in A
 //   R         Partial   Partial    linear in B
 //
-// bmm adds a batch dim that may be split on all three; mv and dot are the same with
-// fewer dims. linear, matmul and einsum decompose into these above autograd.
+// bmm ("bmk,bkn->bmn") adds a batch dim split on all three; mv ("mk,k->m") and dot
+// ("k,k->") are the same with fewer dims. linear, matmul and einsum decompose into these
+// above autograd.
 //
 // _grouped_mm(a, b, offs) runs one matmul per group, the groups cut by the global
 // positions in `offs` along one dim, which therefore stays whole (and offs replicated):
@@ -23,6 +25,7 @@
 // The CPU and CUDA kernels want row strides that are multiples of 16 bytes, so a matrix
 // dim is split only where every rank's part keeps that alignment (and is not empty).
 
+#include "sharding_rules/einsum.h"
 #include "sharding_rules/rule.h"
 
 namespace vescale {
@@ -32,26 +35,8 @@ namespace {
 const Placement R = Placement::replicate();
 Placement S(int32_t d) { return Placement::shard(d); }
 
-// Strategies of A @ B where the matrix dims sit after `batch` leading batch dims.
-DimStrategies matmul_strategies(int32_t batch) {
-  const int32_t m = batch, k_a = batch + 1, k_b = batch, n = batch + 1;
-  DimStrategies s = {
-      {{R, R}, {R}},
-      {{S(m), R}, {S(m)}},
-      {{R, S(n)}, {S(n)}},
-      {{S(k_a), S(k_b)}, {Placement::partial()}},
-  };
-  for (const ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
-    const Placement p = Placement::partial(op);
-    s.push_back({{p, R}, {p}});
-    s.push_back({{R, p}, {p}});
-  }
-  if (batch == 1) s.push_back({{S(0), S(0)}, {S(0)}});
-  return s;
-}
-
-// addmm / baddbmm: the added term follows the product's placement (a Partial product
-// takes a Partial bias, which one rank holds and the others hold as zeros).
+// addmm / baddbmm / addmv: the added term follows the product's placement (a Partial
+// product takes a Partial bias, which one rank holds and the others hold as zeros).
 DimStrategies with_bias(const OpCall& call, DimStrategies product) {
   const auto& bias = call.inputs[0];
   const auto& out_shape = call.outputs[0].shape;
@@ -59,38 +44,16 @@ DimStrategies with_bias(const OpCall& call, DimStrategies product) {
   return product;
 }
 
-// Matrix-vector and vector-vector products: the matrix's rows split the result; a
-// split contraction makes it Partial.
-DimStrategies mv_strategies() {
-  DimStrategies s = {{{R, R}, {R}}, {{S(0), R}, {S(0)}}, {{S(1), S(0)}, {Placement::partial()}}};
-  for (const ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
-    s.push_back({{Placement::partial(op), R}, {Placement::partial(op)}});
-    s.push_back({{R, Placement::partial(op)}, {Placement::partial(op)}});
-  }
-  return s;
-}
-
-DimStrategies dot_strategies() {
-  DimStrategies s = {{{R, R}, {R}}, {{S(0), S(0)}, {Placement::partial()}}};
-  for (const ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
-    s.push_back({{Placement::partial(op), R}, {Placement::partial(op)}});
-    s.push_back({{R, Placement::partial(op)}, {Placement::partial(op)}});
-  }
-  return s;
-}
-
-ShardingChoice mm_rule(const OpCall& call) { return choose_cheapest(call, matmul_strategies(0), Interleaving::Lift); }
-ShardingChoice bmm_rule(const OpCall& call) { return choose_cheapest(call, matmul_strategies(1), Interleaving::Lift); }
-ShardingChoice addmm_rule(const OpCall& call) {
-  return choose_cheapest(call, with_bias(call, matmul_strategies(0)), Interleaving::Lift);
-}
-ShardingChoice baddbmm_rule(const OpCall& call) {
-  return choose_cheapest(call, with_bias(call, matmul_strategies(1)), Interleaving::Lift);
+// A rule choosing among an equation's strategies; with a bias first when `bias`.
+RuleFn product_rule(std::string_view equation, bool bias, Interleaving interleaving) {
+  return [strategies = einsum_strategies(equation), bias, interleaving](const OpCall& call) {
+    return choose_cheapest(call, bias ? with_bias(call, strategies) : strategies, interleaving);
+  };
 }
 
 // Whether splitting a dim of `size` over every rank keeps each part a multiple of 16
 // bytes of `dtype` (and no part empty or uneven).
-bool splits_aligned(const OpCall& call, int64_t size, c10::ScalarType dtype) {
+bool divides_into_aligned_rows(const OpCall& call, int64_t size, c10::ScalarType dtype) {
   int64_t ranks = 1;
   for (auto n : call.mesh.shape) ranks *= n;
   const int64_t align = std::max<int64_t>(1, 16 / static_cast<int64_t>(c10::elementSize(dtype)));
@@ -109,9 +72,8 @@ ShardingChoice grouped_mm_rule(const OpCall& call) {
     in[1] = pb;
     s.push_back({in, {out}});
   };
-  auto ok = [&](const TensorArg& t, int64_t d) { return splits_aligned(call, t.shape[static_cast<size_t>(d)], t.dtype); };
+  auto ok = [&](const TensorArg& t, int64_t d) { return divides_into_aligned_rows(call, t.shape[static_cast<size_t>(d)], t.dtype); };
   const Placement P = Placement::partial();
-  add(R, R, R);
   // (Every split dim is checked: an operand may be a transposed view, autograd's a.T
   // among them, whose row stride is the size of its first matrix dim.)
   if (a.ndim() == 2 && b.ndim() == 2) {  // groups along K
@@ -170,14 +132,15 @@ std::vector<TensorArg> grouped_mm_shapes(const OpCall& call) {
 VESCALE_RULES(matmul) {
   rules.add("aten::_grouped_mm", grouped_mm_rule);
   rules.add_shape_fn("aten::_grouped_mm", grouped_mm_shapes);
-  rules.add("aten::mm", mm_rule);
-  rules.add("aten::bmm", bmm_rule);
-  rules.add("aten::addmm", addmm_rule);
-  rules.add("aten::baddbmm", baddbmm_rule);
-  rules.add("aten::mv", [](const OpCall& c) { return choose_cheapest(c, mv_strategies()); });
-  rules.add("aten::addmv", [](const OpCall& c) { return choose_cheapest(c, with_bias(c, mv_strategies())); });
-  for (const char* op : {"aten::dot", "aten::vdot"})
-    rules.add(op, [](const OpCall& c) { return choose_cheapest(c, dot_strategies()); });
+  // Matrix dims may be InterleavedShard (a packed gate|up weight): the product treats
+  // every row and column alike.
+  rules.add("aten::mm", product_rule("mk,kn->mn", false, Interleaving::Lift));
+  rules.add("aten::addmm", product_rule("mk,kn->mn", true, Interleaving::Lift));
+  rules.add("aten::bmm", product_rule("bmk,bkn->bmn", false, Interleaving::Lift));
+  rules.add("aten::baddbmm", product_rule("bmk,bkn->bmn", true, Interleaving::Lift));
+  rules.add("aten::mv", product_rule("mk,k->m", false, Interleaving::Gather));
+  rules.add("aten::addmv", product_rule("mk,k->m", true, Interleaving::Gather));
+  for (const char* op : {"aten::dot", "aten::vdot"}) rules.add(op, product_rule("k,k->", false, Interleaving::Gather));
 }
 
 }  // namespace vescale

@@ -25,8 +25,8 @@ const Placement R = Placement::replicate();
 
 // native_layer_norm(input, normalized_shape, weight?, bias?, eps) -> (out, mean, rstd)
 ShardingChoice layer_norm_rule(const OpCall& call) {
-  const auto axis = call.inputs[0].ndim() - static_cast<int64_t>(call.int_list_arg(1).size());
-  DimStrategies s = {{{R, R, R}, {R, R, R}}};
+  const auto axis = call.inputs[0].ndim() - static_cast<int64_t>(call.int_list_arg("normalized_shape").size());
+  DimStrategies s;
   for (int32_t d = 0; d < axis; ++d) {
     const auto S = Placement::shard(d);
     s.push_back({{S, R, R}, {S, S, S}});
@@ -37,8 +37,8 @@ ShardingChoice layer_norm_rule(const OpCall& call) {
 // native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight?,
 //                            bias?, output_mask) -> (grad_input, grad_weight, grad_bias)
 ShardingChoice layer_norm_backward_rule(const OpCall& call) {
-  const auto axis = call.inputs[1].ndim() - static_cast<int64_t>(call.int_list_arg(2).size());
-  DimStrategies s = {{{R, R, R, R, R, R}, {R, R, R}}};
+  const auto axis = call.inputs[1].ndim() - static_cast<int64_t>(call.int_list_arg("normalized_shape").size());
+  DimStrategies s;
   const auto P = Placement::partial();
   for (int32_t d = 0; d < axis; ++d) {
     const auto S = Placement::shard(d);
@@ -79,16 +79,16 @@ void softmax_backward_composed(const c10::OperatorHandle& op, torch::jit::Stack*
 // _softmax(self, dim, half_to_float), _softmax_backward_data(grad, output, dim, dtype),
 // and the log_softmax pair: every tensor split alike, never along `dim`; when the input
 // is split along `dim` already, the composed form above.
-ShardingChoice softmax_rule(const OpCall& call, size_t dim_arg, bool backward, bool composable = true) {
+ShardingChoice softmax_rule(const OpCall& call, bool backward, bool composable = true) {
   const int64_t ndim = call.outputs[0].ndim();
-  const int64_t dim = at::maybe_wrap_dim(call.int_arg(dim_arg), ndim);
+  const int64_t dim = at::maybe_wrap_dim(call.int_arg("dim"), ndim);
   // (Over an empty dim there is nothing to compose: the split strategies below apply.)
   for (const auto& in : call.inputs)
     for (const auto& p : in.placements)
       if (composable && p.is_shard(dim) && call.inputs[0].shape[dim] > 0)
         return ShardingChoice::composition(backward ? softmax_backward_composed : softmax_composed);
   const size_t n = call.inputs.size();
-  DimStrategies s = {{Placements(n, R), {R}}};
+  DimStrategies s;
   for (int32_t d = 0; d < ndim; ++d)
     if (d != dim) s.push_back({Placements(n, Placement::shard(d)), {Placement::shard(d)}});
   return choose_cheapest(call, s);
@@ -105,7 +105,7 @@ std::vector<std::pair<size_t, c10::IValue>> local_batch(const OpCall& call, size
 
 ShardingChoice group_norm_rule(const OpCall& call) {
   const auto S0 = Placement::shard(0);
-  auto c = choose_cheapest(call, {{{R, R, R}, {R, R, R}}, {{S0, R, R}, {S0, S0, S0}}});
+  auto c = choose_cheapest(call, {{{S0, R, R}, {S0, S0, S0}}});
   c.local_args = local_batch(call, 0, c.inputs[0], 3);
   return c;
 }
@@ -115,7 +115,7 @@ ShardingChoice group_norm_rule(const OpCall& call) {
 ShardingChoice group_norm_backward_rule(const OpCall& call) {
   const auto S0 = Placement::shard(0);
   const auto P = Placement::partial();
-  DimStrategies s = {{{R, R, R, R, R}, {R, R, R}}};
+  DimStrategies s;
   if (call.inputs[1].sharded_along(0)) s.push_back({{S0, S0, S0, S0, R}, {S0, P, P}});
   auto c = choose_cheapest(call, s);
   c.local_args = local_batch(call, 1, c.inputs[1], 5);
@@ -130,11 +130,11 @@ VESCALE_RULES(norm) {
   rules.add("aten::native_layer_norm", layer_norm_rule);
   rules.add("aten::native_layer_norm_backward", layer_norm_backward_rule);
   for (const char* op : {"aten::_softmax", "aten::_log_softmax"})
-    rules.add(op, [](const OpCall& c) { return softmax_rule(c, 1, false); });
+    rules.add(op, [](const OpCall& c) { return softmax_rule(c, false); });
   for (const char* op : {"aten::_softmax_backward_data", "aten::_log_softmax_backward_data"})
-    rules.add(op, [](const OpCall& c) { return softmax_rule(c, 2, true); });
+    rules.add(op, [](const OpCall& c) { return softmax_rule(c, true); });
   // Attention's softmax, which gives 0 rather than NaN on rows that are wholly masked.
-  rules.add("aten::_safe_softmax", [](const OpCall& c) { return softmax_rule(c, 1, false, false); });
+  rules.add("aten::_safe_softmax", [](const OpCall& c) { return softmax_rule(c, false, false); });
 }
 
 }  // namespace vescale

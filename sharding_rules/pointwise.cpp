@@ -77,7 +77,7 @@ namespace {
 
 ShardingChoice isin_rule(const OpCall& call) {
   const Placement R = Placement::replicate();
-  DimStrategies s = {{{R, R}, {R}}};
+  DimStrategies s;
   for (int32_t d = 0; d < call.outputs[0].ndim(); ++d) s.push_back({{Placement::shard(d), R}, {Placement::shard(d)}});
   return choose_cheapest(call, s);
 }

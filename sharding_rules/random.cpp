@@ -49,7 +49,7 @@ at::Tensor block_of(const at::Tensor& whole, const TensorSpec& spec) {
                                        [](const Placement& p) { return p.is_interleaved(); });
   if (interleaved) {  // pieces, not a block: cut the way distributing a tensor does (no communication)
     const Placements whole_layout(spec.placements.size(), Placement::replicate());
-    const auto plan = plan_redistribution(*spec.mesh, whole_layout, spec.placements, spec.shape, spec.dtype);
+    const auto plan = collectives::plan_redistribution(*spec.mesh, whole_layout, spec.placements, spec.shape, spec.dtype);
     return collectives::execute_redistribution(plan, *spec.mesh, spec.shape, spec.stride, whole).contiguous();
   }
   at::Tensor b = whole;

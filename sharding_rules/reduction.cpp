@@ -71,7 +71,7 @@ DimStrategies reduction_strategies(const OpCall& call, const Family& f) {
   const int64_t ndim = call.inputs[0].ndim();
   auto reduced = [&](int64_t d) { return std::find(r.dims.begin(), r.dims.end(), d) != r.dims.end(); };
   auto all = [&](Placement in, Placement out) { return DimStrategy{{in}, Placements(n_out, out)}; };
-  DimStrategies s = {all(Placement::replicate(), Placement::replicate())};
+  DimStrategies s;
   int32_t kept = 0;  // result dim of the next kept input dim
   for (int32_t d = 0; d < ndim; ++d) {
     if (!reduced(d)) {
@@ -210,9 +210,9 @@ void foreach_norm_composed(const c10::OperatorHandle& op, torch::jit::Stack* sta
 
 ShardingChoice histc_rule(const OpCall& call) {
   const auto& x = call.inputs[0];
-  DimStrategies s = {{{Placement::replicate()}, {Placement::replicate()}}};
-  const double lo = call.arg(2).toScalar().toDouble();
-  const double hi = call.arg(3).toScalar().toDouble();
+  DimStrategies s;
+  const double lo = call.arg("min").toScalar().toDouble();
+  const double hi = call.arg("max").toScalar().toDouble();
   if (lo < hi)
     for (int32_t d = 0; d < x.ndim(); ++d) s.push_back({{Placement::shard(d)}, {Placement::partial()}});
   return choose_cheapest(call, s);

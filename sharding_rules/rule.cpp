@@ -5,23 +5,32 @@
 #include <c10/util/Exception.h>
 #include <c10/util/flat_hash_map.h>
 
+#include <algorithm>
 #include <limits>
 
 namespace vescale {
 
-std::vector<int64_t> OpCall::int_list_arg(size_t i) const {
+const c10::IValue& OpCall::arg(const char* arg_name) const {
+  const auto* v = find_arg(arg_name);
+  TORCH_INTERNAL_ASSERT(v != nullptr, name(), " has no argument called '", arg_name, "' (a sharding rule asked for it)");
+  return *v;
+}
+
+std::vector<int64_t> OpCall::int_list_arg(const char* name) const {
   std::vector<int64_t> out;
-  if (args[i].isNone()) return out;
-  for (const auto& v : args[i].toListRef()) out.push_back(v.toInt());
+  const auto& v = arg(name);
+  if (v.isNone()) return out;
+  for (const auto& x : v.toListRef()) out.push_back(x.toInt());
   return out;
 }
 
-std::vector<int64_t> OpCall::dims_arg(size_t i, int64_t ndim, bool empty_means_all) const {
+std::vector<int64_t> OpCall::dims_arg(const char* name, int64_t ndim, bool empty_means_all) const {
   std::vector<int64_t> dims;
-  if (args[i].isInt()) {
-    dims.push_back(args[i].toInt());
+  const auto& v = arg(name);
+  if (v.isInt()) {
+    dims.push_back(v.toInt());
   } else {
-    dims = int_list_arg(i);
+    dims = int_list_arg(name);
   }
   if (dims.empty() && empty_means_all) {
     for (int64_t d = 0; d < ndim; ++d) dims.push_back(d);
@@ -41,33 +50,48 @@ const c10::IValue* OpCall::find_arg(const char* name) const {
 
 namespace {
 
-// Redistribution costs of one input, memoised by target placements (the same
-// targets recur across the strategy combinations).
-class InputCosts {
+// The moves of one input, planned once per target placements (the same targets recur
+// across the strategy combinations) and kept: the chosen ones go to the dispatcher.
+class InputMoves {
  public:
-  InputCosts(const Mesh& mesh, const TensorArg& arg) : mesh_(mesh), arg_(arg) {}
+  InputMoves(const Mesh& mesh, const TensorArg& arg) : mesh_(mesh), arg_(arg) {}
 
-  double cost(const Placements& target) {
-    uint64_t key = 0;
-    for (const auto& p : target) key = key * 4096 + p.code();
-    auto it = memo_.find(key);
-    if (it != memo_.end()) return it->second;
-    const double c = target == arg_.placements
-        ? 0.0
-        : plan_redistribution(mesh_, arg_.placements, target, arg_.shape, arg_.dtype).cost;
-    memo_.emplace(key, c);
-    return c;
+  // Seconds to move the input to `target`; `back`: from `target` back to where it is
+  // (a written input laid out elsewhere is written into a temporary, then moved back).
+  double cost(const Placements& target, bool back = false) {
+    const auto* plan = find(target, back);
+    return plan ? plan->cost : 0.0;
+  }
+  // The plan, moved out (nullopt when the input stays as it is).
+  std::optional<collectives::RedistPlan> take(const Placements& target, bool back = false) {
+    auto* plan = find(target, back);
+    return plan ? std::optional<collectives::RedistPlan>(std::move(*plan)) : std::nullopt;
   }
 
  private:
+  collectives::RedistPlan* find(const Placements& target, bool back) {
+    if (target == arg_.placements) return nullptr;
+    for (auto& m : memo_)  // a few distinct targets per input
+      if (m.back == back && m.target == target) return &m.plan;
+    const PlacementsRef from = back ? PlacementsRef(target) : PlacementsRef(arg_.placements);
+    const PlacementsRef to = back ? PlacementsRef(arg_.placements) : PlacementsRef(target);
+    memo_.push_back({target, back, collectives::plan_redistribution(mesh_, from, to, arg_.shape, arg_.dtype)});
+    return &memo_.back().plan;
+  }
+
+  struct Memo {
+    Placements target;
+    bool back;
+    collectives::RedistPlan plan;
+  };
   const Mesh& mesh_;
   const TensorArg& arg_;
-  ska::flat_hash_map<uint64_t, double> memo_;
+  std::vector<Memo> memo_;
 };
 
 }  // namespace
 
-bool splits_evenly(const OpCall& call, int64_t size) {
+bool divides_over_all_ranks(const OpCall& call, int64_t size) {
   int64_t ranks = 1;
   for (auto n : call.mesh.shape) ranks *= n;
   return size > 0 && size % ranks == 0;
@@ -162,8 +186,27 @@ std::string to_string(const DimStrategy& strategy) {
   return s;
 }
 
-ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& offered, Interleaving interleaving) {
-  TORCH_INTERNAL_ASSERT(!offered.empty(), call.name(), ": rule offered no strategy");
+namespace {
+bool replicates_all(const DimStrategy& s) {
+  auto r = [](const Placement& p) { return p.is_replicate(); };
+  return std::all_of(s.inputs.begin(), s.inputs.end(), r) && std::all_of(s.outputs.begin(), s.outputs.end(), r);
+}
+
+// Every op can run on whole tensors: the all-replicate layout is always a candidate,
+// first (it wins ties), unless the rule placed it itself.
+DimStrategies with_replicate_all(const OpCall& call, const DimStrategies& offered) {
+  DimStrategies out;
+  out.reserve(offered.size() + 1);
+  out.push_back({Placements(call.inputs.size(), Placement::replicate()), Placements(call.outputs.size(), Placement::replicate())});
+  out.insert(out.end(), offered.begin(), offered.end());
+  return out;
+}
+}  // namespace
+
+ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& rule_strategies, Interleaving interleaving) {
+  const bool rule_replicates = std::any_of(rule_strategies.begin(), rule_strategies.end(), replicates_all);
+  const DimStrategies completed = rule_replicates ? DimStrategies{} : with_replicate_all(call, rule_strategies);
+  const DimStrategies& offered = rule_replicates ? rule_strategies : completed;
   const auto groups = interleaving == Interleaving::Lift ? interleaved_groups(call) : std::vector<int32_t>{};
   const DimStrategies lifted = groups.empty() ? DimStrategies{} : lift_interleaved(offered, groups);
   const DimStrategies& strategies = groups.empty() ? offered : lifted;
@@ -180,9 +223,9 @@ ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& offered,
                           " outputs, the call has ", n_in, " and ", n_out);
   }
   const auto mesh_ndim = static_cast<size_t>(call.mesh.ndim());
-  std::vector<InputCosts> costs;
-  costs.reserve(n_in);
-  for (const auto& in : call.inputs) costs.emplace_back(call.mesh, in);
+  std::vector<InputMoves> moves;
+  moves.reserve(n_in);
+  for (const auto& in : call.inputs) moves.emplace_back(call.mesh, in);
 
   std::vector<size_t> combo(mesh_ndim, 0), best_strict, best_any;
   size_t combinations = 1;
@@ -214,10 +257,9 @@ ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& offered,
       for (size_t m = 0; m < mesh_ndim; ++m) target[m] = strategies[combo[m]].inputs[i];
       if (in.written && target != in.placements) {
         keeps_written = false;
-        // Writing into a temporary costs the way back as well.
-        cost += plan_redistribution(call.mesh, target, in.placements, in.shape, in.dtype).cost;
+        cost += moves[i].cost(target, /*back=*/true);  // writing into a temporary costs the way back too
       }
-      cost += costs[i].cost(target);
+      cost += moves[i].cost(target);
     }
     if (!ok) cost = std::numeric_limits<double>::infinity();
     if (C10_UNLIKELY(t_candidates != nullptr)) log_candidate(call, strategies, combo, cost, keeps_written);
@@ -248,6 +290,13 @@ ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& offered,
     const auto& s = strategies[best[m]];
     for (size_t i = 0; i < n_in; ++i) choice.inputs[i][m] = s.inputs[i];
     for (size_t j = 0; j < n_out; ++j) choice.outputs[j][m] = s.outputs[j];
+  }
+  choice.to_target.resize(n_in);
+  choice.write_back.resize(n_in);
+  for (size_t i = 0; i < n_in; ++i) {
+    if (!call.inputs[i].defined) continue;
+    choice.to_target[i] = moves[i].take(choice.inputs[i]);
+    if (call.inputs[i].written) choice.write_back[i] = moves[i].take(choice.inputs[i], /*back=*/true);
   }
   return choice;
 }

@@ -18,7 +18,8 @@
 //     rules.add("aten::add.Tensor", pointwise(Linearity::Additive));
 //   }
 
-#include "dispatch/spec.h"
+#include "collectives/redistribute_plan.h"
+#include "core/spec.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/ivalue.h>
@@ -60,15 +61,18 @@ struct OpCall {
   std::vector<uint32_t> input_arg;  // the schema argument each flattened input comes from
 
   const c10::FunctionSchema& schema() const { return op.schema(); }
-  const c10::IValue& arg(size_t i) const { return args[i]; }
+  // Rules read non-tensor arguments by their schema name, never by position (overloads
+  // and out= variants move positions). `arg` wants the name to exist: a rule asking for
+  // one its op lacks is a bug in the rule, reported as an internal error naming both.
+  const c10::IValue& arg(const char* name) const;
   // The argument called `name` in the schema, or nullptr when the op has none.
   const c10::IValue* find_arg(const char* name) const;
-  int64_t int_arg(size_t i) const { return args[i].toInt(); }
-  bool bool_arg(size_t i) const { return args[i].toBool(); }
-  std::vector<int64_t> int_list_arg(size_t i) const;
-  // Argument i as a dim list normalised to [0, ndim); an empty or absent list means
+  int64_t int_arg(const char* name) const { return arg(name).toInt(); }
+  bool bool_arg(const char* name) const { return arg(name).toBool(); }
+  std::vector<int64_t> int_list_arg(const char* name) const;
+  // The argument as a dim list normalised to [0, ndim); an empty or absent list means
   // all dims when `empty_means_all`.
-  std::vector<int64_t> dims_arg(size_t i, int64_t ndim, bool empty_means_all = true) const;
+  std::vector<int64_t> dims_arg(const char* name, int64_t ndim, bool empty_means_all = true) const;
   std::string name() const;  // "aten::add.Tensor"
 };
 
@@ -106,6 +110,10 @@ struct ShardingChoice {
   std::vector<std::pair<size_t, c10::IValue>> local_args;
   // When set, inputs/outputs are not used: the op is this composition.
   DecomposeFn decompose = nullptr;
+  // The moves choose_cheapest priced for this choice, per flattened input (to the
+  // target; for written inputs, back): the dispatcher runs them instead of planning
+  // again. Empty, or nullopt for an input, where the rule priced none.
+  std::vector<std::optional<collectives::RedistPlan>> to_target, write_back;
 
   static ShardingChoice composition(DecomposeFn fn) {
     ShardingChoice c;
@@ -122,10 +130,11 @@ using RuleFn = std::function<ShardingChoice(const OpCall&)>;
 // raises; it raises itself (TORCH_CHECK) on calls the op cannot run.
 using ShapeFn = std::function<std::vector<TensorArg>(const OpCall&)>;
 
-// Whether a dim of `size` split over every rank of the call's mesh leaves no rank an
-// empty part: some CPU kernels (pooling, MKL FFT) reject empty dims, and a rank that
-// raises while the others go on leaves them waiting.
-bool splits_evenly(const OpCall& call, int64_t size);
+// Whether a dim of `size` splits into equal, non-empty parts over all the ranks of the
+// call's mesh (every mesh dim at once): some CPU kernels (pooling, MKL FFT) reject empty
+// dims, and a rank that raises while the others go on leaves them waiting. (Not to be
+// confused with core's all_shards_same_size, which asks it of a given layout.)
+bool divides_over_all_ranks(const OpCall& call, int64_t size);
 
 // How a rule's strategies treat an InterleavedShard input (see placement.h):
 //   Gather  they do not mention it: such an input is gathered to what a strategy wants
@@ -139,7 +148,8 @@ enum class Interleaving : uint8_t { Gather, Lift };
 
 // Combines per-mesh-dim strategies over the whole mesh and returns the cheapest
 // combination (ties go to the earlier strategy). Inputs the op writes keep their
-// placements when any combination allows it.
+// placements when any combination allows it. The all-replicate strategy needs no
+// listing: it is added first (winning ties) unless the rule lists it somewhere itself.
 ShardingChoice choose_cheapest(const OpCall& call, const DimStrategies& strategies,
                                Interleaving interleaving = Interleaving::Gather);
 

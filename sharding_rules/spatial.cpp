@@ -32,7 +32,7 @@ DimStrategies leading_dims(const OpCall& call, int64_t spatial, int64_t max_spli
   const int64_t leading = std::min(first.ndim() - spatial, max_split_dims);
   for (int64_t d = 0; d < leading; ++d) {
     const auto S = Placement::shard(static_cast<int32_t>(d));
-    bool fits = splits_evenly(call, first.shape[static_cast<size_t>(d)]);
+    bool fits = divides_over_all_ranks(call, first.shape[static_cast<size_t>(d)]);
     for (const auto& t : call.inputs)
       fits &= !t.defined || (t.ndim() > d && t.shape[static_cast<size_t>(d)] == first.shape[static_cast<size_t>(d)]);
     for (const auto& t : call.outputs)
@@ -64,8 +64,8 @@ RuleFn upsample_backward(int64_t spatial) {
 // convolution(input, weight, bias?, ...) -> out: a batch split needs no communication.
 ShardingChoice convolution_rule(const OpCall& call) {
   const auto S0 = Placement::shard(0);
-  DimStrategies s = {{{R, R, R}, {R}}};
-  if (splits_evenly(call, call.inputs[0].shape[0])) s.push_back({{S0, R, R}, {S0}});
+  DimStrategies s;
+  if (divides_over_all_ranks(call, call.inputs[0].shape[0])) s.push_back({{S0, R, R}, {S0}});
   return choose_cheapest(call, s);
 }
 
@@ -74,8 +74,8 @@ ShardingChoice convolution_rule(const OpCall& call) {
 ShardingChoice convolution_backward_rule(const OpCall& call) {
   const auto S0 = Placement::shard(0);
   const auto P = Placement::partial();
-  DimStrategies s = {{{R, R, R}, {R, R, R}}};
-  if (splits_evenly(call, call.inputs[1].shape[0])) s.push_back({{S0, S0, R}, {S0, P, P}});
+  DimStrategies s;
+  if (divides_over_all_ranks(call, call.inputs[1].shape[0])) s.push_back({{S0, S0, R}, {S0, P, P}});
   return choose_cheapest(call, s);
 }
 

@@ -199,22 +199,22 @@ ShardingChoice transpose_rule(const OpCall& call) {
   const int64_t ndim = call.inputs[0].ndim();
   int64_t d0 = 0, d1 = ndim > 1 ? 1 : 0;  // t()
   if (call.args.size() >= 3) {
-    d0 = at::maybe_wrap_dim(call.int_arg(1), ndim);
-    d1 = at::maybe_wrap_dim(call.int_arg(2), ndim);
+    d0 = at::maybe_wrap_dim(call.int_arg("dim0"), ndim);
+    d1 = at::maybe_wrap_dim(call.int_arg("dim1"), ndim);
   }
   return map_dims_rule(call, [&](int64_t d) { return d == d0 ? d1 : d == d1 ? d0 : d; });
 }
 
 ShardingChoice permute_rule(const OpCall& call) {
   const int64_t ndim = call.inputs[0].ndim();
-  const auto dims = call.dims_arg(1, ndim, false);
+  const auto dims = call.dims_arg("dims", ndim, false);
   return map_dims_rule(call, [&](int64_t d) -> int64_t {
     return std::find(dims.begin(), dims.end(), d) - dims.begin();
   });
 }
 
 ShardingChoice unsqueeze_rule(const OpCall& call) {
-  const int64_t at = at::maybe_wrap_dim(call.int_arg(1), call.inputs[0].ndim() + 1);
+  const int64_t at = at::maybe_wrap_dim(call.int_arg("dim"), call.inputs[0].ndim() + 1);
   return map_dims_rule(call, [&](int64_t d) { return d >= at ? d + 1 : d; });
 }
 
@@ -268,7 +268,7 @@ std::vector<int64_t> kept_dims(int64_t ndim, int64_t d1, int64_t d2) {
 
 ShardingChoice diagonal_rule(const OpCall& call) {
   const int64_t n = call.inputs[0].ndim();
-  const auto kept = kept_dims(n, at::maybe_wrap_dim(call.int_arg(2), n), at::maybe_wrap_dim(call.int_arg(3), n));
+  const auto kept = kept_dims(n, at::maybe_wrap_dim(call.int_arg("dim1"), n), at::maybe_wrap_dim(call.int_arg("dim2"), n));
   return map_dims_rule(call, [&](int64_t d) -> int64_t {
     const auto it = std::find(kept.begin(), kept.end(), d);
     return it == kept.end() ? -1 : it - kept.begin();
@@ -279,7 +279,7 @@ ShardingChoice diagonal_rule(const OpCall& call) {
 // gets this rank's share of input_sizes.
 ShardingChoice diagonal_backward_rule(const OpCall& call) {
   const int64_t n = call.outputs[0].ndim();
-  const auto kept = kept_dims(n, at::maybe_wrap_dim(call.int_arg(3), n), at::maybe_wrap_dim(call.int_arg(4), n));
+  const auto kept = kept_dims(n, at::maybe_wrap_dim(call.int_arg("dim1"), n), at::maybe_wrap_dim(call.int_arg("dim2"), n));
   auto [in, out] = map_dims(call, [&](int64_t g) -> int64_t {
     return g < static_cast<int64_t>(kept.size()) ? kept[static_cast<size_t>(g)] : -1;
   });
@@ -305,13 +305,13 @@ ShardingChoice expand_rule(const OpCall& call) {
 
 // select.int(self, dim, index): the dim goes away.
 ShardingChoice select_rule(const OpCall& call) {
-  const int64_t dim = at::maybe_wrap_dim(call.int_arg(1), call.inputs[0].ndim());
+  const int64_t dim = at::maybe_wrap_dim(call.int_arg("dim"), call.inputs[0].ndim());
   return map_dims_rule(call, [&](int64_t d) { return d == dim ? -1 : d > dim ? d - 1 : d; });
 }
 
 // slice / split / split_with_sizes (self, _, dim): the dim must be whole.
-ShardingChoice whole_dim_rule(const OpCall& call, size_t dim_arg) {
-  const int64_t dim = at::maybe_wrap_dim(call.int_arg(dim_arg), call.inputs[0].ndim());
+ShardingChoice whole_dim_rule(const OpCall& call) {
+  const int64_t dim = at::maybe_wrap_dim(call.int_arg("dim"), call.inputs[0].ndim());
   return map_dims_rule(call, [&](int64_t d) { return d == dim ? -1 : d; });
 }
 
@@ -319,8 +319,8 @@ ShardingChoice whole_dim_rule(const OpCall& call, size_t dim_arg) {
 // InterleavedShard(dim, g) cut into its g blocks stays where it is, and each block is
 // Shard(dim); the local call cuts the shard into g equal parts.
 ShardingChoice split_rule(const OpCall& call, bool with_sizes) {
-  const int64_t dim = at::maybe_wrap_dim(call.int_arg(2), call.inputs[0].ndim());
-  auto c = whole_dim_rule(call, 2);
+  const int64_t dim = at::maybe_wrap_dim(call.int_arg("dim"), call.inputs[0].ndim());
+  auto c = whole_dim_rule(call);
   const auto& placements = call.inputs[0].placements;
   const int64_t n = call.inputs[0].shape[static_cast<size_t>(dim)];
   for (size_t m = 0; m < placements.size(); ++m) {
@@ -346,7 +346,7 @@ ShardingChoice unbind_rule(const OpCall& call) { return select_rule(call); }
 // dim, start, end, step): the gradient is scattered into zeros of the input's size,
 // whole along `dim`; the local call gets the local size.
 ShardingChoice index_backward_rule(const OpCall& call, bool dim_removed) {
-  const int64_t dim = at::maybe_wrap_dim(call.int_arg(2), call.outputs[0].ndim());
+  const int64_t dim = at::maybe_wrap_dim(call.int_arg("dim"), call.outputs[0].ndim());
   auto [in, out] = map_dims(call, [&](int64_t d) -> int64_t {
     const int64_t to = dim_removed && d >= dim ? d + 1 : d;
     return to == dim ? -1 : to;
@@ -414,10 +414,9 @@ ShardingChoice join_rule(const OpCall& call, bool stacking) {
     return c;
   }
   const int64_t in_ndim = first == nullptr ? 0 : first->ndim();
-  const int64_t dim = at::maybe_wrap_dim(call.int_arg(1), stacking ? in_ndim + 1 : std::max<int64_t>(in_ndim, 1));
+  const int64_t dim = at::maybe_wrap_dim(call.int_arg("dim"), stacking ? in_ndim + 1 : std::max<int64_t>(in_ndim, 1));
   DimStrategies s;
   auto all = [&](Placement in, Placement out) { s.push_back({Placements(n, in), {out}}); };
-  all(Placement::replicate(), Placement::replicate());
   for (int32_t d = 0; d < in_ndim; ++d) {
     if (!stacking && d == dim) continue;
     all(Placement::shard(d), Placement::shard(stacking && d >= dim ? d + 1 : d));
@@ -446,7 +445,7 @@ VESCALE_RULES(view) {
   for (const char* op : {"aten::squeeze", "aten::squeeze.dim", "aten::squeeze.dims"}) rules.add(op, squeeze_rule);
   rules.add("aten::expand", expand_rule);
   rules.add("aten::select.int", select_rule);
-  rules.add("aten::slice.Tensor", [](const OpCall& c) { return whole_dim_rule(c, 1); });
+  rules.add("aten::slice.Tensor", whole_dim_rule);
   rules.add("aten::split.Tensor", [](const OpCall& c) { return split_rule(c, false); });
   rules.add("aten::split_with_sizes", [](const OpCall& c) { return split_rule(c, true); });
   rules.add("aten::unbind.int", unbind_rule);

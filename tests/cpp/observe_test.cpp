@@ -15,6 +15,9 @@
 #include <limits>
 
 namespace vescale {
+
+namespace trace = collectives::trace;
+
 namespace {
 
 const Placement R = Placement::replicate();
@@ -101,7 +104,7 @@ TEST(Explain, CandidateLogPricesEveryStrategyAndMarksTheCheapest) {
   EXPECT_EQ(chosen.cost, cheapest);
   EXPECT_EQ(to_string(chosen), "[Replicate()], [Shard(1)] -> [Shard(1)]");
   // The logged cost is the planner's price of the moves the decision makes.
-  const auto gather_a = plan_redistribution(*m1, Placements{S(0)}, Placements{R}, std::vector<int64_t>{4, 6},
+  const auto gather_a = collectives::plan_redistribution(*m1, Placements{S(0)}, Placements{R}, std::vector<int64_t>{4, 6},
                                             at::kFloat);
   EXPECT_EQ(chosen.cost, gather_a.cost);
   EXPECT_EQ(to_string(*traced.decision),

@@ -1,7 +1,7 @@
 // Placement algebra: torch.chunk arithmetic, local blocks under nested shards, spec
 // interning and validation.
 
-#include "dispatch/spec.h"
+#include "core/spec.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -47,9 +47,9 @@ TEST(LocalBox, UnevenShardsCanBeEmpty) {
 }
 
 TEST(LocalBox, EvenlySharded) {
-  EXPECT_TRUE(evenly_sharded({8}, {Placement::shard(0), Placement::shard(0)}, {2, 2}));
-  EXPECT_FALSE(evenly_sharded({6}, {Placement::shard(0), Placement::shard(0)}, {2, 2}));
-  EXPECT_TRUE(evenly_sharded({5}, {Placement::replicate()}, {4}));
+  EXPECT_TRUE(all_shards_same_size({8}, {Placement::shard(0), Placement::shard(0)}, {2, 2}));
+  EXPECT_FALSE(all_shards_same_size({6}, {Placement::shard(0), Placement::shard(0)}, {2, 2}));
+  EXPECT_TRUE(all_shards_same_size({5}, {Placement::replicate()}, {4}));
 }
 
 TEST(LocalBox, InterleavedHoldsAPieceOfEveryBlock) {
@@ -57,7 +57,7 @@ TEST(LocalBox, InterleavedHoldsAPieceOfEveryBlock) {
   const auto box = local_box({12, 5}, {p}, {2}, {1});
   EXPECT_EQ(box.sizes[0], 6);  // 3 blocks of 4 rows, 2 rows of each
   EXPECT_EQ(box.offsets[0], -1);  // not one block: no offset
-  EXPECT_TRUE(evenly_sharded({12, 5}, {p}, {2}));
+  EXPECT_TRUE(all_shards_same_size({12, 5}, {p}, {2}));
   EXPECT_EQ(p.str(), "InterleavedShard(0, 3)");
   EXPECT_NE(p, Placement::interleaved(0, 2));
   EXPECT_NE(p, Placement::shard(0));

@@ -15,7 +15,7 @@ Placement S(int32_t d) { return Placement::shard(d); }
 std::string plan(std::vector<int64_t> mesh_shape, Placements src, Placements dst,
                  std::vector<int64_t> shape = {8, 8}) {
   auto mesh = make_test_mesh(mesh_shape, std::vector<int64_t>(mesh_shape.size(), 0));
-  return plan_redistribution(*mesh, src, dst, shape, at::kFloat).str();
+  return collectives::plan_redistribution(*mesh, src, dst, shape, at::kFloat).str();
 }
 
 TEST(Plan, OneDimTransitions) {
@@ -65,7 +65,7 @@ TEST(Plan, MixedPartialsReduceInnermostFirst) {
 
 TEST(Plan, StepsRecordThePlacementsBefore) {
   auto mesh = make_test_mesh({2, 2}, {0, 0});
-  const auto p = plan_redistribution(*mesh, {S(0), S(0)}, {R, R}, {8}, at::kFloat);
+  const auto p = collectives::plan_redistribution(*mesh, {S(0), S(0)}, {R, R}, {8}, at::kFloat);
   ASSERT_EQ(p.steps.size(), 2u);
   EXPECT_EQ(p.steps[0].before, (Placements{S(0), S(0)}));
   EXPECT_EQ(p.steps[1].before, (Placements{S(0), R}));
@@ -75,7 +75,7 @@ TEST(Plan, CostsOrderCollectives) {
   auto mesh = make_test_mesh({4}, {0});
   const std::vector<int64_t> shape = {1024, 1024};
   auto cost = [&](Placements a, Placements b) {
-    return plan_redistribution(*mesh, a, b, shape, at::kFloat).cost;
+    return collectives::plan_redistribution(*mesh, a, b, shape, at::kFloat).cost;
   };
   EXPECT_EQ(cost({R}, {R}), 0.0);
   EXPECT_LT(cost({R}, {S(0)}), cost({S(0)}, {R}));        // local chunk < all-gather
@@ -93,14 +93,14 @@ TEST(Plan, InterleavedGoesThroughGroupedSteps) {
   EXPECT_EQ(plan({2}, {I}, {S(1)}), "all_gather(dim=0, groups=2, mesh_dim=0); chunk(dim=1, mesh_dim=0)");
   EXPECT_EQ(plan({2, 2}, {S(1), I}, {S(1), R}), "all_gather(dim=0, groups=2, mesh_dim=1)");
   auto mesh = make_test_mesh({2}, {0});
-  EXPECT_THROW(plan_redistribution(*mesh, {R}, {Placement::interleaved(0, 3)}, std::vector<int64_t>{8, 8}, at::kFloat),
+  EXPECT_THROW(collectives::plan_redistribution(*mesh, {R}, {Placement::interleaved(0, 3)}, std::vector<int64_t>{8, 8}, at::kFloat),
                c10::ValueError);  // 8 rows do not make 3 blocks of 2 pieces
 }
 
 TEST(Plan, RejectsBadTargets) {
   auto mesh = make_test_mesh({4}, {0});
-  EXPECT_THROW(plan_redistribution(*mesh, {R}, {S(2)}, std::vector<int64_t>{4, 4}, at::kFloat), c10::IndexError);
-  EXPECT_THROW(plan_redistribution(*mesh, {R}, {R, R}, std::vector<int64_t>{4, 4}, at::kFloat), c10::ValueError);
+  EXPECT_THROW(collectives::plan_redistribution(*mesh, {R}, {S(2)}, std::vector<int64_t>{4, 4}, at::kFloat), c10::IndexError);
+  EXPECT_THROW(collectives::plan_redistribution(*mesh, {R}, {R, R}, std::vector<int64_t>{4, 4}, at::kFloat), c10::ValueError);
 }
 
 }  // namespace

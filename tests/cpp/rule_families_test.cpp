@@ -330,8 +330,8 @@ TEST_F(RuleFamilies, IndexPutTakesBroadcastValues) {
 
 TEST_F(RuleFamilies, CostsPreferLocalWorkOverCommunication) {
   // Cutting a replicated operand locally is cheaper than any collective.
-  const auto local = plan_redistribution(*m4, {R}, {S(0)}, {1024, 1024}, at::kFloat).cost;
-  const auto gather = plan_redistribution(*m4, {S(0)}, {R}, {1024, 1024}, at::kFloat).cost;
+  const auto local = collectives::plan_redistribution(*m4, {R}, {S(0)}, {1024, 1024}, at::kFloat).cost;
+  const auto gather = collectives::plan_redistribution(*m4, {S(0)}, {R}, {1024, 1024}, at::kFloat).cost;
   EXPECT_LT(local, gather);
 }
 

@@ -107,11 +107,11 @@ def _totals(results: dict, stacks: list) -> str:
 
 def _model_ops() -> str:
     """The ops training steps of the test models dispatch, and whether each has a rule."""
-    from tests.models import training_ops as t
+    from tests.opinfo import training_ops as t
 
     lines = ["## Ops of model training steps", "",
              "The distinct aten ops that a training step (forward, backward, AdamW) of the test models "
-             "dispatches below autograd, where vescale's handler sits (`python -m tests.models.training_ops`), "
+             "dispatches below autograd, where vescale's handler sits (`python -m tests.opinfo.training_ops`), "
              "and how many have a sharding rule rather than the replicate fallback. The parallel training "
              "tests (`tests/python/test_parallel.py`) also assert that no op of these steps falls back.", "",
              "| model | AdamW | ops | with a rule | share | without a rule |", "|---|---|---|---|---|---|"]

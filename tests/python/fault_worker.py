@@ -27,7 +27,7 @@ import torch.distributed as dist
 import vescale
 from vescale.parallel import DDP, DistributedOptimizer, parallelize_module
 from vescale.parallel.plans import llama_plan
-from tests.models.llama import LlamaConfig, LlamaForCausalLM
+from examples.models.llama import LlamaConfig, LlamaForCausalLM
 
 STEPS = 3
 FAIL_AT_STEP = 1  # fail in the second step, with every collective already set up

@@ -19,8 +19,8 @@ from vescale.autoplan.whatif import placement_cost, unit_collectives
 from vescale.parallel.plans import gpt2_plan, gpt_plan, hf_plan, llama_plan
 
 from dist_utils import mismatch
-from tests.models.gpt import GPT, GPTConfig
-from tests.models.llama import LlamaConfig, LlamaForCausalLM
+from examples.models.gpt import GPT, GPTConfig
+from examples.models.llama import LlamaConfig, LlamaForCausalLM
 
 # Any alpha-beta table will do for the choices below: the pairs win by a margin (fewer and
 # smaller collectives), whatever the backend's numbers.

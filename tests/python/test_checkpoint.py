@@ -27,7 +27,7 @@ from vescale.parallel.ddp import local_of
 
 from dist_utils import mesh, mismatch
 from test_parallel import LAYOUTS
-from tests.models.gpt import GPT, GPTConfig
+from examples.models.gpt import GPT, GPTConfig
 from vescale.parallel.plans import gpt_plan
 
 # vocab 66 and 6 heads of 6: TP4 splits the vocabulary 17/17/17/15 (uneven shards)

@@ -18,7 +18,7 @@ from vescale.parallel import parallelize_module
 from vescale.parallel.plans import gpt_plan
 
 from dist_utils import full_grads, mesh, mismatch, mismatch_to_max
-from tests.models.gpt import GPT, GPTConfig
+from examples.models.gpt import GPT, GPTConfig
 
 STEPS = 3
 LR = 0.1

@@ -17,8 +17,8 @@ from vescale.parallel import parallelize_module
 from vescale.parallel.plans import gpt_plan, llama_plan
 
 from dist_utils import mesh
-from tests.models.gpt import GPT, GPTConfig
-from tests.models.llama import LlamaConfig, LlamaForCausalLM
+from examples.models.gpt import GPT, GPTConfig
+from examples.models.llama import LlamaConfig, LlamaForCausalLM
 
 
 class Zoo(nn.Module):

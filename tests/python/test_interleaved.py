@@ -14,7 +14,7 @@ from vescale.parallel import DDP, DistributedOptimizer, parallelize_module
 from vescale.parallel.plans import gpt_plan
 
 from dist_utils import describe, make_dtensor, mesh, mismatch, rand, training_mismatches
-from tests.models.gpt import GPT, GPTConfig
+from examples.models.gpt import GPT, GPTConfig
 
 
 def expected_local(full: torch.Tensor, placements, m) -> torch.Tensor:

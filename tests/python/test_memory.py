@@ -8,7 +8,7 @@ import torch
 from vescale.parallel import DDP, DistributedOptimizer
 
 from dist_utils import mesh
-from tests.models.gpt import GPT, GPTConfig
+from examples.models.gpt import GPT, GPTConfig
 
 # (params, grads, master, optimizer state) as fractions of the parameter bytes P, for
 # DP = 4. AdamW keeps two fp32 moments per element of the slice: 2/4 of P for fp32

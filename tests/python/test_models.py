@@ -12,8 +12,8 @@ import vescale
 from vescale import Replicate, Shard
 
 from dist_utils import adam_mismatch, full_grads, mesh, mismatch, mismatch_to_max
-from tests.models.gpt import GPT, GPTConfig
-from tests.models.llama import LlamaConfig, LlamaForCausalLM
+from examples.models.gpt import GPT, GPTConfig
+from examples.models.llama import LlamaConfig, LlamaForCausalLM
 
 # (model factory, TP placement per parameter-name pattern; anything else replicated).
 # GPT without biases: the key bias of attention has an exactly zero gradient in exact

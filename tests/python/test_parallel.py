@@ -16,8 +16,8 @@ from vescale.parallel import DDP, DistributedOptimizer, parallelize_module
 from vescale.parallel.plans import gpt_plan, llama_plan
 
 from dist_utils import adam_mismatch, full_grads, mesh, mismatch_to_max, training_mismatches
-from tests.models.gpt import GPT, GPTConfig
-from tests.models.llama import LlamaConfig, LlamaForCausalLM
+from examples.models.gpt import GPT, GPTConfig
+from examples.models.llama import LlamaConfig, LlamaForCausalLM
 
 STEPS = 5
 GLOBAL_BATCH = 4

@@ -16,7 +16,7 @@ from vescale.data import DataLoader
 from vescale.parallel.plans import gpt_plan
 
 from dist_utils import mismatch
-from tests.models.gpt import GPT, GPTConfig
+from examples.models.gpt import GPT, GPTConfig
 
 VOCAB, SEQ, GLOBAL_BATCH, STEPS, LR = 64, 16, 8, 4, 1e-2
 

@@ -21,8 +21,8 @@ from vescale.parallel.pipeline import analytic_bubble, make_schedule, simulate
 from vescale.parallel.plans import gpt_plan, llama_plan
 
 from dist_utils import full_grads, mismatch, training_mismatches
-from tests.models.gpt import GPT, GPTConfig
-from tests.models.llama import LlamaConfig, LlamaForCausalLM
+from examples.models.gpt import GPT, GPTConfig
+from examples.models.llama import LlamaConfig, LlamaForCausalLM
 
 LR = 1e-2
 _meshes: dict = {}

@@ -31,8 +31,8 @@ from vescale.parallel.pipeline import is_elsewhere
 
 from dist_utils import mismatch
 from test_models import MODELS as TP_PLANS
-from tests.models.gpt import GPT, GPTConfig
-from tests.models.llama import LlamaConfig, LlamaForCausalLM
+from examples.models.gpt import GPT, GPTConfig
+from examples.models.llama import LlamaConfig, LlamaForCausalLM
 
 # four blocks (PP4 needs one per stage); GPT's vocabulary of 66 splits 17/17/17/15 under TP4
 FACTORIES = {

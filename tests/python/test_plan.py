@@ -8,7 +8,7 @@ import torch
 import vescale
 from vescale import Plan, PlanError, Replicate, Shard
 from vescale.parallel.plans import gpt_plan, llama_plan
-from tests.models.llama import LlamaConfig, LlamaForCausalLM
+from examples.models.llama import LlamaConfig, LlamaForCausalLM
 
 
 def _plan() -> Plan:

@@ -16,7 +16,7 @@ from vescale.parallel import parallelize_module
 from vescale.parallel.plans import bert_plan, gpt2_plan, gpt_plan, hf_plan, llama_plan, t5_plan
 
 from dist_utils import mesh, mismatch
-from tests.models.gpt import GPT, GPTConfig
+from examples.models.gpt import GPT, GPTConfig
 
 MLP_OUT = r"transformer\.h\.\d+\.mlp\.output"
 HEAD = r"lm_head\.weight"

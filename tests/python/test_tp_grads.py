@@ -17,7 +17,7 @@ from vescale.parallel import DDP, DistributedOptimizer, parallelize_module
 from vescale.parallel.plans import gpt_plan
 
 from dist_utils import full_grads, mesh, mismatch_to_max
-from tests.models.gpt import GPT, GPTConfig
+from examples.models.gpt import GPT, GPTConfig
 
 CONFIG = GPTConfig(bias=True)  # biases and LayerNorms: replicated parameters with Partial gradients
 

@@ -17,8 +17,8 @@ from vescale.parallel.plans import gpt_plan, llama_plan
 
 from dist_utils import adam_mismatch, mesh, mismatch, mismatch_to_max
 from test_parallel import _batches
-from tests.models.gpt import GPT, GPTConfig
-from tests.models.llama import LlamaConfig, LlamaForCausalLM
+from examples.models.gpt import GPT, GPTConfig
+from examples.models.llama import LlamaConfig, LlamaForCausalLM
 
 CLIP = 0.05  # small enough that every step clips
 

@@ -20,10 +20,13 @@
 namespace py = pybind11;
 
 namespace vescale::autoplan {
-void bind_autoplan(py::module& m);  // autoplan/python_bindings.cpp
+void bind_autoplan(py::module& m);  // bindings/autoplan.cpp
 }
 
 namespace vescale {
+
+namespace trace = collectives::trace;
+
 namespace {
 
 Placements to_placements(const py::sequence& seq) {
@@ -388,7 +391,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("plan_redistribution",
         [](const std::shared_ptr<Mesh>& mesh, const py::sequence& src, const py::sequence& dst,
            std::vector<int64_t> shape, at::ScalarType dtype) {
-          const auto plan = plan_redistribution(*mesh, to_placements(src), to_placements(dst), shape, dtype);
+          const auto plan = collectives::plan_redistribution(*mesh, to_placements(src), to_placements(dst), shape, dtype);
           std::vector<std::string> steps;
           for (const auto& s : plan.steps) steps.push_back(s.str());
           return py::make_tuple(steps, plan.cost);

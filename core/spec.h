@@ -6,8 +6,8 @@
 // reused by another spec while the decision lives). Each spec also carries what this rank derives from it (its local block),
 // computed once when the spec is first made.
 
-#include "dispatch/mesh.h"
-#include "dispatch/placement.h"
+#include "core/mesh.h"
+#include "core/placement.h"
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/SmallVector.h>

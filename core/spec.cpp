@@ -1,4 +1,4 @@
-#include "dispatch/spec.h"
+#include "core/spec.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/hash.h>

@@ -124,9 +124,9 @@ LocalBox local_box(
     c10::ArrayRef<int64_t> mesh_shape,
     c10::ArrayRef<int64_t> coordinate);
 
-// True when every rank along every sharding mesh dim gets the same size, i.e. each
-// sharded extent divides evenly at every nesting level.
-bool evenly_sharded(
+// True when `placements` give every rank a block of the same shape: each sharded
+// extent divides evenly at every nesting level (empty parts allowed when all are).
+bool all_shards_same_size(
     c10::ArrayRef<int64_t> global_shape,
     PlacementsRef placements,
     c10::ArrayRef<int64_t> mesh_shape);

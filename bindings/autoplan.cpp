@@ -1,6 +1,6 @@
 // The auto-planner's Python face (vescale/autoplan/scale.py is the driver): plain dicts in
 // and out, so that Python stays a thin layer and the C++ structs stay free of pybind11.
-// Called from dispatch/python_bindings.cpp's module definition.
+// Called from bindings/engine.cpp's module definition.
 
 #include "autoplan/eager.h"
 #include "autoplan/hardware.h"

@@ -1,4 +1,4 @@
-#include "dispatch/mesh.h"
+#include "core/mesh.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,4 +1,4 @@
-#include "dispatch/placement.h"
+#include "core/placement.h"
 
 #include <c10/util/Exception.h>
 
@@ -78,7 +78,7 @@ LocalBox local_box(
   return box;
 }
 
-bool evenly_sharded(
+bool all_shards_same_size(
     c10::ArrayRef<int64_t> global_shape,
     PlacementsRef placements,
     c10::ArrayRef<int64_t> mesh_shape) {

@@ -1,7 +1,7 @@
 """The aten ops that training steps of the test models dispatch, and which of them
 have a vescale sharding rule.
 
-    .venv/bin/python -m tests.models.training_ops          # prints a markdown table
+    .venv/bin/python -m tests.opinfo.training_ops          # prints a markdown table
 
 Ops are recorded with a TorchDispatchMode on a plain single-device step (forward,
 backward, AdamW): that mode sits below autograd, where vescale's handler sits, so it
@@ -15,8 +15,8 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.models.gpt import GPT, GPTConfig
-from tests.models.llama import LlamaConfig, LlamaForCausalLM
+from examples.models.gpt import GPT, GPTConfig
+from examples.models.llama import LlamaConfig, LlamaForCausalLM
 
 MODELS = {
     "gpt": lambda: GPT(GPTConfig(dropout=0.1)),
