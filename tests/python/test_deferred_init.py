@@ -199,14 +199,14 @@ def _case_from_checkpoint(path: str) -> list[str]:
     vescale.save(path, {"model": trained})
     model = deferred_init(GPT, GPTConfig(vocab_size=66, n_embd=36, n_head=6))
     streamed = []
-    real_stream = di._stream
-    di._stream = lambda *a, **k: streamed.append(1) or real_stream(*a, **k)  # counts random inits
+    real_stream = di.stream
+    di.stream = lambda *a, **k: streamed.append(1) or real_stream(*a, **k)  # counts random inits
     try:
         vescale.load(path, {"model": model})
         parallelize_module(model, m, {"parameter": {r".*c_attn\.weight": [Shard(0), Shard(1)]}})
         materialize_module(model)
     finally:
-        di._stream = real_stream
+        di.stream = real_stream
     ref = torch.load(path + ".ref.pt")
     failures = ["random init ran"] if streamed else []
     for name, p in model.state_dict().items():
