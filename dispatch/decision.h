@@ -23,6 +23,11 @@ struct Decision {
   std::vector<std::pair<size_t, c10::IValue>> local_args;
   LocalFn local_fn = nullptr;
   DecomposeFn decompose = nullptr;
+  // For a composition: per flattened result, the strides the op's own kernel gives it
+  // (from the meta run). The composed ops may leave another layout (softmax composed of
+  // exp and sum keeps a transposed input's; the softmax kernel returns contiguous), and
+  // later ops that depend on memory order (random draws, view) must see the op's.
+  std::vector<Shape> result_strides;
   // Set for the replicate fallback: the per-op counter to bump on every call.
   std::atomic<int64_t>* fallback_counter = nullptr;
 };

@@ -48,6 +48,20 @@ size_t tensor_count(const c10::IValue& v, ReturnKind kind) {
 
 namespace {
 
+// A composition's DTensor results laid out with the strides the op itself gives them
+// (see Decision::result_strides); a copy only where the composed ops left another layout.
+void adopt_result_strides(torch::jit::Stack& stack, const OpInfo& info, const std::vector<Shape>& strides) {
+  size_t j = 0;
+  map_results(stack, stack.size() - info.num_returns, info, [&](const at::Tensor& t, int) -> at::Tensor {
+    const size_t k = j++;
+    if (!t.defined() || !is_dtensor(t) || k >= strides.size() || strides[k].empty()) return t;
+    const auto& spec = dtensor_impl(t)->spec();
+    if (spec->stride == strides[k] || spec->shape.size() != strides[k].size()) return t;
+    return make_dtensor(collectives::with_layout_of(dtensor_impl(t)->local(), strides[k]),
+                        make_spec(spec->mesh, spec->placements, spec->shape, strides[k], spec->dtype));
+  });
+}
+
 void run_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const OpInfo& info = op_info(op);
   const size_t base = stack->size() - info.num_args;
@@ -58,6 +72,7 @@ void run_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const Decision& d = lookup_decision(op, info, args, scan);
   if (d.decompose) {
     d.decompose(op, stack);
+    adopt_result_strides(*stack, info, d.result_strides);
     return;
   }
   if (d.fallback_counter) d.fallback_counter->fetch_add(1, std::memory_order_relaxed);

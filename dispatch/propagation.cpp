@@ -108,6 +108,7 @@ std::unique_ptr<Decision> from_choice(const OpCall& call, const CallScan& scan,
     auto d = std::make_unique<Decision>();
     d->mesh = mesh;
     d->decompose = choice.decompose;
+    for (const auto& out : call.outputs) d->result_strides.push_back(out.defined ? out.stride : Shape{});
     return d;
   }
   const size_t n_in = call.inputs.size();

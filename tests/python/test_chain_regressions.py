@@ -76,6 +76,11 @@ FINDINGS = {
     # softmax over an empty split dim was composed from reductions without identity
     "softmax_over_empty_split_dim": ["1d4", [[[0, 6, 7], 376852, ["S0"], True]], [["softmax", [0], {"dim": -3}]]],
     "softmax_over_empty_dim_2d": ["2d", [[[4, 0, 3, 3], 132343, ["R", "S1"], False]], [["softmax", [0], {"dim": 1}]]],
+    # softmax over a split dim, composed from exp / sum, kept a transposed input's layout
+    # where torch's kernel returns contiguous: dropout then drew its mask in another order
+    "composed_softmax_layout_then_dropout": ["2d", [[[1, 7, 4], 362822, ["R", "S2"], True]],
+                                            [["transpose", [0], {"d0": 2, "d1": 1}], ["softmax", [1], {"dim": -2}],
+                                             ["dropout", [2], {"p": 0.25, "seed": 261401}]]],
 }
 
 
