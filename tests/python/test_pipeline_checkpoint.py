@@ -199,21 +199,21 @@ def _case_resume(name: str, target: str, path: str) -> tuple[list[str], float]:
 
     layout, _, how = target.partition("_deferred")
     streams = []
-    real_stream = di._stream
+    real_stream = di.stream
 
     def counted(*args, **kwargs):  # random initialisations of materialised tensors
         if _Run.built:
             streams.append(1)
         return real_stream(*args, **kwargs)
 
-    di._stream, _Run.built = counted, False
+    di.stream, _Run.built = counted, False
     try:
         # other initial values (seed 1): everything must come from the checkpoint
         run = _Run(name, layout, seed=1, deferred=bool(target != layout), bind=path if how == "_bound" else None)
         vescale.load(path, run.state())
         vescale.materialize_module(run.raw)  # a deferred model: the rest of this rank's tensors
     finally:
-        di._stream = real_stream
+        di.stream = real_stream
     now, disagree = _global_state(run.state())
     failures = _compare(now, torch.load(path + ".state.pt")) + [f"{k}: holders disagree" for k in disagree]
     if how == "_bound" and streams:
