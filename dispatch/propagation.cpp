@@ -128,14 +128,13 @@ std::unique_ptr<Decision> from_choice(const OpCall& call, const CallScan& scan,
     d->sources[i] = source_spec(scan.tensors[i], in, mesh);
     d->targets[i] = with_placements(d->sources[i], choice.inputs[i]);
     if (d->targets[i] == d->sources[i]) continue;
-    // The plans the rule priced when it has them (the same inputs: shape, dtype, mesh).
-    d->to_target[i] = i < choice.to_target.size() && choice.to_target[i]
-        ? std::move(*choice.to_target[i])
-        : collectives::plan_redistribution(*d->sources[i], d->targets[i]->placements);
-    if (in.written)
-      d->write_back[i] = i < choice.write_back.size() && choice.write_back[i]
-          ? std::move(*choice.write_back[i])
-          : collectives::plan_redistribution(*d->targets[i], d->sources[i]->placements);
+    // The plan the rule priced when it has one (the same inputs: shape, dtype, mesh).
+    auto priced_or_planned = [&](auto& priced, const SpecPtr& from, const SpecPtr& to) {
+      return i < priced.size() && priced[i] ? std::move(*priced[i])
+                                            : collectives::plan_redistribution(*from, to->placements);
+    };
+    d->to_target[i] = priced_or_planned(choice.to_target, d->sources[i], d->targets[i]);
+    if (in.written) d->write_back[i] = priced_or_planned(choice.write_back, d->targets[i], d->sources[i]);
   }
   for (size_t j = 0; j < n_out; ++j) {
     const auto& out = call.outputs[j];

@@ -27,9 +27,9 @@ CHUNK = 1 << 20  # elements per streamed chunk (a multiple of 16: CPU normal_ wo
 
 # random fills whose CPU kernels draw element by element in order (normal_: 16 at a time,
 # the last 16 redrawn), so a chunked stream of the whole sequence equals one call
-_STREAMABLE = {aten.normal_.default: lambda t, a: t.normal_(*a),
+STREAMABLE = {aten.normal_.default: lambda t, a: t.normal_(*a),
                aten.uniform_.default: lambda t, a: t.uniform_(*a)}
-_RANDOM_FACTORIES = {aten.randn.default: (aten.normal_.default, (0.0, 1.0)),
+RANDOM_FACTORIES = {aten.randn.default: (aten.normal_.default, (0.0, 1.0)),
                      aten.rand.default: (aten.uniform_.default, (0.0, 1.0))}
 
 
@@ -37,11 +37,11 @@ def random_fill(node: Node):
     """(fill function, its scalar arguments, the tensor filled) for a streamable node."""
     if node.python:
         return None
-    if node.func in _RANDOM_FACTORIES:
-        fill, extra = _RANDOM_FACTORIES[node.func]
-        return _STREAMABLE[fill], extra, node.out
-    if node.func in _STREAMABLE:
-        return _STREAMABLE[node.func], node.args[1:], node.args[0]
+    if node.func in RANDOM_FACTORIES:
+        fill, extra = RANDOM_FACTORIES[node.func]
+        return STREAMABLE[fill], extra, node.out
+    if node.func in STREAMABLE:
+        return STREAMABLE[node.func], node.args[1:], node.args[0]
     return None
 
 
@@ -55,8 +55,8 @@ def _chunks(n: int) -> list[tuple[int, int]]:
 
 def _fill_params(node: Node) -> tuple[str, float, float]:
     """("normal_" | "uniform_", a, b): the fill's kind and its two scalar arguments."""
-    if node.func in _RANDOM_FACTORIES:
-        fill, (a, b) = _RANDOM_FACTORIES[node.func]
+    if node.func in RANDOM_FACTORIES:
+        fill, (a, b) = RANDOM_FACTORIES[node.func]
         return fill._schema.name.split("::")[1], a, b
     kind = node.func._schema.name.split("::")[1]
     names = ("mean", "std") if kind == "normal_" else ("from", "to")
@@ -78,11 +78,11 @@ def stream(node: Node, shape, dtype, box: Box | None, into: torch.Tensor | None)
     rest (vescale._C._rng_draw_box; sharding_rules/random_local.h), in buffers of at most
     one chunk. Otherwise the whole sequence is streamed chunk by chunk, keeping the box."""
     kind, a, b = _fill_params(node)
-    if not draw_known(node.rng, kind, a, b, shape, dtype, box, into):
-        stream_whole(node, shape, dtype, box, into)
+    if not _draw_known(node.rng, kind, a, b, shape, dtype, box, into):
+        _stream_whole(node, shape, dtype, box, into)
 
 
-def draw_known(rng: torch.Tensor, kind: str, a: float, b: float, shape, dtype, box: Box | None,
+def _draw_known(rng: torch.Tensor, kind: str, a: float, b: float, shape, dtype, box: Box | None,
                 into: torch.Tensor | None) -> bool:
     """A fill of ``kind`` from generator state ``rng``, box only (see stream); False when
     its use of the generator is not known (nothing drawn then)."""
@@ -97,7 +97,7 @@ def draw_known(rng: torch.Tensor, kind: str, a: float, b: float, shape, dtype, b
         torch.set_rng_state(saved)
 
 
-def stream_whole(node: Node, shape, dtype, box: Box | None, into: torch.Tensor | None) -> None:
+def _stream_whole(node: Node, shape, dtype, box: Box | None, into: torch.Tensor | None) -> None:
     """Draws the node's random sequence for a whole tensor of ``shape`` from its recorded
     generator state, chunk by chunk, copying the part in ``box`` into ``into``."""
     fill, extra, _ = random_fill(node)
@@ -156,7 +156,7 @@ def trunc_normal(node: Node) -> Truncated | None:
     rejection sampler (whole-tensor ``normal_`` rounds, each element keeping its first
     draw inside [a, b]; the branch taken when [a, b] holds more than 30% of the mass) on a
     float32/float64 tensor of at least 16 elements that is its whole storage."""
-    if not node.python or node.func.__name__ != "_no_grad_trunc_normal_" or not trunc_normal_matches(node.func):
+    if not node.python or node.func.__name__ != "_no_grad_trunc_normal_" or not _trunc_normal_matches(node.func):
         return None
     bound = inspect.signature(node.func).bind(*node.args, **node.kwargs)
     bound.apply_defaults()
@@ -181,7 +181,7 @@ def stream_trunc_normal(t: torch.Tensor, rng: torch.Tensor, p: Truncated, box: B
     init filled; ``rng``: the generator state it started from."""
     shape, n = tuple(t.shape), t.numel()
     if p.never_rejects:  # (trunc_normal allows only fills whose draw is modelled)
-        if not draw_known(rng, "normal_", p.mean, p.std, shape, t.dtype, box, into):
+        if not _draw_known(rng, "normal_", p.mean, p.std, shape, t.dtype, box, into):
             raise RuntimeError(f"vescale.deferred_init: the normal_ draw of a {t.dtype} trunc_normal_ of "
                                f"{n} elements is not modelled")
         return
@@ -255,7 +255,7 @@ def _unpack_bits(bits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 _trunc_check: list[bool] = []
 
 
-def trunc_normal_matches(real) -> bool:
+def _trunc_normal_matches(real) -> bool:
     """Whether stream_trunc_normal gives the values and generator state of ``real``, this
     torch's trunc_normal_ sampler (checked once per process on a small case with several
     rounds): another torch version's sampler is then replayed whole, never streamed wrongly."""

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._local import local_of
-from ._random_streams import (_RANDOM_FACTORIES, _STREAMABLE, covers_storage, random_fill, stream,
+from ._random_streams import (RANDOM_FACTORIES, STREAMABLE, covers_storage, random_fill, stream,
                               stream_trunc_normal, trunc_normal)
 from .boxes import Box, flat_range, whole
 
@@ -124,7 +124,7 @@ class _Recorder(TorchDispatchMode):
             raise DeferredInitError(f"{func} with an explicit torch.Generator: vescale.deferred_init records "
                                     "the default CPU generator only; seed it with torch.manual_seed instead")
         rng = None
-        if func in _STREAMABLE or func in _RANDOM_FACTORIES or torch.Tag.nondeterministic_seeded in func.tags:
+        if func in STREAMABLE or func in RANDOM_FACTORIES or torch.Tag.nondeterministic_seeded in func.tags:
             rng = torch.get_rng_state()
         out = func(*args, **kwargs)
         a, k, o = _aliases((args, kwargs, out))
@@ -276,7 +276,7 @@ def _last_overwrite(nodes: list) -> int:
 def _local_ok(history: _History, meta: torch.Tensor) -> bool:
     """Whether every op of the history can run on a box alone."""
     for node in history.nodes:
-        target = node.out if node.func in _FACTORIES or node.func in _RANDOM_FACTORIES else node.args[0]
+        target = node.out if node.func in _FACTORIES or node.func in RANDOM_FACTORIES else node.args[0]
         if not isinstance(target, torch.Tensor) or not covers_storage(target):
             return False
         if node.func in _FACTORIES or random_fill(node) is not None or trunc_normal(node) is not None:
@@ -335,7 +335,7 @@ def _replay_storage(key: int, seq) -> torch.Tensor:
     try:
         for node in history.nodes:
             result = _replay_node(node, storages)
-            if node.func in _FACTORIES or node.func in _RANDOM_FACTORIES or not _mutates(node):
+            if node.func in _FACTORIES or node.func in RANDOM_FACTORIES or not _mutates(node):
                 out = node.out
                 src = result if isinstance(result, torch.Tensor) else None
                 if src is not None and _key(out) == key:
