@@ -300,10 +300,26 @@ def _redistribute(x, *, seed):
     return y.clone() if y is x else y  # to its own placements, redistribute hands back x itself
 
 
+class _DataAlias(torch.autograd.Function):
+    """The plain-tensor meaning of a to_local/from_local round trip: the result shares x's
+    data (a write to either shows in the other) but is no autograd view of x, so an
+    in-place op on one does not rebase the other's gradient path. That is the documented
+    semantics of the round trip (torch's DTensor has it too, docs/fuzzing.md); modelling
+    it here checks it exactly instead of reporting it as a wrong result."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.new_empty(0).set_(x.untyped_storage(), x.storage_offset(), x.size(), x.stride())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 def _local_round_trip(x, *, seed):
-    """to_local then from_local with the same placements: an alias of x, with gradients."""
+    """to_local then from_local with the same placements: shares x's data, with gradients."""
     if not hasattr(x, "to_local") or not hasattr(x, "device_mesh"):
-        return x.view_as(x)
+        return _DataAlias.apply(x)
     import vescale
     return vescale.DTensor.from_local(x.to_local(), x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
 

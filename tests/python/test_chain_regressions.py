@@ -81,6 +81,13 @@ FINDINGS = {
     "composed_softmax_layout_then_dropout": ["2d", [[[1, 7, 4], 362822, ["R", "S2"], True]],
                                             [["transpose", [0], {"d0": 2, "d1": 1}], ["softmax", [1], {"dim": -2}],
                                              ["dropout", [2], {"p": 0.25, "seed": 261401}]]],
+    # an in-place write into a to_local/from_local round trip's result, then a read of its
+    # source: the data is shared, the gradient path is not (documented; the fuzzer's
+    # reference modelled the round trip as an autograd view and called this wrong)
+    "write_into_round_trip_then_read_source": ["2d", [[[5], 102397, ["R", "R"], True]],
+                                               [["linear", [0], {"fresh": True, "n": 4, "seed": 745808}],
+                                                ["local_round_trip", [1], {"seed": 269699}],
+                                                ["mul_scalar_", [2], {"s": 3.0}], ["masked_fill", [1], {}]]],
 }
 
 
