@@ -156,6 +156,7 @@ if os.environ.get("VESCALE_DEBUG", "") not in ("", "0"):
 # ---- communication traces and NaN/Inf localisation (vescale/_comm_trace.py) -------------------
 
 from ._comm_trace import AnomalyError, CommTrace, comm_trace, detect_anomaly, merge_chrome_traces  # noqa: E402
+from ._simulated import CollectiveMismatch, SimulatedDeadlock, simulate  # noqa: E402
 
 
 # ---- which rank holds what ---------------------------------------------------------------------

@@ -257,7 +257,8 @@ def _timeout_overrides(device_type: str, shape, timeout) -> tuple:
     the whole world keeps (None, None): torch then reuses the world group instead of
     opening another one (its timeout is the one it was created with: vescale's when
     init_device_mesh created it)."""
-    if dist.get_backend() == "fake":  # torch's fake process group (what-if planning) takes no backend options
+    if dist.get_backend() in ("fake", "vescale_sim"):  # torch's fake group (what-if planning) and
+        # vescale.debug.simulate's take no backend options
         return tuple((None, None) for _ in shape)
     options = _pg_options(device_type, _as_timedelta(timeout) if timeout is not None else collective_timeout())
     return tuple((None, None) if size == dist.get_world_size() else (None, options) for size in shape)
