@@ -90,13 +90,15 @@ class RankDebugger(pdb.Pdb):
         if rendezvous.stdin is not None:
             self.use_rawinput = False
         self.rendezvous, self.rank = rendezvous, rank
+        self.session = rendezvous.generation  # the stop this debugger was opened for
         self.prompt = f"(Pdb rank {rank}) "
 
     def interaction(self, frame, tb):
         try:
             super().interaction(frame, tb)
         finally:
-            self.rendezvous.release()
+            if self.rendezvous.generation == self.session:  # not a later stop another rank leads
+                self.rendezvous.release()
 
     def onecmd(self, line: str):
         sched = self.rendezvous.scheduler
