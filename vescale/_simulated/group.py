@@ -178,16 +178,13 @@ class SimulatedGroup(dist.ProcessGroup):
         apart from the program's: they match only the same command on other ranks, never
         a collective the program has in flight."""
         scheduler = self._world.scheduler
-        if self.rank_in_world() in scheduler.interactive:
+        if scheduler.rank() in scheduler.interactive:
             if self._command_calls[0] != scheduler.command_id:
                 self._command_calls = [scheduler.command_id, 0]
             self._command_calls[1] += 1
             return (name, "command", scheduler.command_id, self._command_calls[1])
         self._calls_made += 1
         return (name, self._calls_made)
-
-    def rank_in_world(self) -> int | None:
-        return self._world.scheduler.rank()
 
     def _withdraw(self, key, call: _Call, me: int) -> None:
         """A debugger command's collective that could not complete leaves no trace."""
