@@ -11,8 +11,12 @@ namespace vescale {
 
 namespace {
 
+const std::string& arg_name(const OpCall& call, size_t slot) {
+  return call.schema().arguments()[call.input_arg[slot]].name();
+}
+
 bool is_mask(const OpCall& call, size_t slot) {
-  const auto& name = call.schema().arguments()[call.input_arg[slot]].name();
+  const auto& name = arg_name(call, slot);
   return name == "attn_mask" || name == "attn_bias";
 }
 
@@ -38,7 +42,29 @@ DimStrategies batch_or_heads(const OpCall& call) {
   return s;
 }
 
-ShardingChoice sdpa_rule(const OpCall& call) { return choose_cheapest(call, batch_or_heads(call)); }
+// Grouped-query attention (fewer key/value heads than query heads, the kernels' own
+// enable_gqa): query head h reads key/value head h / (Hq / Hkv). Split over the heads,
+// each rank keeps the key/value heads its query heads read only when the split cuts the
+// key/value heads into equal parts; an uneven one (2 key/value heads over 4 ranks)
+// would hand a kernel no key/value head at all. Such a call splits the batch instead.
+bool splits_kv_heads_evenly(const OpCall& call, const ShardingChoice& choice) {
+  for (size_t i = 0; i < call.inputs.size(); ++i) {
+    if (arg_name(call, i) != "key" || call.inputs[i].ndim() < 2) continue;
+    int64_t parts = 1;
+    for (size_t m = 0; m < choice.inputs[i].size(); ++m)
+      if (choice.inputs[i][m].is_shard() && choice.inputs[i][m].dim == 1) parts *= call.mesh.shape[m];
+    return call.inputs[i].shape[1] % parts == 0;
+  }
+  return true;
+}
+
+ShardingChoice sdpa_rule(const OpCall& call) {
+  DimStrategies strategies = batch_or_heads(call);
+  ShardingChoice choice = choose_cheapest(call, strategies);
+  if (splits_kv_heads_evenly(call, choice)) return choice;
+  strategies.pop_back();  // the heads split, listed last
+  return choose_cheapest(call, strategies);
+}
 
 // _fused_sdp_choice(query, key, value, attn_mask?, dropout_p, ...) reads only
 // metadata. It is asked about the global shapes, so that every rank picks the same

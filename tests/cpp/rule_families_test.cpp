@@ -248,6 +248,24 @@ TEST_F(RuleFamilies, AttentionSplitsBatchOrHeads) {
   EXPECT_EQ(c.outputs[1], Placements{S(1)});
 }
 
+TEST_F(RuleFamilies, GroupedQueryAttentionSplitsHeadsOnlyWhereKeyValueHeadsDivide) {
+  // 8 query heads reading 2 key/value heads: 4 ranks cannot split the 2 evenly, so the
+  // query's head split is gathered and the batch splits instead; 2 ranks can.
+  auto gqa = [](const MeshPtr& mesh) {
+    Call sdpa("aten::_scaled_dot_product_flash_attention_for_cpu", "",
+              {c10::IValue(), c10::IValue(), c10::IValue(), 0.0, true, c10::IValue(), c10::IValue()},
+              {tensor({4, 8, 6, 8}, {S(1)}), tensor({4, 2, 6, 8}, {R}), tensor({4, 2, 6, 8}, {R}), TensorArg{}},
+              {result({4, 8, 6, 8}), result({4, 8, 6})}, mesh);
+    return sdpa.decide();
+  };
+  const auto four = gqa(make_test_mesh({4}, {1}));
+  EXPECT_EQ(four.inputs[1], Placements{S(0)});
+  EXPECT_EQ(four.outputs[0], Placements{S(0)});
+  const auto two = gqa(make_test_mesh({2}, {1}));
+  EXPECT_EQ(two.inputs[1], Placements{S(1)});
+  EXPECT_EQ(two.outputs[0], Placements{S(1)});
+}
+
 TEST_F(RuleFamilies, RandomOpsKeepLayoutsAndDrawWhole) {
   Call fill("aten::normal_", "", {c10::IValue(), 0.0, 1.0, c10::IValue()}, {tensor({8}, {S(0)})}, {result({8})}, m4);
   const auto c = fill.decide();

@@ -89,6 +89,8 @@ MODELS = {
 
 # layout: (mesh name, sequence parallel)
 LAYOUTS = {"tp2": ("1d2", False), "dp2tp2": ("2d", False), "dp2tp2-sp": ("2d", True)}
+# More tensor-parallel ranks than key/value heads (2 over 4): the heads cannot split evenly.
+NARROW_KV_LAYOUTS = {"tp4": ("1d4", False)}
 
 
 def _build(name: str):
@@ -200,7 +202,7 @@ def _reference(name: str, x_inf, y_inf, key):
 
 def _case(name: str, layout: str) -> dict:
     _, plan_fn, kind = MODELS[name]
-    mesh_name, sp = LAYOUTS[layout]
+    mesh_name, sp = {**LAYOUTS, **NARROW_KV_LAYOUTS}[layout]
     m = mesh(mesh_name)
     if m.get_coordinate() is None:  # not in this layout's mesh
         return {"failures": [], "fallbacks": {}}
@@ -246,6 +248,15 @@ def test_zoo_matches_single_device(pool4, name, layout):
     if fallbacks:  # reported, not failed: inference may use ops without a rule
         print(f"{name} {layout}: ops through the fallback in inference: {fallbacks}")
     for rank, r in enumerate(results):
+        assert r["failures"] == [], f"rank {rank}: {r['failures']}"
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_grouped_query_attention_with_more_ranks_than_kv_heads(pool4, name):
+    """2 key/value heads under TP4: the projections split mid-head, so attention must
+    not split the heads at all (it once ran on ranks holding no key/value head, and the
+    kernel died of an integer division by zero). Same results as one device."""
+    for rank, r in enumerate(pool4.run(_case, name, "tp4")):
         assert r["failures"] == [], f"rank {rank}: {r['failures']}"
 
 
