@@ -28,6 +28,7 @@ from vescale.parallel.zero3 import _all_gather
 MESHES = {
     "1d2": ((2,), ("TP",)),
     "1d4": ((4,), ("TP",)),
+    "1d3": ((3,), ("TP",)),  # on ranks 0-2 of a 4-rank pool: sizes that do not divide
     "2d": ((2, 2), ("DP", "TP")),
 }
 

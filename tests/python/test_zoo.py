@@ -12,7 +12,8 @@ parallelism, each against the same computation on one device:
 Plans come from the model's own ``base_model_tp_plan`` through ``hf_plan`` where
 transformers ships one, otherwise from the hand-written plans in vescale/parallel/plans.py.
 TP2 runs on ranks 0-1 of the pool (ranks 2-3 wait); DP2xTP2 uses all four ranks, each DP
-group on its half of the batch.
+group on its half of the batch. A few models also run under TP4 (more ranks than
+key/value heads) and TP3 (nothing divides evenly).
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ MODELS = {
 
 # layout: (mesh name, sequence parallel)
 LAYOUTS = {"tp2": ("1d2", False), "dp2tp2": ("2d", False), "dp2tp2-sp": ("2d", True)}
-# More tensor-parallel ranks than key/value heads (2 over 4): the heads cannot split evenly.
-NARROW_KV_LAYOUTS = {"tp4": ("1d4", False)}
+# Layouts of a few tests below: more tensor-parallel ranks than key/value heads (2 over
+# 4), and a tensor-parallel size that divides nothing (heads, widths, vocabulary over 3).
+EXTRA_LAYOUTS = {"tp4": ("1d4", False), "tp3": ("1d3", False), "tp3-sp": ("1d3", True)}
 
 
 def _build(name: str):
@@ -202,7 +204,7 @@ def _reference(name: str, x_inf, y_inf, key):
 
 def _case(name: str, layout: str) -> dict:
     _, plan_fn, kind = MODELS[name]
-    mesh_name, sp = {**LAYOUTS, **NARROW_KV_LAYOUTS}[layout]
+    mesh_name, sp = {**LAYOUTS, **EXTRA_LAYOUTS}[layout]
     m = mesh(mesh_name)
     if m.get_coordinate() is None:  # not in this layout's mesh
         return {"failures": [], "fallbacks": {}}
@@ -258,6 +260,31 @@ def test_grouped_query_attention_with_more_ranks_than_kv_heads(pool4, name):
     kernel died of an integer division by zero). Same results as one device."""
     for rank, r in enumerate(pool4.run(_case, name, "tp4")):
         assert r["failures"] == [], f"rank {rank}: {r['failures']}"
+
+
+@pytest.mark.parametrize("layout", ["tp3", "tp3-sp"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "t5"])
+def test_uneven_tensor_parallel(pool4, name, layout):
+    """TP3 on ranks 0-2: 4 heads, 32-wide hidden states, 64-wide MLPs and a 64-token
+    vocabulary all split unevenly (and the sequence of 8, with sequence parallelism).
+    Same results as one device."""
+    for rank, r in enumerate(pool4.run(_case, name, layout)):
+        assert r["failures"] == [], f"rank {rank}: {r['failures']}"
+
+
+def _refusal_on_tp3(name: str):
+    try:
+        _case(name, "tp3")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_interleaved_plans_refuse_uneven_sizes(pool4):
+    """A fused projection split within its blocks needs each block to divide evenly:
+    GPT-2's c_attn (3 x 32 wide) over 3 ranks is refused by name, not run wrong."""
+    for message in pool4.run(_refusal_on_tp3, "gpt2")[:3]:
+        assert message is not None and "InterleavedShard(1, 3)" in message and "equal pieces" in message
 
 
 # ---- hf_plan: the mapping itself and its errors (no ranks needed) -----------------------------
