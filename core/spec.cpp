@@ -1,5 +1,6 @@
 #include "core/spec.h"
 
+#include <ATen/ExpandUtils.h>
 #include <c10/util/Exception.h>
 #include <c10/util/hash.h>
 
@@ -34,22 +35,13 @@ Shape dense_strides(c10::ArrayRef<int64_t> shape) {
 }
 
 Shape strides_like(c10::ArrayRef<int64_t> shape, c10::ArrayRef<int64_t> like_strides) {
-  const size_t n = shape.size();
-  if (like_strides.size() != n) return dense_strides(shape);
-  c10::SmallVector<size_t, 6> order(n);
-  std::iota(order.begin(), order.end(), 0);
-  // Innermost first: smallest stride; ties keep the later dim inner.
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    if (like_strides[a] != like_strides[b]) return like_strides[a] < like_strides[b];
-    return a > b;
-  });
-  Shape strides(n);
-  int64_t s = 1;
-  for (size_t i : order) {
-    strides[i] = s;
-    s *= std::max<int64_t>(shape[i], 1);
-  }
-  return strides;
+  if (like_strides.size() != shape.size()) return dense_strides(shape);
+  // Torch's own rule (TensorIterator's, and empty_like's for tensors that are not dense):
+  // a dim of stride 0 (expanded) has no place in the order and keeps its contiguous
+  // one. Sorting it innermost instead gave an expanded key's shards a last-dim stride
+  // of 2, which the CPU flash-attention kernel reads as if it were 1.
+  const auto strides = at::infer_dense_strides(shape, like_strides);
+  return Shape(strides.begin(), strides.end());
 }
 
 int32_t normalize_shard_dim(int64_t dim, int64_t ndim, const std::string& what) {

@@ -66,7 +66,8 @@ SpecPtr with_placements(const SpecPtr& spec, PlacementsRef placements);
 Shape dense_strides(c10::ArrayRef<int64_t> shape);
 
 // Strides for `shape` that keep the dim order of `like_strides` (outermost first),
-// densely packed: how a local shard's layout maps onto the global tensor.
+// densely packed: how a local shard's layout maps onto the global tensor. Dims of
+// stride 0 keep their contiguous place, as in torch's empty_like.
 Shape strides_like(c10::ArrayRef<int64_t> shape, c10::ArrayRef<int64_t> like_strides);
 
 // Normalises a Shard dim (negative counts from the end) and checks its range.

@@ -58,12 +58,29 @@ bool splits_kv_heads_evenly(const OpCall& call, const ShardingChoice& choice) {
   return true;
 }
 
+// The kernels read every tensor's last dim as contiguous, which torch's front end
+// checked on the global tensors (_fused_sdp_choice below); a shard need not share the
+// global layout (a redistributed or uneven one), so any that does not is packed first.
+void with_contiguous_last_dim(const c10::OperatorHandle& op, torch::jit::Stack* stack, const LocalContext&) {
+  const size_t base = stack->size() - op.schema().arguments().size();
+  for (size_t i = base; i < stack->size(); ++i) {
+    auto& v = (*stack)[i];
+    if (!v.isTensor()) continue;
+    const auto& t = v.toTensor();
+    if (t.defined() && t.dim() > 0 && t.size(-1) > 1 && t.stride(-1) != 1) v = t.contiguous();
+  }
+  op.callBoxed(stack);
+}
+
 ShardingChoice sdpa_rule(const OpCall& call) {
   DimStrategies strategies = batch_or_heads(call);
   ShardingChoice choice = choose_cheapest(call, strategies);
-  if (splits_kv_heads_evenly(call, choice)) return choice;
-  strategies.pop_back();  // the heads split, listed last
-  return choose_cheapest(call, strategies);
+  if (!splits_kv_heads_evenly(call, choice)) {
+    strategies.pop_back();  // the heads split, listed last
+    choice = choose_cheapest(call, strategies);
+  }
+  choice.local_fn = with_contiguous_last_dim;
+  return choice;
 }
 
 // _fused_sdp_choice(query, key, value, attn_mask?, dropout_p, ...) reads only

@@ -113,6 +113,10 @@ TEST(Spec, StridesLikeKeepsDimOrder) {
   EXPECT_EQ(s[0], 1);
   EXPECT_EQ(s[1], 3);
   EXPECT_EQ(dense_strides(std::vector<int64_t>{2, 3, 4})[0], 12);
+  // An expanded dim (stride 0) stays where contiguous order puts it: a [3, 2, 7, 4] shard
+  // of k.expand(3, 4, 7, 8) (strides 56, 0, 8, 1) is packed contiguously, last stride 1.
+  const auto e = strides_like(std::vector<int64_t>{3, 2, 7, 4}, std::vector<int64_t>{56, 0, 8, 1});
+  EXPECT_EQ(e, (Shape{56, 28, 4, 1}));
 }
 
 TEST(Mesh, InternedAndValidated) {

@@ -147,6 +147,14 @@ def _cases() -> list[Case]:
              [Arg((2, 4, 6, 8)), Arg((2, 4, 6, 8)), Arg((2, 4, 6, 8)), Arg((1, 4, 6, 6), grad=False)], partial=False),
         Case("sdpa_causal", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
              [Arg((2, 4, 6, 8)), Arg((2, 4, 6, 8)), Arg((2, 4, 6, 8))], partial=False),
+        # grouped-query attention both ways: the kernel's own (2 key/value heads, which 4
+        # ranks cannot split evenly), and Hugging Face's repeat_kv with a mask (1 head
+        # expanded to 4: shards of a stride-0 dim once packed with the wrong last stride)
+        Case("sdpa_gqa", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+             [Arg((2, 4, 6, 8)), Arg((2, 2, 6, 8)), Arg((2, 2, 6, 8))], partial=False),
+        Case("sdpa_expanded_kv", lambda q, k, v, m: F.scaled_dot_product_attention(
+                 q, k.expand(2, 4, 6, 8), v.expand(2, 4, 6, 8), attn_mask=m),
+             [Arg((2, 4, 6, 8)), Arg((2, 1, 6, 8)), Arg((2, 1, 6, 8)), Arg((1, 1, 6, 6), grad=False)], partial=False),
         # grouped matmuls (Hugging Face's MoE experts; float32 only, rows of 16 bytes), the
         # expert histogram and generate's stopping check
         Case("grouped_mm_2d_3d", lambda a, b: torch._grouped_mm(a, b, offs=_offs(2, 2, 5)),
