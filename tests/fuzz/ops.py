@@ -251,6 +251,19 @@ def _embedding(x, *, dim, n, seed, fresh, new):
     return F.embedding(new("index", (2, n), seed, high=x.shape[0]), x)
 
 
+def attention_draw(rng, values):
+    """A 4-d value as keys and values (batch, heads, sequence, features), with a fresh
+    query of its shape: the attention kernels read shards' layouts themselves."""
+    i = _pick(rng, [j for j in _floats(values) if values[j].dim() == 4 and min(values[j].shape[-2:]) > 0])
+    if i is None:
+        return None
+    return (i,), {"fresh": "weight", "causal": rng.random() < 0.5, "seed": rng.randrange(1 << 20)}
+
+
+def _attention(kv, *, causal, seed, fresh, new):
+    return F.scaled_dot_product_attention(new("weight", tuple(kv.shape), seed), kv, kv, is_causal=causal)
+
+
 def _mul_fresh(x, *, seed, fresh, new):
     return x * new("weight", tuple(x.shape), seed)
 
@@ -416,6 +429,7 @@ OPS: list[Op] = [
     Op("index_select", index_draw, _index_select),
     Op("gather", index_draw, _gather),
     Op("embedding", index_draw, _embedding),
+    Op("attention", attention_draw, _attention, 2),
     Op("cross_entropy", cross_entropy_draw, _cross_entropy),
     Op("dropout", dropout_draw, _dropout),
     # the DTensor API inside a chain (identities on plain tensors)
