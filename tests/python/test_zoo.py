@@ -81,6 +81,8 @@ MODELS = {
     "qwen3": (_decoder("Qwen3ForCausalLM", "Qwen3Config", head_dim=8, tie_word_embeddings=True), hf_plan, "causal"),
     "mistral": (_decoder("MistralForCausalLM", "MistralConfig", head_dim=8), hf_plan, "causal"),
     "llama-mqa": (_decoder("LlamaForCausalLM", "LlamaConfig", num_key_value_heads=1), hf_plan, "causal"),
+    "phi3": (_decoder("Phi3ForCausalLM", "Phi3Config"), hf_plan, "causal"),  # fused qkv_proj, gate_up_proj
+    "gemma2": (_decoder("Gemma2ForCausalLM", "Gemma2Config", head_dim=8), hf_plan, "causal"),  # soft-capping
     "gemma": (_decoder("GemmaForCausalLM", "GemmaConfig", head_dim=8), hf_plan, "causal"),  # tied embeddings
     "mixtral": (_decoder("MixtralForCausalLM", "MixtralConfig", intermediate_size=32, num_local_experts=4,
                          num_experts_per_tok=2), hf_plan, "causal"),  # packed gate|up experts

@@ -198,7 +198,8 @@ def hf_plan(model, *, sequence_parallel: bool = False) -> dict:
     layouts, and the hooks only move DTensors (the outputs of modules whose weights are
     split) or take a plain tensor as replicated (column-parallel inputs). The
     styles of the zoo's models (colwise, rowwise, colwise_gather_output,
-    embedding_rowwise, replicated_with_grad_allreduce) are checked against single-device
+    rowwise_split_input (Phi-3's fused projections), embedding_rowwise,
+    replicated_with_grad_allreduce) are checked against single-device
     training and generation by tests/python/test_zoo.py; the others are mapped by the
     same reading of transformers' styles but no model there uses them.
     """
