@@ -23,11 +23,12 @@ bool is_mask(const OpCall& call, size_t slot) {
 // Candidate splits shared by forward and backward: the [batch, heads, seq, dim]
 // tensors and logsumexp ([batch, heads, seq], aligned from the left) split on `d`;
 // the mask broadcasts from the right; the rest (random-state scalars, empty sequence
-// offsets) stays replicated.
-DimStrategies batch_or_heads(const OpCall& call) {
+// offsets) stays replicated. Without `heads`, only the batch splits.
+DimStrategies batch_or_heads(const OpCall& call, bool heads) {
   const auto& q_shape = call.inputs[0].shape;
   DimStrategies s;
   for (int32_t d : {-1, 0, 1}) {
+    if (d == 1 && !heads) break;
     const Placement p = d < 0 ? Placement::replicate() : Placement::shard(d);
     auto follows = [&](const TensorArg& t) { return t.ndim() >= 3 ? p : Placement::replicate(); };
     DimStrategy st;
@@ -73,12 +74,8 @@ void with_contiguous_last_dim(const c10::OperatorHandle& op, torch::jit::Stack* 
 }
 
 ShardingChoice sdpa_rule(const OpCall& call) {
-  DimStrategies strategies = batch_or_heads(call);
-  ShardingChoice choice = choose_cheapest(call, strategies);
-  if (!splits_kv_heads_evenly(call, choice)) {
-    strategies.pop_back();  // the heads split, listed last
-    choice = choose_cheapest(call, strategies);
-  }
+  ShardingChoice choice = choose_cheapest(call, batch_or_heads(call, /*heads=*/true));
+  if (!splits_kv_heads_evenly(call, choice)) choice = choose_cheapest(call, batch_or_heads(call, /*heads=*/false));
   choice.local_fn = with_contiguous_last_dim;
   return choice;
 }

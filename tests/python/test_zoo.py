@@ -96,6 +96,7 @@ LAYOUTS = {"tp2": ("1d2", False), "dp2tp2": ("2d", False), "dp2tp2-sp": ("2d", T
 # Layouts of a few tests below: more tensor-parallel ranks than key/value heads (2 over
 # 4), and a tensor-parallel size that divides nothing (heads, widths, vocabulary over 3).
 EXTRA_LAYOUTS = {"tp4": ("1d4", False), "tp3": ("1d3", False), "tp3-sp": ("1d3", True)}
+ALL_LAYOUTS = {**LAYOUTS, **EXTRA_LAYOUTS}
 
 
 def _build(name: str):
@@ -205,20 +206,28 @@ def _reference(name: str, x_inf, y_inf, key):
     return _REF[name]["train"], _REF[name][key]
 
 
-def _case(name: str, layout: str) -> dict:
-    _, plan_fn, kind = MODELS[name]
-    mesh_name, sp = {**LAYOUTS, **EXTRA_LAYOUTS}[layout]
+def _parallel_model(name: str, layout: str):
+    """(the layout's mesh, the model built and parallelized over its TP dim), or None on a
+    rank outside the mesh."""
+    mesh_name, sp = ALL_LAYOUTS[layout]
     m = mesh(mesh_name)
-    if m.get_coordinate() is None:  # not in this layout's mesh
+    if m.get_coordinate() is None:
+        return None
+    model = _build(name)
+    parallelize_module(model, m["TP"] if m.ndim == 2 else m, MODELS[name][1](model, sequence_parallel=sp))
+    return m, model
+
+
+def _case(name: str, layout: str) -> dict:
+    kind = MODELS[name][2]
+    built = _parallel_model(name, layout)
+    if built is None:  # not in this layout's mesh
         return {"failures": [], "fallbacks": {}}
-    tp_mesh = m["TP"] if m.ndim == 2 else m
+    m, model = built
     dp, dp_rank = (m.size(0), m.get_local_rank(0)) if m.ndim == 2 else (1, 0)
     data = _data()
     batches = [(x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]) for x, y in data]
     x_inf, y_inf = batches[0]
-
-    model = _build(name)
-    parallelize_module(model, tp_mesh, plan_fn(model, sequence_parallel=sp))
     failures = []
 
     vescale.reset_fallback_counts()
@@ -308,14 +317,11 @@ def _padded_inference(model, x, mask):
 
 
 def _padded_case(name: str, layout: str) -> list[str]:
-    m = mesh(LAYOUTS[layout][0])
-    if m.get_coordinate() is None:
+    built = _parallel_model(name, layout)
+    if built is None:
         return []
-    tp_mesh = m["TP"] if m.ndim == 2 else m
     x, mask = _padded_batch()
-    model = _build(name)
-    parallelize_module(model, tp_mesh, MODELS[name][1](model, sequence_parallel=LAYOUTS[layout][1]))
-    logits, tokens = _padded_inference(model, x, mask)
+    logits, tokens = _padded_inference(built[1], x, mask)
     ref_logits, ref_tokens = _padded_inference(_build(name), x, mask)
     failures = []
     err = mismatch_to_max(logits, ref_logits)
