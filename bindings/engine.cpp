@@ -186,11 +186,11 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release no_gil;
     return to_local(t, g);
   });
-  m.def("redistribute", [](const at::Tensor& t, const py::sequence& placements) {
+  m.def("redistribute", [](const at::Tensor& t, const py::sequence& placements, bool async_op) {
     auto p = to_placements(placements);
     py::gil_scoped_release no_gil;
-    return redistribute(t, p);
-  });
+    return redistribute(t, p, async_op);
+  }, py::arg("t"), py::arg("placements"), py::arg("async_op") = false);
   m.def("distribute_tensor", [](const at::Tensor& full, const std::shared_ptr<Mesh>& mesh,
                                 const py::sequence& placements, std::optional<int64_t> src_rank) {
     auto p = to_placements(placements);

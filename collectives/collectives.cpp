@@ -8,6 +8,9 @@
 #include <ATen/core/stack.h>
 
 #include <atomic>
+#include <functional>
+#include <memory>
+#include <vector>
 
 namespace vescale::collectives {
 
@@ -40,38 +43,101 @@ std::atomic<uint64_t> bytes[kKinds];
 
 uint64_t nbytes(const at::Tensor& x) { return static_cast<uint64_t>(x.numel()) * x.element_size(); }
 
-// Counts the call and, while an observer is on, times and records it.
-trace::Timed count(Kind kind, const at::Tensor& x, const std::string& group, int64_t group_size, int32_t mesh_dim,
-                   const std::string* mesh_dim_name) {
+// Counts the call and, while an observer is on, times and records it (until it is
+// waited for: the timer travels with the collective in flight).
+std::shared_ptr<trace::Timed> count(Kind kind, const at::Tensor& x, const std::string& group, int64_t group_size,
+                                    int32_t mesh_dim, const std::string* mesh_dim_name) {
   const uint64_t n = nbytes(x);
   calls[kind].fetch_add(1, std::memory_order_relaxed);
   bytes[kind].fetch_add(n, std::memory_order_relaxed);
-  return trace::Timed(kKindNames[kind], group, group_size, mesh_dim, mesh_dim_name, n);
+  return std::make_shared<trace::Timed>(kKindNames[kind], group, group_size, mesh_dim, mesh_dim_name, n);
 }
 
-trace::Timed count(Kind kind, const at::Tensor& x, const Mesh& mesh, int32_t mesh_dim) {
+std::shared_ptr<trace::Timed> count(Kind kind, const at::Tensor& x, const Mesh& mesh, int32_t mesh_dim) {
   const auto m = static_cast<size_t>(mesh_dim);
   return count(kind, x, mesh.group_names[m], mesh.shape[m], mesh_dim,
                m < mesh.dim_names.size() ? &mesh.dim_names[m] : nullptr);
 }
 
+// A collective in flight: its output, which must not be read before wait().
+struct Issued {
+  at::Tensor out;
+  std::shared_ptr<trace::Timed> timed;
+};
+
 // Boxed call: the group_name argument is typed `Any`, which typed calls can't express.
 // Below autograd: torch registers Python autograd kernels for these ops, and the
 // collectives vescale inserts are not differentiated through anyway.
-at::Tensor call_and_wait(const c10::OperatorHandle& op, torch::jit::Stack stack) {
+Issued issue(const c10::OperatorHandle& op, torch::jit::Stack stack, std::shared_ptr<trace::Timed> timed) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   WithoutStashedPythonObjects no_python_objects;
   op.callBoxed(stack);
-  static const auto wait = functional_op("_c10d_functional::wait_tensor");
-  torch::jit::Stack wait_stack{std::move(stack.at(0))};
-  wait.callBoxed(wait_stack);
+  return {stack.at(0).toTensor(), std::move(timed)};
+}
+
+at::Tensor wait(Issued issued) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  WithoutStashedPythonObjects no_python_objects;
+  static const auto wait_tensor = functional_op("_c10d_functional::wait_tensor");
+  torch::jit::Stack stack{std::move(issued.out)};
+  wait_tensor.callBoxed(stack);
+  issued.timed.reset();  // records the event, ending now
   // The backend's work object may keep the result tensor alive and drop it later on
   // its own thread; hand out another TensorImpl over the same storage, so that no
   // Python object ever hangs off the one the work object holds.
-  return wait_stack.at(0).toTensor().detach();
+  return stack.at(0).toTensor().detach();
 }
 
-std::string reduce_name(ReduceOp op) { return reduce_op_name(op); }
+// One redistribution step under way: the collective it issued (none for a local step,
+// whose result is `done`) and what turns the collective's output into the step's result.
+struct InFlight {
+  Issued issued;
+  std::function<at::Tensor(const at::Tensor&)> then;  // null: the output is the result
+  at::Tensor done;
+};
+
+InFlight local_result(at::Tensor x) { return {{}, nullptr, std::move(x)}; }
+
+at::Tensor finish(InFlight f) {
+  if (f.done.defined()) return std::move(f.done);
+  auto out = wait(std::move(f.issued));
+  return f.then ? f.then(out) : out;
+}
+
+Issued issue_all_gather_dim0(const at::Tensor& x, const Mesh& mesh, int32_t mesh_dim) {
+  static const auto op = functional_op("_c10d_functional::all_gather_into_tensor");
+  const auto m = static_cast<size_t>(mesh_dim);
+  return issue(op, {x, mesh.shape[m], mesh.group_names[m]}, count(kAllGather, x, mesh, mesh_dim));
+}
+
+Issued issue_all_reduce(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_t mesh_dim) {
+  static const auto fn = functional_op("_c10d_functional::all_reduce");
+  return issue(fn, {x.contiguous(), reduce_op_name(op), mesh.group_names[static_cast<size_t>(mesh_dim)]},
+               count(kAllReduce, x, mesh, mesh_dim));
+}
+
+Issued issue_all_reduce_flat(const at::Tensor& x, ReduceOp op, const Mesh& mesh) {
+  static const auto fn = functional_op("_c10d_functional::all_reduce");
+  std::string dims;
+  for (const auto& name : mesh.dim_names) dims += (dims.empty() ? "" : "*") + name;
+  return issue(fn, {x.contiguous(), reduce_op_name(op), mesh.flat_group_name},
+               count(kAllReduce, x, mesh.flat_group_name, mesh.numel(), -1, &dims));
+}
+
+Issued issue_reduce_scatter_dim0(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_t mesh_dim) {
+  static const auto fn = functional_op("_c10d_functional::reduce_scatter_tensor");
+  const auto m = static_cast<size_t>(mesh_dim);
+  return issue(fn, {x, reduce_op_name(op), mesh.shape[m], mesh.group_names[m]},
+               count(kReduceScatter, x, mesh, mesh_dim));
+}
+
+Issued issue_all_to_all_dim0(const at::Tensor& x, const Mesh& mesh, int32_t mesh_dim) {
+  static const auto fn = functional_op("_c10d_functional::all_to_all_single");
+  const auto m = static_cast<size_t>(mesh_dim);
+  std::vector<int64_t> splits(static_cast<size_t>(mesh.shape[m]), x.size(0) / mesh.shape[m]);
+  return issue(fn, {x, c10::IValue(splits), c10::IValue(splits), mesh.group_names[m]},
+               count(kAllToAll, x, mesh, mesh_dim));
+}
 
 // The extent of tensor dim `dim` before mesh dim `mesh_dim` splits it: the local size
 // under `placements` with that mesh dim replaced by Replicate.
@@ -100,57 +166,59 @@ at::Tensor swap_groups_and_ranks(const at::Tensor& x, int64_t first, int64_t sec
   return x.reshape(shape).transpose(0, 1).reshape(out_shape);
 }
 
-at::Tensor gather_step(const RedistStep& s, const Mesh& mesh, c10::ArrayRef<int64_t> shape,
-                       const at::Tensor& local) {
+InFlight gather_step(const RedistStep& s, const Mesh& mesh, c10::ArrayRef<int64_t> shape, const at::Tensor& local) {
   const auto m = static_cast<size_t>(s.mesh_dim);
   const int64_t k = mesh.shape[m];
+  const int64_t dim = s.dim;
   if (s.groups > 1) {  // even pieces: rank-major after the gather, group-major wanted
-    auto gathered = all_gather_dim0(local.movedim(s.dim, 0).contiguous(), mesh, s.mesh_dim);
-    return swap_groups_and_ranks(gathered, k, s.groups).movedim(0, s.dim);
+    return {issue_all_gather_dim0(local.movedim(dim, 0).contiguous(), mesh, s.mesh_dim),
+            [k, groups = s.groups, dim](const at::Tensor& gathered) {
+              return swap_groups_and_ranks(gathered, k, groups).movedim(0, dim);
+            }};
   }
   const int64_t extent = parent_extent(mesh, shape, s.before, s.mesh_dim, s.dim);
   const int64_t full = (extent + k - 1) / k;
-  if (extent == 0) return local.clone();
-  auto x = pad_dim0(local.movedim(s.dim, 0), full).contiguous();
-  auto gathered = all_gather_dim0(x, mesh, s.mesh_dim);
-  if (extent != full * k) {
-    std::vector<at::Tensor> pieces;
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t n = chunk_size(extent, k, j);
-      if (n > 0) pieces.push_back(gathered.narrow(0, j * full, n));
-    }
-    gathered = at::cat(pieces, 0);
-  }
-  return gathered.movedim(0, s.dim);
+  if (extent == 0) return local_result(local.clone());
+  auto x = pad_dim0(local.movedim(dim, 0), full).contiguous();
+  return {issue_all_gather_dim0(x, mesh, s.mesh_dim), [k, extent, full, dim](const at::Tensor& gathered) {
+            if (extent == full * k) return gathered.movedim(0, dim);
+            std::vector<at::Tensor> pieces;  // each rank's rows without its padding
+            for (int64_t j = 0; j < k; ++j) {
+              const int64_t n = chunk_size(extent, k, j);
+              if (n > 0) pieces.push_back(gathered.narrow(0, j * full, n));
+            }
+            return at::cat(pieces, 0).movedim(0, dim);
+          }};
 }
 
-at::Tensor reduce_scatter_step(const RedistStep& s, const Mesh& mesh, const at::Tensor& local) {
+InFlight reduce_scatter_step(const RedistStep& s, const Mesh& mesh, const at::Tensor& local) {
   const auto m = static_cast<size_t>(s.mesh_dim);
   const int64_t k = mesh.shape[m];
+  const int64_t dim = s.dim;
   if (s.groups > 1) {  // rank j's pieces of every group side by side, then scatter
-    auto x = swap_groups_and_ranks(local.movedim(s.dim, 0), s.groups, k).contiguous();
-    return reduce_scatter_dim0(x, s.op, mesh, s.mesh_dim).movedim(0, s.dim);
+    auto x = swap_groups_and_ranks(local.movedim(dim, 0), s.groups, k).contiguous();
+    return {issue_reduce_scatter_dim0(x, s.op, mesh, s.mesh_dim),
+            [dim](const at::Tensor& out) { return out.movedim(0, dim); }};
   }
-  const int64_t extent = local.size(s.dim);
+  const int64_t extent = local.size(dim);
   const int64_t full = (extent + k - 1) / k;
   const int64_t mine = chunk_size(extent, k, mesh.coordinate[m]);
-  if (extent == 0) return all_reduce(local, s.op, mesh, s.mesh_dim);
-  auto x = pad_dim0(local.movedim(s.dim, 0), full * k).contiguous();
-  auto out = reduce_scatter_dim0(x, s.op, mesh, s.mesh_dim);
-  return out.narrow(0, 0, mine).movedim(0, s.dim);
+  if (extent == 0) return {issue_all_reduce(local, s.op, mesh, s.mesh_dim)};
+  auto x = pad_dim0(local.movedim(dim, 0), full * k).contiguous();
+  return {issue_reduce_scatter_dim0(x, s.op, mesh, s.mesh_dim),
+          [mine, dim](const at::Tensor& out) { return out.narrow(0, 0, mine).movedim(0, dim); }};
 }
 
-at::Tensor all_to_all_step(const RedistStep& s, const Mesh& mesh, const at::Tensor& local) {
+InFlight all_to_all_step(const RedistStep& s, const Mesh& mesh, const at::Tensor& local) {
   // Even split on both dims (the planner guarantees it). Send block j of `to_dim`
   // to rank j; receive rank j's block of `dim` and lay the blocks side by side.
-  const auto m = static_cast<size_t>(s.mesh_dim);
-  const int64_t k = mesh.shape[m];
-  auto x = local.movedim(s.to_dim, 0).contiguous();
-  auto received = all_to_all_dim0(x, mesh, s.mesh_dim);
-  auto pieces = received.chunk(k, 0);
+  const int64_t k = mesh.shape[static_cast<size_t>(s.mesh_dim)];
   // In the moved layout, `dim` sits one place later when it came before `to_dim`.
   const int64_t dim_in_moved = s.dim < s.to_dim ? s.dim + 1 : s.dim;
-  return at::cat(pieces, dim_in_moved).movedim(0, s.to_dim);
+  return {issue_all_to_all_dim0(local.movedim(s.to_dim, 0).contiguous(), mesh, s.mesh_dim),
+          [k, dim_in_moved, to_dim = s.to_dim](const at::Tensor& received) {
+            return at::cat(received.chunk(k, 0), dim_in_moved).movedim(0, to_dim);
+          }};
 }
 
 at::Tensor chunk_step(const RedistStep& s, const Mesh& mesh, const at::Tensor& local) {
@@ -199,6 +267,36 @@ size_t flat_all_reduce_steps(const RedistPlan& plan, size_t first, const Mesh& m
   return spanned > 1 ? n : 0;
 }
 
+// Starts step `i` of `plan` on `x`; advances `i` past the steps it covers (one
+// all-reduce over the flat group can do several). Groups of one move nothing.
+InFlight start_step(const RedistPlan& plan, size_t& i, const Mesh& mesh, c10::ArrayRef<int64_t> shape,
+                    const at::Tensor& x) {
+  using K = RedistStep::Kind;
+  const auto& s = plan.steps[i];
+  if (const size_t n = flat_all_reduce_steps(plan, i, mesh); n > 0) {
+    i += n - 1;
+    return {issue_all_reduce_flat(x, s.op, mesh)};
+  }
+  const bool local_step = s.kind == K::Chunk || s.kind == K::ToPartial;
+  if (mesh.shape[static_cast<size_t>(s.mesh_dim)] == 1 && !local_step) return local_result(x);
+  switch (s.kind) {
+    case K::AllGather: return gather_step(s, mesh, shape, x);
+    case K::AllToAll: return all_to_all_step(s, mesh, x);
+    case K::AllReduce: return {issue_all_reduce(x, s.op, mesh, s.mesh_dim)};
+    case K::ReduceScatter: return reduce_scatter_step(s, mesh, x);
+    case K::Chunk: return local_result(chunk_step(s, mesh, x));
+    case K::ToPartial: return local_result(to_partial_step(s, mesh, x));
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown redistribution step");
+}
+
+// The executors' last touch: a result that is still the input is copied (the result
+// never aliases the input), and the layout follows the global strides.
+at::Tensor fresh_and_laid_out(at::Tensor x, const at::Tensor& local, c10::ArrayRef<int64_t> global_stride) {
+  if (x.is_same(local)) x = x.clone();
+  return with_layout_of(x, global_stride);
+}
+
 }  // namespace
 
 std::vector<CollectiveCount> collective_counts() {
@@ -216,46 +314,29 @@ void reset_collective_counts() {
 }
 
 at::Tensor all_gather_dim0(const at::Tensor& x, const Mesh& mesh, int32_t mesh_dim) {
-  static const auto op = functional_op("_c10d_functional::all_gather_into_tensor");
-  const auto m = static_cast<size_t>(mesh_dim);
-  auto timed = count(kAllGather, x, mesh, mesh_dim);
-  return call_and_wait(op, {x, mesh.shape[m], mesh.group_names[m]});
+  return wait(issue_all_gather_dim0(x, mesh, mesh_dim));
 }
 
 at::Tensor all_reduce(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_t mesh_dim) {
-  static const auto fn = functional_op("_c10d_functional::all_reduce");
-  auto timed = count(kAllReduce, x, mesh, mesh_dim);
-  return call_and_wait(fn, {x.contiguous(), reduce_name(op), mesh.group_names[static_cast<size_t>(mesh_dim)]});
+  return wait(issue_all_reduce(x, op, mesh, mesh_dim));
 }
 
 at::Tensor all_reduce_flat(const at::Tensor& x, ReduceOp op, const Mesh& mesh) {
-  static const auto fn = functional_op("_c10d_functional::all_reduce");
-  std::string dims;
-  for (const auto& name : mesh.dim_names) dims += (dims.empty() ? "" : "*") + name;
-  auto timed = count(kAllReduce, x, mesh.flat_group_name, mesh.numel(), -1, &dims);
-  return call_and_wait(fn, {x.contiguous(), reduce_name(op), mesh.flat_group_name});
+  return wait(issue_all_reduce_flat(x, op, mesh));
 }
 
 at::Tensor reduce_scatter_dim0(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_t mesh_dim) {
-  static const auto fn = functional_op("_c10d_functional::reduce_scatter_tensor");
-  const auto m = static_cast<size_t>(mesh_dim);
-  auto timed = count(kReduceScatter, x, mesh, mesh_dim);
-  return call_and_wait(fn, {x, reduce_name(op), mesh.shape[m], mesh.group_names[m]});
+  return wait(issue_reduce_scatter_dim0(x, op, mesh, mesh_dim));
 }
 
 at::Tensor all_to_all_dim0(const at::Tensor& x, const Mesh& mesh, int32_t mesh_dim) {
-  static const auto fn = functional_op("_c10d_functional::all_to_all_single");
-  const auto m = static_cast<size_t>(mesh_dim);
-  const int64_t k = mesh.shape[m];
-  auto timed = count(kAllToAll, x, mesh, mesh_dim);
-  std::vector<int64_t> splits(static_cast<size_t>(k), x.size(0) / k);
-  return call_and_wait(fn, {x, c10::IValue(splits), c10::IValue(splits), mesh.group_names[m]});
+  return wait(issue_all_to_all_dim0(x, mesh, mesh_dim));
 }
 
 at::Tensor broadcast(const at::Tensor& x, int64_t src, const Mesh& mesh, int32_t mesh_dim) {
   static const auto fn = functional_op("_c10d_functional::broadcast");
-  auto timed = count(kBroadcast, x, mesh, mesh_dim);
-  return call_and_wait(fn, {x.contiguous(), src, mesh.group_names[static_cast<size_t>(mesh_dim)]});
+  return wait(issue(fn, {x.contiguous(), src, mesh.group_names[static_cast<size_t>(mesh_dim)]},
+                    count(kBroadcast, x, mesh, mesh_dim)));
 }
 
 bool all_ranks(const Mesh& mesh, bool value) { return all_ranks(mesh, std::vector<bool>{value})[0]; }
@@ -293,28 +374,32 @@ at::Tensor execute_redistribution(
     const at::Tensor& local) {
   if (plan.empty()) return local;
   at::Tensor x = local;
-  using K = RedistStep::Kind;
+  for (size_t i = 0; i < plan.steps.size(); ++i) x = finish(start_step(plan, i, mesh, global_shape, x));
+  return fresh_and_laid_out(std::move(x), local, global_stride);
+}
+
+std::shared_ptr<PendingShard> start_redistribution(
+    const RedistPlan& plan,
+    const Mesh& mesh,
+    c10::ArrayRef<int64_t> global_shape,
+    c10::ArrayRef<int64_t> global_stride,
+    const at::Tensor& local) {
+  at::Tensor x = local;
   for (size_t i = 0; i < plan.steps.size(); ++i) {
-    const auto& s = plan.steps[i];
-    if (const size_t n = flat_all_reduce_steps(plan, i, mesh); n > 0) {
-      x = all_reduce_flat(x, s.op, mesh);
-      i += n - 1;
-      continue;
+    auto step = start_step(plan, i, mesh, global_shape, x);
+    if (i + 1 == plan.steps.size() && !step.done.defined()) {
+      // The last step is a collective: finished at the first use of the shard.
+      std::vector<int64_t> stride(global_stride.begin(), global_stride.end());
+      // (A collective's output is always fresh: no aliasing check against `local`.)
+      auto in_flight = std::make_shared<InFlight>(std::move(step));
+      return std::make_shared<PendingShard>([in_flight, stride = std::move(stride)] {
+        return with_layout_of(finish(std::move(*in_flight)), stride);
+      });
     }
-    const auto m = static_cast<size_t>(s.mesh_dim);
-    const bool local_step = s.kind == K::Chunk || s.kind == K::ToPartial;
-    if (mesh.shape[m] == 1 && !local_step) continue;  // a group of one: nothing moves
-    switch (s.kind) {
-      case K::AllGather: x = gather_step(s, mesh, global_shape, x); break;
-      case K::AllToAll: x = all_to_all_step(s, mesh, x); break;
-      case K::AllReduce: x = all_reduce(x, s.op, mesh, s.mesh_dim); break;
-      case K::ReduceScatter: x = reduce_scatter_step(s, mesh, x); break;
-      case K::Chunk: x = chunk_step(s, mesh, x); break;
-      case K::ToPartial: x = to_partial_step(s, mesh, x); break;
-    }
+    x = finish(std::move(step));
   }
-  if (x.is_same(local)) x = x.clone();
-  return with_layout_of(x, global_stride);
+  auto ready = plan.empty() ? x : fresh_and_laid_out(std::move(x), local, global_stride);
+  return std::make_shared<PendingShard>([ready] { return ready; });
 }
 
 }  // namespace vescale::collectives

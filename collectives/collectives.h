@@ -7,6 +7,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
+#include <mutex>
 #include <string>
 
 namespace vescale::collectives {
@@ -44,6 +46,47 @@ std::vector<bool> all_ranks(const Mesh& mesh, const std::vector<bool>& values);
 // `mesh`. The result is a fresh tensor: it never aliases `local`, unless the plan is
 // empty. Its layout follows `global_stride`'s dim order.
 at::Tensor execute_redistribution(
+    const RedistPlan& plan,
+    const Mesh& mesh,
+    c10::ArrayRef<int64_t> global_shape,
+    c10::ArrayRef<int64_t> global_stride,
+    const at::Tensor& local);
+
+// This rank's shard of a redistribution whose last collective may still be in flight
+// (as torch's functional collectives, waited for at the first use of the result):
+// get() waits for it and finishes the shard once; later calls return the same tensor.
+// Thread-safe. Until get(), only the shard's metadata (the spec) may be relied on.
+class PendingShard {
+ public:
+  explicit PendingShard(std::function<at::Tensor()> finish) : finish_(std::move(finish)) {}
+  // A collective nobody used is still waited for: it writes into buffers that go now.
+  ~PendingShard() {
+    if (finish_ == nullptr) return;
+    try {
+      get();
+    } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor must not throw; the failure shows elsewhere
+    }
+  }
+  PendingShard(const PendingShard&) = delete;
+  PendingShard& operator=(const PendingShard&) = delete;
+  const at::Tensor& get() {
+    std::call_once(once_, [this] {
+      shard_ = finish_();
+      finish_ = nullptr;  // drops the collective's buffers and its timer
+    });
+    return shard_;
+  }
+
+ private:
+  std::once_flag once_;
+  std::function<at::Tensor()> finish_;
+  at::Tensor shard_;
+};
+
+// execute_redistribution, with the plan's last step, when it is a collective, issued and
+// not waited for: the steps before it run now (each needs its predecessor's values), so
+// every rank issues the same collectives in the same order as the blocking executor.
+std::shared_ptr<PendingShard> start_redistribution(
     const RedistPlan& plan,
     const Mesh& mesh,
     c10::ArrayRef<int64_t> global_shape,

@@ -75,9 +75,9 @@ struct ToLocal : torch::autograd::Function<ToLocal> {
 };
 
 struct Redistribute : torch::autograd::Function<Redistribute> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& dtensor, const c10::IValue& target) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& dtensor, const c10::IValue& target, bool async_op) {
     ctx->saved_data["source"] = capsule(dtensor_impl(dtensor)->spec());
-    return redistribute_no_grad(dtensor, from_capsule(target)->placements);
+    return redistribute_no_grad(dtensor, from_capsule(target)->placements, async_op);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -85,7 +85,7 @@ struct Redistribute : torch::autograd::Function<Redistribute> {
     const auto& g = grads[0];
     if (!g.defined()) return {at::Tensor(), at::Tensor()};
     return {redistribute_no_grad(as_dtensor_gradient(g, source->mesh), partial_as_replicate(source->placements)),
-            at::Tensor()};
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -113,23 +113,27 @@ at::Tensor to_local(const at::Tensor& dtensor, std::optional<Placements> grad_pl
   return ToLocal::apply(dtensor, capsule(std::move(grad_spec)));
 }
 
-at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placements) {
+at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placements, bool async_op) {
   auto* impl = checked_dtensor_impl(dtensor, "redistribute");
   static const std::string kName = "redistribute";
   const collectives::trace::ApiContext context(kName);
   const auto& src = impl->spec();
   auto dst = with_placements(src, placements);
   const auto plan = collectives::plan_redistribution(*src, dst->placements);
+  if (async_op && !plan.empty()) {
+    auto pending = collectives::start_redistribution(plan, *src->mesh, src->shape, src->stride, impl->local());
+    return make_pending_dtensor(std::move(pending), std::move(dst), impl->device());
+  }
   auto local = collectives::execute_redistribution(plan, *src->mesh, src->shape, src->stride, impl->local());
   if (plan.empty()) local = local.clone();
   return make_dtensor(std::move(local), std::move(dst));
 }
 
-at::Tensor redistribute(const at::Tensor& dtensor, PlacementsRef placements) {
+at::Tensor redistribute(const at::Tensor& dtensor, PlacementsRef placements, bool async_op) {
   auto* impl = checked_dtensor_impl(dtensor, "redistribute");
   auto dst = with_placements(impl->spec(), placements);
   if (dst == impl->spec()) return dtensor;
-  return Redistribute::apply(dtensor, capsule(std::move(dst)));
+  return Redistribute::apply(dtensor, capsule(std::move(dst)), async_op);
 }
 
 namespace {

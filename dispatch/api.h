@@ -20,11 +20,13 @@ at::Tensor to_local(const at::Tensor& dtensor, std::optional<Placements> grad_pl
 
 // The same global tensor in other placements. Differentiable: gradients go back to
 // the original placements (Partial read as Replicate). Returns `dtensor` itself when
-// nothing changes; otherwise a tensor that shares no storage with it.
-at::Tensor redistribute(const at::Tensor& dtensor, PlacementsRef placements);
+// nothing changes; otherwise a tensor that shares no storage with it. With `async_op`,
+// the last collective is issued and the result returned at once; the first use of its
+// shard waits (independent work can run meanwhile).
+at::Tensor redistribute(const at::Tensor& dtensor, PlacementsRef placements, bool async_op = false);
 
 // The same, without autograd (for use inside backward functions and internals).
-at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placements);
+at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placements, bool async_op = false);
 
 // Makes gradients accumulated into this leaf DTensor arrive in its own placements
 // (a hook redistributes each incoming gradient: a replicated gradient of a sharded

@@ -25,6 +25,20 @@ DTensorImpl::DTensorImpl(at::Tensor local, SpecPtr spec)
   g_live.fetch_add(1, std::memory_order_relaxed);
 }
 
+DTensorImpl::DTensorImpl(std::shared_ptr<collectives::PendingShard> pending, SpecPtr spec, c10::Device device)
+    : c10::TensorImpl(dtensor_key_set(), c10::scalarTypeToTypeMeta(spec->dtype), device),
+      pending_(std::move(pending)),
+      spec_(std::move(spec)) {
+  set_storage_access_should_throw();
+  set_sizes_and_strides(spec_->shape, spec_->stride, spec_->storage_offset);
+  g_live.fetch_add(1, std::memory_order_relaxed);
+}
+
+void DTensorImpl::take_pending() const {
+  local_ = pending_->get();
+  pending_.reset();
+}
+
 DTensorImpl::~DTensorImpl() {
   if (!released_) g_live.fetch_sub(1, std::memory_order_relaxed);
 }
@@ -32,6 +46,7 @@ DTensorImpl::~DTensorImpl() {
 void DTensorImpl::release_resources() {
   c10::TensorImpl::release_resources();
   local_ = at::Tensor();
+  pending_.reset();  // (waits, if no one did: the collective writes into its buffers)
   reduced_ = Reduced{};
   copy_of.reset();
   released_ = true;
@@ -49,7 +64,8 @@ const char* DTensorImpl::tensorimpl_type_name() const {
 template <typename Version>
 c10::intrusive_ptr<c10::TensorImpl> DTensorImpl::detached_copy(Version&& version,
                                                                bool allow_change) const {
-  auto impl = c10::make_intrusive<DTensorImpl>(local_, spec_);
+  auto impl = pending_ != nullptr ? c10::make_intrusive<DTensorImpl>(pending_, spec_, device())
+                                  : c10::make_intrusive<DTensorImpl>(local_, spec_);
   impl->keeps_placements = keeps_placements;
   impl->copy_of = copy_of;
   copy_tensor_metadata(this, impl.get(), std::forward<Version>(version), allow_change);
@@ -71,7 +87,8 @@ void DTensorImpl::shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& i
   auto* other = dynamic_cast<DTensorImpl*>(impl.get());
   TORCH_CHECK(other, "cannot assign a plain tensor's data to a DTensor; distribute it first");
   copy_tensor_metadata(other, this, version_counter(), allow_tensor_metadata_change());
-  local_ = other->local_;
+  local_ = other->local();
+  pending_.reset();
   spec_ = other->spec_;
   reduced_ = Reduced{};  // of the old data (the spec may be the same interned object)
   reduced_from_ = nullptr;
@@ -79,12 +96,14 @@ void DTensorImpl::shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& i
 
 void DTensorImpl::relayout(at::Tensor local, SpecPtr spec) {
   TORCH_INTERNAL_ASSERT(spec->shape == spec_->shape && spec->stride == spec_->stride);
+  pending_.reset();
   local_ = std::move(local);
   spec_ = std::move(spec);
 }
 
 void DTensorImpl::adopt(const DTensorImpl& other) {
-  local_ = other.local_;
+  local_ = other.local();
+  pending_.reset();
   spec_ = other.spec_;
   copy_of = other.copy_of;
   set_sizes_and_strides(spec_->shape, spec_->stride, spec_->storage_offset);
@@ -98,7 +117,7 @@ uint32_t version_of(const c10::TensorImpl& impl) { return impl.version_counter()
 const DTensorImpl::Reduced* DTensorImpl::reduced() const {
   // keep_reduced keeps nothing for inference tensors, which have no version counter.
   if (!kept_for_spec() || !reduced_.local.defined()) return nullptr;
-  if (version_of(*this) != reduced_version_ || version_of(*local_.unsafeGetTensorImpl()) != reduced_local_version_)
+  if (version_of(*this) != reduced_version_ || version_of(*local().unsafeGetTensorImpl()) != reduced_local_version_)
     return nullptr;
   return &reduced_;
 }
@@ -108,11 +127,11 @@ void DTensorImpl::drop_reduced() {
 }
 
 void DTensorImpl::keep_reduced(at::Tensor local, SpecPtr spec) {
-  if (is_inference() || local_.is_inference()) return;
+  if (is_inference() || this->local().is_inference()) return;
   reduced_ = Reduced{std::move(local), std::move(spec)};
   reduced_from_ = spec_;
   reduced_version_ = version_of(*this);
-  reduced_local_version_ = version_of(*local_.unsafeGetTensorImpl());
+  reduced_local_version_ = version_of(*this->local().unsafeGetTensorImpl());
 }
 
 DTensorImpl* checked_dtensor_impl(const at::TensorBase& t, const char* what) {
@@ -123,6 +142,10 @@ DTensorImpl* checked_dtensor_impl(const at::TensorBase& t, const char* what) {
 
 at::Tensor make_dtensor(at::Tensor local, SpecPtr spec) {
   return at::Tensor(c10::make_intrusive<DTensorImpl>(std::move(local), std::move(spec)));
+}
+
+at::Tensor make_pending_dtensor(std::shared_ptr<collectives::PendingShard> pending, SpecPtr spec, c10::Device device) {
+  return at::Tensor(c10::make_intrusive<DTensorImpl>(std::move(pending), std::move(spec), device));
 }
 
 }  // namespace vescale

@@ -6,6 +6,7 @@
 // {kDTensorKey, its autograd key, ADInplaceOrView}, so autograd and view tracking
 // run above it and every aten op then reaches vescale's handler.
 
+#include "collectives/collectives.h"
 #include "core/spec.h"
 
 #include <ATen/core/Tensor.h>
@@ -22,11 +23,20 @@ constexpr c10::DispatchKey kDTensorAutogradKey = c10::DispatchKey::AutogradPriva
 class DTensorImpl final : public c10::TensorImpl {
  public:
   DTensorImpl(at::Tensor local, SpecPtr spec);
+  // A DTensor whose shard a collective is still computing (DTensor.redistribute(...,
+  // async_op=True)): the first use of the shard waits for it.
+  DTensorImpl(std::shared_ptr<collectives::PendingShard> pending, SpecPtr spec, c10::Device device);
   ~DTensorImpl() override;
   // DTensors whose shard is still held (a debug counter: a training step must leave none behind).
   static int64_t live();
 
-  const at::Tensor& local() const { return local_; }
+  // Waits for a pending shard first. Like any tensor's, a DTensor's first use is not
+  // to race with another thread's.
+  const at::Tensor& local() const {
+    if (C10_UNLIKELY(pending_ != nullptr)) take_pending();
+    return local_;
+  }
+  bool pending() const { return pending_ != nullptr; }
   const SpecPtr& spec() const { return spec_; }
 
   // Lays the same global values out differently: the local shard and spec change,
@@ -93,8 +103,12 @@ class DTensorImpl final : public c10::TensorImpl {
  private:
   template <typename Version>
   c10::intrusive_ptr<c10::TensorImpl> detached_copy(Version&& version, bool allow_change) const;
+  void take_pending() const;
 
-  at::Tensor local_;
+  // Until the first use of a pending shard, `local_` is undefined and `pending_` holds
+  // the collective in flight (shared with shallow copies, which wait for it once).
+  mutable at::Tensor local_;
+  mutable std::shared_ptr<collectives::PendingShard> pending_;
   SpecPtr spec_;
   // Valid while spec_ is `reduced_from_` and neither this wrapper (views share its
   // version counter) nor the shard (shallow copies share it) changed.
@@ -119,5 +133,7 @@ DTensorImpl* checked_dtensor_impl(const at::TensorBase& t, const char* what);
 
 // Wraps a local shard (which must not carry autograd history) with a spec.
 at::Tensor make_dtensor(at::Tensor local, SpecPtr spec);
+// Wraps a shard still in flight; `device` is where it will be.
+at::Tensor make_pending_dtensor(std::shared_ptr<collectives::PendingShard> pending, SpecPtr spec, c10::Device device);
 
 }  // namespace vescale

@@ -95,7 +95,12 @@ class DTensor(torch.Tensor, metaclass=_DTensorMeta):
 
     def redistribute(self, device_mesh: DeviceMesh | None = None,
                      placements: Sequence[Placement] | None = None, *, async_op: bool = False) -> torch.Tensor:
-        """The same global tensor with other placements. Differentiable."""
+        """The same global tensor with other placements. Differentiable.
+
+        With ``async_op=True`` the collective is issued and the result returned at once,
+        as torch's functional collectives do: the first use of its shard (any op on it,
+        ``to_local()``, another redistribution) waits for the collective, so work that
+        does not need the result can run meanwhile. The values are the same either way."""
         mesh = self.device_mesh
         if device_mesh is not None and device_mesh != mesh:
             raise ValueError(f"redistribute moves a DTensor within its mesh {mesh}; moving it to another mesh "
@@ -103,7 +108,7 @@ class DTensor(torch.Tensor, metaclass=_DTensorMeta):
         if placements is None:
             raise ValueError("redistribute needs the target placements, e.g. [Replicate()]")
         _, cp = _resolve(mesh, placements, self.dim())
-        return _C.redistribute(self, cp)
+        return _C.redistribute(self, cp, async_op=async_op)
 
     @property
     def placements(self) -> tuple[Placement, ...]:
