@@ -303,13 +303,14 @@ def relayout_draw(rng, values):
 
 
 def _redistribute(x, *, seed):
-    """To placements drawn from the seed (Partial included); the identity on plain tensors."""
+    """To placements drawn from the seed (Partial included), asynchronously for odd seeds
+    (the next op is then the first use that waits); the identity on plain tensors."""
     if not hasattr(x, "redistribute") or not hasattr(x, "device_mesh"):
         return x.clone()
     from .chains import placements_from_codes, fresh_placements
     mesh = x.device_mesh
     codes = fresh_placements(seed, list(x.shape), "2d" if mesh.ndim == 2 else "1d4", partial=True)
-    y = x.redistribute(mesh, placements_from_codes(codes))
+    y = x.redistribute(mesh, placements_from_codes(codes), async_op=bool(seed & 1))
     return y.clone() if y is x else y  # to its own placements, redistribute hands back x itself
 
 
