@@ -51,7 +51,7 @@ def test_transitions_2d(pool4, shape):
         assert failures == []
 
 
-def _case_redistribute_is_differentiable(mesh_name: str):
+def _case_redistribute_is_differentiable(mesh_name: str, async_op: bool = False):
     m = mesh(mesh_name)
     full = rand((6, 4), seed=3)
     weight = rand((6, 4), seed=4)
@@ -59,7 +59,7 @@ def _case_redistribute_is_differentiable(mesh_name: str):
     for src in placement_options(2, m.ndim, partial=()):
         for dst in placement_options(2, m.ndim):
             x = make_dtensor(full, m, src, requires_grad=True)
-            y = x.redistribute(m, dst)
+            y = x.redistribute(m, dst, async_op=async_op)
             w = make_dtensor(weight, m, [Replicate()] * m.ndim)
             (y * w).sum().backward()
             err = mismatch(x.grad.full_tensor(), weight)
@@ -70,9 +70,10 @@ def _case_redistribute_is_differentiable(mesh_name: str):
     return failures
 
 
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
 @pytest.mark.parametrize("mesh_name", ["1d4", "2d"])
-def test_redistribute_backward(pool4, mesh_name):
-    for failures in pool4.run(_case_redistribute_is_differentiable, mesh_name):
+def test_redistribute_backward(pool4, mesh_name, async_op):
+    for failures in pool4.run(_case_redistribute_is_differentiable, mesh_name, async_op):
         assert failures == []
 
 
