@@ -61,7 +61,7 @@ class Bucket:
     chunk_total: int = 0  # elements per rank
     buffer: torch.Tensor | None = None
     pending: int = 0
-    work: object = None
+    work: object = None  # (handle, result) once launched; reduce-scatter: handle None once waited for
     in_buffer: list[Slot] = field(default_factory=list)  # the slots the DP collective carries
     tp: list = field(default_factory=list)  # Partial (TP) sums in flight (tp_grads.launch_partial_sums)
     partial: list = field(default_factory=list)  # ZeRO-2: (slot, its gradient's Partial TP dims)
@@ -284,15 +284,19 @@ class DDP(nn.Module):
             if id(s) not in b.staged:
                 self._stage(b, s)
         b.in_buffer, b.staged = b.slots, set()
-        # the whole-gradient buffers of earlier units: waited for and dropped, one left in
-        # flight (overlapping this unit's), so that they add up to two units, not the model
+        # earlier units' reduce-scatters: waited for and their handles dropped, one left in
+        # flight (overlapping this unit's backward). Gloo's handle holds a whole copy of its
+        # input until the handle itself is freed, so kept handles would add up to the model.
         for earlier in self.buckets:
-            if earlier is not b and earlier.work is not None and earlier.buffer is not None:
+            if earlier is not b and earlier.work is not None and earlier.work[0] is not None:
                 earlier.work[0].wait()
-                earlier.buffer = None
+                earlier.work = (None, earlier.work[1])
         out = torch.empty(b.chunk_total, dtype=b.dtype, device=b.device)
         token = _trace.collective_started("reduce_scatter", self.group, b.buffer, source="zero")
         b.work = (_trace.traced(_reduce_scatter(out, b.buffer.view(-1), self.group), token), out)
+        # the input is the collective's now (gloo copies it at the launch; c10d's other
+        # backends keep it referenced until done): ours would be one more unit's gradients
+        b.buffer = None
 
     def _finish(self) -> None:
         self._callback_queued = False
@@ -302,7 +306,8 @@ class DDP(nn.Module):
         partial = []  # ZeRO-2: Partial (TP) slices, summed after every bucket's reduce-scatter
         for b in self.buckets:
             work, result = b.work
-            work.wait()
+            if work is not None:  # (None: a reduce-scatter waited for already)
+                work.wait()
             result.div_(self.world)
             offset = 0
             for s in b.in_buffer:

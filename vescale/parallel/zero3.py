@@ -202,7 +202,7 @@ def all_gather_slices(owners: list, slices: list[torch.Tensor], group):
 
 def start_gather_slices(owners: list, slices: list[torch.Tensor], group) -> list:
     """all_gather_slices' collectives, started (asynchronous); finish_gather_slices waits."""
-    world = dist.get_world_size(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     by_kind: dict[tuple, list] = {}
     for owner, mine in zip(owners, slices):
         local = local_of(owner.param)
@@ -210,13 +210,16 @@ def start_gather_slices(owners: list, slices: list[torch.Tensor], group) -> list
     started = []
     for (dtype, device), members in by_kind.items():
         total = sum(owner.slot.chunk for owner, _ in members)
-        packed = torch.zeros(total, dtype=dtype, device=device)
+        gathered = torch.empty(world, total, dtype=dtype, device=device)
+        # gathered in place (as FSDP2 does): this rank's row is the send buffer, so no
+        # separate one is alive while the collective runs
+        packed = gathered[rank]
         offset = 0
         for owner, mine in members:
             packed[offset:offset + mine.numel()].copy_(mine)
+            packed[offset + mine.numel():offset + owner.slot.chunk].zero_()  # padding
             offset += owner.slot.chunk
-        gathered = torch.empty(world * total, dtype=dtype, device=device)
-        started.append(([owner for owner, _ in members], gathered.view(world, total), _all_gather(gathered, packed, group)))
+        started.append(([owner for owner, _ in members], gathered, _all_gather(gathered.view(-1), packed, group)))
     return started
 
 
