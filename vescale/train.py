@@ -52,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 from .device_mesh import DeviceMesh, init_device_mesh
 from .dtensor import DTensor
 from .parallel.ddp import DDP, local_of
-from .parallel.optimizer import DistributedOptimizer, grad_norm_power
+from .parallel.optimizer import DistributedOptimizer, grad_norm_power, pipeline_holders
 from .parallel.parallelize import parallelize_module
 from .parallel.pipeline.engine import PipelineParallel
 from .plan import Plan, PlanError
@@ -104,7 +104,7 @@ def parallelize(plan: Plan | dict, model: nn.Module, optimizer_fn: Callable | No
     if optimizer_fn is not None:
         optimizer = _optimizer(optimizer_fn, model, pipeline or model, ddp, zero,
                                plan["mixed_precision.loss_scale"])
-        optimizer = ParallelOptimizer(optimizer, steps, plan["gradient.clip_norm"], mesh, pp)
+        optimizer = ParallelOptimizer(optimizer, steps, plan["gradient.clip_norm"], mesh, pp, pipeline)
     scaler = getattr(getattr(optimizer, "inner", None), "scaler", None)
     wrapped = ParallelModel(inner, pipeline, ddp, mesh, dp, steps, scaler)
     scheduler = lr_scheduler_fn(optimizer) if lr_scheduler_fn is not None else None
@@ -292,9 +292,11 @@ class ParallelOptimizer(torch.optim.Optimizer):
     accumulation and clipping around its step; its groups and state are the inner one's
     (LR schedulers and logging see them)."""
 
-    def __init__(self, inner: torch.optim.Optimizer, steps: _Steps, clip_norm: float | None, mesh, pp_dim: str):
+    def __init__(self, inner: torch.optim.Optimizer, steps: _Steps, clip_norm: float | None, mesh, pp_dim: str,
+                 pipeline=None):
         super().__init__([p for g in inner.param_groups for p in g["params"]], inner.defaults)
         self.inner, self._steps, self.clip_norm = inner, steps, clip_norm
+        self._pipeline = pipeline
         self._pp_size = mesh.size(pp_dim) if pp_dim in mesh.mesh_dim_names else 1
         self.param_groups = inner.param_groups  # the inner optimizer's own, as DistributedOptimizer does
         self.state = inner.state
@@ -321,7 +323,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
             return self.inner.clip_grad_norm_(max_norm * scale, norm_type) / scale  # gradients are still scaled
         params = [p for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
         world = dist.get_world_size() if dist.is_initialized() else 1
-        power = grad_norm_power(params, norm_type, ranks_per_stage=world // self._pp_size)
+        power = grad_norm_power(params, norm_type, ranks_per_stage=world // self._pp_size,
+                                holders=pipeline_holders([self._pipeline] if self._pipeline is not None else []))
         norm = power.pow(1.0 / norm_type)
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:

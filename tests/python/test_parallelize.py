@@ -216,6 +216,40 @@ def test_training_options_match_single_device(pool4, name):
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
 
 
+# ---- clipping under a pipeline: a parameter tied across stages counts once ------------------------
+
+def _case_pipeline_clip(mesh: dict, extra: dict) -> tuple[float, float, list[float], list[float]]:
+    """The global gradient norm of a pipeline whose first and last stages both hold the
+    tied embedding (and its gradient, summed over them), then clipped training's losses,
+    against one device's."""
+    data = _dataset()
+    x, y = data.tensors[0][:GLOBAL_BATCH], data.tensors[1][:GLOBAL_BATCH]
+    plan = Plan({"mesh": mesh, "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False, **extra})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), _adamw, None, _dataset())
+    model(next(iter(loader))).backward()
+    norm = float(optimizer.clip_grad_norm_(1e9))
+    ref_model = _gpt({"n_layer": 4})
+    ref_model(x, y).backward()
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1e9))
+
+    plan.update({"gradient.clip_norm": 0.05})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), _adamw, None, _dataset())
+    losses = _rfc_loop(model, optimizer, loader, STEPS)
+    batches = [(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+               for i in range(0, GLOBAL_BATCH * STEPS, GLOBAL_BATCH)]
+    return norm, ref_norm, losses, _single_device(lambda: _gpt({"n_layer": 4}), _adamw, batches, clip=0.05)
+
+
+@pytest.mark.parametrize("mesh,extra", [({"PP": 4}, {"pipeline_parallel.microbatches": 4}),
+                                        ({"PP": 2, "DP": 2}, {"pipeline_parallel.microbatches": 2,
+                                                              "data_parallel.zero_stage": 1})],
+                         ids=["pp4", "pp2-dp2-zero1"])
+def test_clipping_under_a_pipeline_counts_tied_parameters_once(pool4, mesh, extra):
+    for norm, ref_norm, losses, ref in pool4.run(_case_pipeline_clip, mesh, extra):
+        assert abs(norm - ref_norm) <= 1e-6 * ref_norm, (norm, ref_norm)
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+
+
 # ---- plans that do not fit: clear errors, nothing half done --------------------------------------
 
 def _case_errors() -> list[str]:

@@ -225,22 +225,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         are counted once.
         """
         slices = [(o, self._grad_slice(o)) for o in self.owned]
-        # DP ranks split each local tensor, so sums over the DP group give whole local
-        # tensors. A DTensor's local tensors then sum over its mesh (its replicated
-        # dims counted once); a plain parameter is the same on every other rank.
-        distributed = torch.zeros((), dtype=torch.float64)
-        plain = torch.zeros((), dtype=torch.float64)
+        # Summed over every rank: DP ranks split each local tensor (their sums give whole
+        # local tensors); a DTensor's local tensors sum over its mesh, its replicated dims
+        # counted once; a plain parameter is the same on every rank at the same DP and
+        # pipeline coordinates (pipeline stages hold different ones); a parameter several
+        # pipeline ranks hold counts once, not once per holder.
+        holders = pipeline_holders(self.ddps)
+        plain_copies = dist.get_world_size() // (self.world * pipeline_size(self.ddps))
+        total = torch.zeros((), dtype=torch.float64)
         for o, g in slices:
             if g is None:
                 continue
-            power = g.double().abs().pow(norm_type).sum()
-            if isinstance(o.param, DTensor):
-                distributed += power / _copies(o.param)
-            else:
-                plain += power
-        _trace.call("all_reduce", None, distributed, dist.all_reduce, distributed, source="optimizer")
-        _trace.call("all_reduce", self.group, plain, dist.all_reduce, plain, group=self.group, source="optimizer")
-        norm = (distributed + plain).pow(1.0 / norm_type)
+            power = g.double().abs().pow(norm_type).sum() / holders.get(id(o.param), 1)
+            total += power / (_copies(o.param) if isinstance(o.param, DTensor) else plain_copies)
+        _trace.call("all_reduce", None, total, dist.all_reduce, total, source="optimizer")
+        norm = total.pow(1.0 / norm_type)
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
             for o, g in slices:
@@ -265,16 +264,39 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.scaler.load_state_dict(state["loss_scale"])
 
 
-def grad_norm_power(params, norm_type: float, ranks_per_stage: int) -> torch.Tensor:
+def _pipelines(models) -> list:
+    """The pipelines among ``models`` (DDP-wrapped or not)."""
+    from .pipeline.engine import is_pipeline  # (the pipeline imports DDP, which imports this module)
+    unwrapped = [m.module if isinstance(m, DDP) else m for m in models]
+    return [m for m in unwrapped if is_pipeline(m)]
+
+
+def pipeline_holders(models) -> dict[int, int]:
+    """id(parameter) -> how many pipeline ranks hold it, over the pipelines among
+    ``models``; parameters not listed have one holder."""
+    holders: dict[int, int] = {}
+    for pipeline in _pipelines(models):
+        holders.update(pipeline.holders())
+    return holders
+
+
+def pipeline_size(models) -> int:
+    """The number of pipeline ranks that ``models`` are split over (1: no pipeline)."""
+    return max((p.pp_size for p in _pipelines(models)), default=1)
+
+
+def grad_norm_power(params, norm_type: float, ranks_per_stage: int, holders: dict[int, int] | None = None) -> torch.Tensor:
     """sum(|g| ** norm_type) over the gradients of ``params`` across every rank, each
     element counted once: a DTensor's elements once per copy its mesh replicates, its
     mesh's copies across the rest of a stage's ``ranks_per_stage`` ranks (data
-    parallelism), and a plain gradient held by every rank of a stage, all divided out.
-    (A parameter tied across pipeline stages counts once per stage that holds it.)"""
+    parallelism), a plain gradient held by every rank of a stage, and a parameter
+    several pipeline ranks hold (``holders``: id -> count, see ``pipeline_holders``),
+    all divided out."""
+    holders = holders or {}
     total = torch.zeros((), dtype=torch.float64)
     for p in params:
         g = p.grad
-        power = local_of(g).double().abs().pow(norm_type).sum()
+        power = local_of(g).double().abs().pow(norm_type).sum() / holders.get(id(p), 1)
         if isinstance(p, DTensor):
             total += power / (_copies(p) * (ranks_per_stage // p.device_mesh.mesh.numel()))
         else:

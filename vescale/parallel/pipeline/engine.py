@@ -116,6 +116,13 @@ class PipelineParallel(nn.Module):
         shared = [(names[i], sorted(r)) for i, r in holders.items() if len(r) > 1 and self.pp_rank in r and i in params]
         return self._shared_groups(holders, shared)
 
+    def holders(self) -> dict[int, int]:
+        """id(parameter) -> how many pipeline ranks hold it, for the parameters that several
+        do (tied across stages, or glue). Their gradients are summed over the holders after
+        each step's schedule, so every holder has the whole gradient: a global gradient
+        norm counts it once, not once per holder."""
+        return {id(self.module.get_parameter(name)): dist.get_world_size(group) for name, group in self._shared}
+
     def _shared_groups(self, holders, shared):
         """A process group per set of holder ranks (at this rank's other mesh coordinates).
         Every rank creates every group, in the same order, as torch.distributed requires."""
