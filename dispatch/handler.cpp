@@ -86,7 +86,6 @@ void run_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   // Unwrap, moving each input to the layout the local op needs.
   const size_t n = scan.tensors.size();
   c10::SmallVector<at::Tensor, 6> locals(n);
-  c10::SmallVector<std::shared_ptr<collectives::PendingShard>, 6> moving(n);
   bool view_of_copy = false;
   int view_input = -1;  // for view ops: the flattened input the results alias
   for (size_t i = 0; i < n; ++i) {
@@ -105,11 +104,6 @@ void run_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     const auto& plan = d.to_target[i];
     if (plan.empty()) continue;
     const auto& src = *d.sources[i];
-    if (view_input != static_cast<int>(i) && (impl == nullptr || !any_partial(src.placements))) {
-      // Started now, waited for below: the inputs' transfers overlap one another.
-      moving[i] = collectives::start_redistribution(plan, *src.mesh, src.shape, src.stride, locals[i]);
-      continue;
-    }
     const bool owned = impl != nullptr && exclusively_owned(impl->local());
     locals[i] = impl != nullptr ? laid_out_as(*impl, plan, d.targets[i])
                                 : collectives::execute_redistribution(plan, *src.mesh, src.shape, src.stride, locals[i]);
@@ -129,8 +123,6 @@ void run_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       }
     }
   }
-  for (size_t i = 0; i < n; ++i)
-    if (moving[i] != nullptr) locals[i] = moving[i]->get();
   replace_tensors(*stack, base, info, scan.slots, locals);
   for (const auto& [index, value] : d.local_args) (*stack)[base + index] = value;
 

@@ -3,9 +3,7 @@ collective and returns at once; the first use of the result waits for it. Checke
 values are bitwise those of the blocking redistribution for every transition (1-d 2 and
 4 ranks, 2x2, even and uneven), every kind of first use waits, a result nobody uses is
 still waited for and freed, and the recorded collective lasts until its first use (so
-work issued in between ran while it was in flight). The handler starts every input's
-redistribution before waiting for any; the trace shows them in flight together.
-Gradients: test_redistribute.py's test_redistribute_backward[async]."""
+work issued in between ran while it was in flight). Gradients: test_redistribute.py's test_redistribute_backward[async]."""
 
 import time
 
@@ -126,27 +124,4 @@ def _case_waits_at_first_use():
 
 def test_collective_is_in_flight_until_its_first_use(pool4):
     for failures in pool4.run(_case_waits_at_first_use):
-        assert failures == []
-
-
-def _case_inputs_move_together():
-    """An op whose inputs are split along three different dims: two of them move, the
-    second issued before the first is waited for; the result matches the whole tensors'."""
-    m = mesh("1d4")
-    fulls = [rand((8, 8, 8), seed=9 + k) for k in range(3)]
-    x, a, b = (make_dtensor(f, m, [Shard(k)]) for k, f in enumerate(fulls))
-    with comm_trace(modules=False) as trace:
-        out = torch.addcmul(x, a, b)
-    failures = [] if torch.allclose(out.full_tensor(), torch.addcmul(*fulls), rtol=1e-12, atol=0) else ["values"]
-    moves = [e for e in trace.events if e["op"].startswith("aten::addcmul")]
-    if len(moves) != 2:
-        return failures + [f"{len(moves)} collectives for addcmul: {[(e['op'], e['kind']) for e in trace.events]}"]
-    first, second = moves
-    if not second["start_ns"] <= first["end_ns"]:
-        failures.append(f"not in flight together: {first} {second}")
-    return failures
-
-
-def test_an_ops_inputs_move_together(pool4):
-    for failures in pool4.run(_case_inputs_move_together):
         assert failures == []
