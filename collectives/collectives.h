@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 

@@ -1,5 +1,7 @@
 #include "dispatch/dtensor_impl.h"
 
+#include "collectives/collectives.h"
+
 #include <c10/util/Exception.h>
 
 #include <atomic>

@@ -6,13 +6,16 @@
 // {kDTensorKey, its autograd key, ADInplaceOrView}, so autograd and view tracking
 // run above it and every aten op then reaches vescale's handler.
 
-#include "collectives/collectives.h"
 #include "core/spec.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/TensorImpl.h>
 
 namespace vescale {
+
+namespace collectives {
+class PendingShard;  // collectives/collectives.h
+}
 
 // The c10 private-use backend key vescale claims. PrivateUse1 is what out-of-tree
 // accelerators register as; PrivateUse2 is free in practice, and it ranks above the

@@ -52,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 from .device_mesh import DeviceMesh, init_device_mesh
 from .dtensor import DTensor
 from .parallel.ddp import DDP, local_of
-from .parallel.optimizer import DistributedOptimizer, grad_norm_power, pipeline_holders
+from .parallel.optimizer import DistributedOptimizer, grad_norm_power
 from .parallel.parallelize import parallelize_module
 from .parallel.pipeline.engine import PipelineParallel
 from .plan import Plan, PlanError
@@ -324,7 +324,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         params = [p for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
         world = dist.get_world_size() if dist.is_initialized() else 1
         power = grad_norm_power(params, norm_type, ranks_per_stage=world // self._pp_size,
-                                holders=pipeline_holders([self._pipeline] if self._pipeline is not None else []))
+                                holders=self._pipeline.holders() if self._pipeline is not None else None)
         norm = power.pow(1.0 / norm_type)
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
