@@ -385,9 +385,17 @@ def test_what_if_collectives_match_a_real_run(pool4, name):
         assert abs(nbytes - pbytes) <= 0.01 * nbytes + 64 * calls, (label, key, real, priced)
 
 
-def _case_train(constraints: dict):
-    model = _gpt()
-    plan = vescale.generate_plan(constraints, model, sample_batch=_tokens(), world=4, steps=1)
+def _case_train(constraints: dict, like: bool = False):
+    if like:  # planned from a 2-layer GPT's timings, the model itself on meta, never run
+        torch.manual_seed(0)
+        small = GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32))
+        with torch.device("meta"):
+            model = _gpt()
+        plan = vescale.generate_plan(constraints, model, sample_batch=_tokens(), world=4, steps=1, like=small)
+        assert "times scaled from GPT's profile" in str(plan._report)
+    else:
+        model = _gpt()
+        plan = vescale.generate_plan(constraints, model, sample_batch=_tokens(), world=4, steps=1)
     x, y = _tokens(seed=5, n=BATCH * 4)
     plan.update({"data.shuffle": False})
     pmodel, opt, _, loader = vescale.parallelize(plan, _gpt(), functools.partial(torch.optim.AdamW, lr=1e-2), None,
@@ -410,12 +418,13 @@ def _case_train(constraints: dict):
     return losses, ref_losses, repr(plan)
 
 
-@pytest.mark.parametrize("constraints", [{}, {"mesh.TP": 2, "mesh.PP": 2}, {"mesh.TP": 4,
-                                          "tensor_parallel.sequence_parallel": True},
-                                          {"mesh.DP": 2, "mesh.TP": 2, "recompute": True}],
-                         ids=["free", "tp2-pp2", "tp4-sp", "dp2-tp2-recompute"])
-def test_a_generated_plan_trains_to_single_device_losses(pool4, constraints):
-    for losses, ref, text in pool4.run(_case_train, constraints):
+@pytest.mark.parametrize("constraints,like", [({}, False), ({"mesh.TP": 2, "mesh.PP": 2}, False),
+                                               ({"mesh.TP": 4, "tensor_parallel.sequence_parallel": True}, False),
+                                               ({"mesh.DP": 2, "mesh.TP": 2, "recompute": True}, False),
+                                               ({"mesh.TP": 2, "mesh.PP": 2}, True)],
+                         ids=["free", "tp2-pp2", "tp4-sp", "dp2-tp2-recompute", "tp2-pp2-like-a-smaller-gpt"])
+def test_a_generated_plan_trains_to_single_device_losses(pool4, constraints, like):
+    for losses, ref, text in pool4.run(_case_train, constraints, like):
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref, text)
         assert "# predicted best:" in text
         assert ("recompute.modules : []" in text) != bool(constraints.get("recompute")), text

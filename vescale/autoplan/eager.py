@@ -42,7 +42,8 @@ from ..plan import Plan, PlanError
 from .commfit import CommModel, measure_comm
 from .profile import Profile, batch_size_of, profile_model
 from .scale import parse_bytes
-from .whatif import TPChoice, sharded_times, tensor_parallel_plan, unit_collectives
+from .transfer import profile_like, scaled_sharded_lines
+from .whatif import TPChoice, sharded_saved, sharded_times, tensor_parallel_plan, unit_collectives
 
 __all__ = ["generate_plan", "plan_eager", "EagerPlan", "EagerCandidate", "CONSTRAINTS", "plan_for"]
 
@@ -198,6 +199,8 @@ class EagerPlan:
                  f"{self.batch}; planned in {s.get('total', 0):.2f} s (profile {s.get('profile', 0):.2f}, collectives "
                  f"{s.get('comm', 0):.2f}, what-if {s.get('whatif', 0):.2f}, search {s.get('search', 0):.3f}); "
                  f"{self.enumerated} plans priced, {len(self.rejected)} refused"]
+        if self.profile.derived:
+            lines[0] += f"; not run here: times scaled from {self.profile.derived['from']}'s profile"
         if self.ranked:
             lines.append("predicted best: " + self.best.describe())
             per_rank = ", ".join(f"{m['total'] / MiB:.1f}" for m in self.best.rank_memory)
@@ -303,9 +306,11 @@ def _layout_tp1(profile: Profile) -> dict:
     return {"tp": 1, "sp": False, "units": units}
 
 
-def _layout_sharded(profile: Profile, model, batch, tp: int, sp: bool, comm: CommModel, steps: int) -> tuple:
+def _layout_sharded(profile: Profile, model, batch, tp: int, sp: bool, comm: CommModel, steps: int,
+                    like: "EagerPlan | None" = None) -> tuple:
     """The layout of (tp, sp): sharding found by what-if runs, each unit's collectives at the
-    two profiled batch sizes, its local compute timed at sharded shapes."""
+    two profiled batch sizes, its local compute timed at sharded shapes (or, for a profile
+    derived from ``like``'s model, ``like``'s timings scaled; saved bytes from meta)."""
     from .profile import slice_batch
 
     choice = tensor_parallel_plan(profile, model, batch, tp, comm, sequence_parallel=sp)
@@ -316,15 +321,21 @@ def _layout_sharded(profile: Profile, model, batch, tp: int, sp: bool, comm: Com
     at1 = unit_collectives(profile, model, slice_batch(batch, n1), plan, tp, sp)
     ev1, ev2 = at1.per_unit, unit_collectives(profile, model, slice_batch(batch, n2), plan, tp, sp).per_unit
     pb = at1.param_bytes
-    times = sharded_times(profile, model, batch, plan, tp, steps=steps)
-    (f1, b1, s1), (f2, b2, s2) = times[n1], times[n2]
+    if like is None:
+        times = sharded_times(profile, model, batch, plan, tp, steps=steps)
+        (f1, b1, s1), (f2, b2, s2) = times[n1], times[n2]
+        lines = {u.name: (_line(n1, f1.get(u.name, 0.0), n2, f2.get(u.name, 0.0)),
+                          _line(n1, b1.get(u.name, 0.0), n2, b2.get(u.name, 0.0)),
+                          _line(n1, s1.get(u.name, 0), n2, s2.get(u.name, 0))) for u in profile.units}
+    else:
+        lines = scaled_sharded_lines(like.problem["layouts"], like.profile, profile, tp, sp,
+                                     sharded_saved(profile, model, batch, plan, tp))
     units = []
     for u in profile.units:
         local = pb[u.name] / max(u.param_bytes, 1)
         out = tuple(x / tp for x in u.out_bytes) if sp else u.out_bytes
-        units.append(dict(fwd=_line(n1, f1.get(u.name, 0.0), n2, f2.get(u.name, 0.0)),
-                          bwd=_line(n1, b1.get(u.name, 0.0), n2, b2.get(u.name, 0.0)),
-                          saved=_line(n1, s1.get(u.name, 0), n2, s2.get(u.name, 0)), out=out,
+        fwd, bwd, saved = lines[u.name]
+        units.append(dict(fwd=fwd, bwd=bwd, saved=saved, out=out,
                           input_share=u.input_backward_share, split_cost=u.split_backward_cost,
                           shadow=u.shadow_s, param_bytes=float(pb[u.name]),
                           param_numel=float(u.param_numel * local), param_tensors=len(u.params),
@@ -348,8 +359,11 @@ def _collect(local: dict, world: int) -> dict:
 
 def plan_eager(model: nn.Module, sample_batch, *, world: int | None = None, constraints: dict | None = None,
                comm: CommModel | None = None, loss_fn=None, blocks: str | None = None, steps: int = 3,
-               profile: Profile | None = None, tp_degrees=None) -> EagerPlan:
-    """The planner's full answer (``generate_plan`` returns its best as a ``vescale.Plan``)."""
+               profile: Profile | None = None, tp_degrees=None, like: "EagerPlan | nn.Module | None" = None) -> EagerPlan:
+    """The planner's full answer (``generate_plan`` returns its best as a ``vescale.Plan``).
+    ``like``: plan ``model`` without running it, from the planner's answer for a model of
+    the same kinds of blocks that ran here (``vescale.autoplan.transfer``); a module is
+    planned first (on ``sample_batch``)."""
     t0 = time.perf_counter()
     k = _check_constraints(constraints or {})
     running = dist.is_available() and dist.is_initialized()
@@ -370,8 +384,19 @@ def plan_eager(model: nn.Module, sample_batch, *, world: int | None = None, cons
                         "or a dict of keyword arguments, as the model is called in training")
     batch = k.get("data.global_batch_size") or batch_size_of(sample_batch)
     seconds = {}
+    if isinstance(like, nn.Module):
+        like = plan_eager(like, sample_batch, world=world, comm=comm, loss_fn=loss_fn, steps=steps,
+                          tp_degrees=tp_degrees)
+        seconds["like"] = time.perf_counter() - t0
+    if like is not None:
+        if like.world != world:
+            raise PlanError(f"generate_plan(like=...) was planned for {like.world} ranks, not {world}: its "
+                            f"timings are those of {like.world} ranks sharing the machine")
+        comm = comm or like.comm
     # 1. the profile
     t = time.perf_counter()
+    if profile is None and like is not None:
+        profile = profile_like(like.profile, model, sample_batch, loss_fn=loss_fn, blocks=blocks)
     profile = profile or profile_model(model, sample_batch, loss_fn=loss_fn, blocks=blocks, steps=steps)
     seconds["profile"] = time.perf_counter() - t
     # 2. the collectives
@@ -393,7 +418,7 @@ def plan_eager(model: nn.Module, sample_batch, *, world: int | None = None, cons
         if i % ranks != rank:
             continue
         try:
-            choice, layout = _layout_sharded(profile, model, sample_batch, d, sp, comm, steps)
+            choice, layout = _layout_sharded(profile, model, sample_batch, d, sp, comm, steps, like)
         except Exception as e:  # noqa: BLE001  (a degree the model cannot take: refused with the reason)
             choice, layout = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         local[(d, sp)] = (choice, layout)
@@ -467,18 +492,21 @@ def _spans_ends(profile: Profile, names: list[str]) -> bool:
 
 def generate_plan(constraints: dict | nn.Module | None = None, model: nn.Module | dict | None = None, *,
                   sample_batch=None, world: int | None = None, comm: CommModel | None = None, loss_fn=None,
-                  blocks: str | None = None, steps: int = 3) -> Plan:
+                  blocks: str | None = None, steps: int = 3, like: "EagerPlan | nn.Module | None" = None) -> Plan:
     """A ``vescale.Plan`` for ``model`` on ``world`` ranks, from the model's eager execution on
     ``sample_batch`` (one global batch, as the training loop calls the model) and
     measurements of the backend; ``constraints`` fix what they name (``CONSTRAINTS``).
     ``print(plan)`` shows the plan, the predicted step time and memory per rank and the
     runners-up with why they lost (``plan._report`` holds everything). Collective: every
     rank calls it when torch.distributed runs. ``comm``: a ``CommModel`` instead of
-    measuring (e.g. planning in one process for other ranks)."""
+    measuring (e.g. planning in one process for other ranks). ``like``: a smaller model of
+    the same kinds of blocks (or its ``plan_eager`` answer) that runs here: ``model`` is then
+    planned without training it (it may live on ``meta``), its times scaled from the smaller
+    one's by FLOPs, its memory and collectives from what-if runs of its own."""
     if isinstance(constraints, nn.Module):  # generate_plan(model, constraints) as DESIGN.md writes it
         constraints, model = model, constraints
     if not isinstance(model, nn.Module):
         raise TypeError(f"generate_plan needs the model (an nn.Module), got {type(model).__name__}")
     result = plan_eager(model, sample_batch, world=world, constraints=constraints or {}, comm=comm,
-                        loss_fn=loss_fn, blocks=blocks, steps=steps)
+                        loss_fn=loss_fn, blocks=blocks, steps=steps, like=like)
     return result.to_plan()

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from ..parallel.pipeline.engine import loss_in
 from .scalars import ScalarTape
@@ -114,6 +114,9 @@ class Profile:
     copy_per_byte: float = 0.0     # seconds per byte of a tensor copy (DDP buckets, ZeRO slices)
     # values the model read out of its tensors, per place in its code (vescale.autoplan.scalars)
     scalars: dict = field(default_factory=dict)
+    # set by vescale.autoplan.transfer.profile_like: not measured on this model but scaled
+    # from another's, {"from": its class, "units": {unit: (the other's units, compute ratio)}}
+    derived: dict = field(default_factory=dict)
 
     @property
     def blocks_list(self) -> list[UnitProfile]:
@@ -139,6 +142,9 @@ class Profile:
                  f"{self.measured_at[0]} and {self.measured_at[1]} samples, {self.ranks} rank(s)), "
                  f"forward {1e3 * self.step['forward_s']:.2f} ms, backward {1e3 * self.step['backward_s']:.2f} ms, "
                  f"profiled in {self.seconds:.2f} s"]
+        if self.derived:
+            lines[0] += (f"; times scaled from {self.derived['from']}'s by FLOPs (sizes, memory and collectives "
+                         f"from what-if runs of this model on meta)")
         n = self.batch
         for u in self.units:
             lines.append(f"  {u.kind:5s} {u.name:40s} fwd {1e3 * u.at('forward', n):7.3f} ms  bwd "
@@ -252,11 +258,25 @@ class _OpRecorder(TorchDispatchMode):
         return out
 
 
+def storage_key(st) -> int:
+    """One storage, however many tensors view it: its address, or on ``meta`` (where every
+    storage's address is 0) the storage object's own."""
+    return st.data_ptr() or st._cdata
+
+
+def _cpu_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+# kernels torch's FLOP counter does not know (it would count the CPU's fused attention as 0)
+_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops}
+
+
 def _structure(model: nn.Module, layout: Layout, batch, loss_fn, linears: list[Linear]):
     """One untimed step: module order and depth, ops, FLOPs per unit, saved bytes per unit,
     what crosses each block boundary, fused linear outputs."""
     names = {m: n for n, m in model.named_modules()}
-    param_storages = {p.untyped_storage().data_ptr() for p in list(model.parameters()) + list(model.buffers())}
+    param_storages = {storage_key(p.untyped_storage()) for p in list(model.parameters()) + list(model.buffers())}
     order: dict[str, tuple] = {}
     stack: list[str] = []
     unit_of = {u.module: u.name for u in layout.units}
@@ -297,7 +317,7 @@ def _structure(model: nn.Module, layout: Layout, batch, loss_fn, linears: list[L
 
     def pack(t):
         st = t.untyped_storage()
-        ptr = st.data_ptr()
+        ptr = storage_key(st)
         if ptr not in param_storages and ptr not in seen_storages and not recorder.in_backward:
             seen_storages.add(ptr)
             # glue before the first unit counts with it, glue after a unit (the loss) with that unit
@@ -306,7 +326,7 @@ def _structure(model: nn.Module, layout: Layout, batch, loss_fn, linears: list[L
         return t
 
     recorder = _OpRecorder(stack, linear_outputs)
-    flops = FlopCounterMode(display=False)
+    flops = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS)
     try:
         with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with flops:  # forward FLOPs only
@@ -432,7 +452,7 @@ def saved_per_unit(model: nn.Module, layout: Layout, batch, loss_fn=None) -> dic
     params = set()
     for t in list(model.parameters()) + list(model.buffers()):
         try:
-            params.add(storage(t).data_ptr())
+            params.add(storage_key(storage(t)))
         except RuntimeError:
             pass
     current: list[str] = []
@@ -449,7 +469,7 @@ def saved_per_unit(model: nn.Module, layout: Layout, batch, loss_fn=None) -> dic
             st = storage(t)
         except RuntimeError:
             return t
-        ptr = st.data_ptr()
+        ptr = storage_key(st)
         if ptr not in params and ptr not in seen:
             seen.add(ptr)
             saved[current[-1] if current else last[0]] += st.nbytes()
@@ -834,31 +854,9 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         split_costs = dict(zip(split_costs.keys(), v[4 * k + 7 + ns:4 * k + 7 + 2 * ns]))
         shadows = dict(zip(names, v[4 * k + 7 + 2 * ns:]))
 
-    units = []
-    counted: set = set()  # a tensor under two names (tied weights) counts with the first unit that holds it
-    for u in layout.units:
-        kind = "block" if u.block is not None else ("pre" if u.before else "post")
-        own = [(n, p) for n, p in u.module.named_parameters() if id(p) not in counted]
-        counted.update(id(p) for _, p in own)
-        named = [f"{u.name}.{n}" for n, _ in own]
-        pbytes = sum(p.numel() * p.element_size() for _, p in own)
-        units.append(UnitProfile(
-            name=u.name, kind=kind, index=u.block, cls=type(u.module).__name__, signature=_signature(u.module),
-            param_bytes=pbytes, param_numel=sum(p.numel() for _, p in own), params=named,
-            forward=_line(small, f1.get(u.name, 0.0), B, f2.get(u.name, 0.0)),
-            backward=_line(small, b1.get(u.name, 0.0), B, b2.get(u.name, 0.0)),
-            input_backward_share=shares.get(_signature(u.module), 0.5) if kind == "block" else 0.5,
-            split_backward_cost=split_costs.get(_signature(u.module), 1.0) if kind == "block" else 1.0,
-            shadow_s=shadows.get(u.name, 0.0),
-            saved=_line(small, saved_small.get(u.name, 0), B, st["saved"].get(u.name, 0)),
-            out_bytes=_line(small, out1.get(u.name, 0), B, out2.get(u.name, 0)),
-            flops=(0.0, st["flops"].get(u.name, 0.0) / B),
-            ops=st["ops"].get(u.name, {}),
-            side_inputs=st["side"].get(u.block, []) if u.block is not None else []))
-    names_of: dict[int, list[str]] = defaultdict(list)
-    for n, p in model.named_parameters(remove_duplicate=False):
-        names_of[id(p)].append(n)
-    tied = [v for v in names_of.values() if len(v) > 1]
+    units = assemble_units(model, layout, st, (small, B), (f1, f2), (b1, b2), (saved_small, st["saved"]),
+                           (out1, out2), shares, split_costs, shadows)
+    tied = tied_parameters(model)
     params = list(model.parameters())
     dtype_bytes = params[0].element_size() if params else 4
     return Profile(
@@ -870,6 +868,42 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         dtype_bytes=dtype_bytes, seconds=time.perf_counter() - start, ranks=ranks, cores=cores,
         working=_line(small, working[small], B, working[B]), optimizer_temp=opt_temp, copy_per_byte=copy_s,
         scalars=tape.values)
+
+
+def assemble_units(model: nn.Module, layout: Layout, st: dict, sizes: tuple, forward: tuple, backward: tuple,
+                   saved: tuple, out: tuple, shares: dict, split_costs: dict, shadows: dict) -> list[UnitProfile]:
+    """The units' profiles from what was measured at the two batch sizes ``sizes``
+    (``forward``, ``backward``, ``saved``, ``out``: a {unit: value} per size), the
+    structure run ``st`` and the per-cluster backward split (keyed by block signature)."""
+    small, B = sizes
+    units = []
+    counted: set = set()  # a tensor under two names (tied weights) counts with the first unit that holds it
+    for u in layout.units:
+        kind = "block" if u.block is not None else ("pre" if u.before else "post")
+        own = [(n, p) for n, p in u.module.named_parameters() if id(p) not in counted]
+        counted.update(id(p) for _, p in own)
+        sig = _signature(u.module)
+
+        def line(pair, name=u.name):
+            return _line(small, pair[0].get(name, 0.0), B, pair[1].get(name, 0.0))
+        units.append(UnitProfile(
+            name=u.name, kind=kind, index=u.block, cls=type(u.module).__name__, signature=sig,
+            param_bytes=sum(p.numel() * p.element_size() for _, p in own), param_numel=sum(p.numel() for _, p in own),
+            params=[f"{u.name}.{n}" for n, _ in own], forward=line(forward), backward=line(backward),
+            input_backward_share=shares.get(sig, 0.5) if kind == "block" else 0.5,
+            split_backward_cost=split_costs.get(sig, 1.0) if kind == "block" else 1.0,
+            shadow_s=shadows.get(u.name, 0.0), saved=line(saved), out_bytes=line(out),
+            flops=(0.0, st["flops"].get(u.name, 0.0) / B), ops=st["ops"].get(u.name, {}),
+            side_inputs=st["side"].get(u.block, []) if u.block is not None else []))
+    return units
+
+
+def tied_parameters(model: nn.Module) -> list[list[str]]:
+    """Parameters that are one tensor under several names."""
+    names_of: dict[int, list[str]] = defaultdict(list)
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names_of[id(p)].append(n)
+    return [v for v in names_of.values() if len(v) > 1]
 
 
 def _capture_block_inputs(model, layout: Layout, batch, loss_fn) -> dict[int, list]:

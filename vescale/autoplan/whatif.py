@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .. import _C
@@ -52,7 +53,7 @@ from .profile import Linear, Profile, call_model, loss_of, slice_batch, without_
 from .scalars import replay_mode, replays_profile
 
 __all__ = ["VirtualMesh", "what_if", "meta_copy", "tensor_parallel_plan", "unit_collectives", "TPChoice",
-           "sharded_times", "placement_cost"]
+           "sharded_times", "sharded_saved", "placement_cost"]
 
 R = Replicate()
 _DEBUG = False
@@ -131,17 +132,18 @@ _sdpa = F.scaled_dot_product_attention
 
 def _meta_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """Attention on meta takes the kernel the CPU would take (the choice reads only shapes)."""
-    if q.is_meta and not enable_gqa and isinstance(q, torch.Tensor):
+    if q.is_meta and isinstance(q, torch.Tensor):
         try:
-            choice = torch._fused_sdp_choice(_stand_in(q), _stand_in(k), _stand_in(v), _stand_in(attn_mask),
-                                             dropout_p, is_causal, scale=scale)
+            with _disable_current_modes():  # the choice is not the model's work: no mode records it
+                choice = torch._fused_sdp_choice(_stand_in(q), _stand_in(k), _stand_in(v), _stand_in(attn_mask),
+                                                 dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         except RuntimeError as e:
             if _DEBUG:
                 print("SDPA choice failed", e)
             choice = 0
         if _DEBUG:
             print("SDPA", type(q).__name__, tuple(q.shape), q.stride(), None if attn_mask is None else tuple(attn_mask.shape), is_causal, scale, choice)
-        if choice == 1:  # the CPU flash kernel
+        if choice == 1:  # the CPU flash kernel (it takes fewer key/value heads as they are)
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
     if enable_gqa:
@@ -712,4 +714,22 @@ def sharded_times(profile: Profile, model: nn.Module, batch, plan: dict, tp: int
                 out[n] = (f, b, saved_per_unit(real, layout, slice_batch(batch, n)))
     finally:
         torch.set_flush_denormal(False)
+    return out
+
+
+@replays_profile
+def sharded_saved(profile: Profile, model: nn.Module, batch, plan: dict, tp: int, batch_sizes=None) -> dict:
+    """The bytes each unit saves for backward on one TP rank under ``plan``, from a what-if
+    run on meta (no data, no compute): {batch size: saved bytes per unit}."""
+    from .profile import saved_per_unit
+    from ..parallel.pipeline.split import find_layout
+
+    meta = meta_copy(model)
+    mesh = VirtualMesh([tp], ["TP"])
+    out = {}
+    with what_if():
+        parallelize_module(meta, mesh, plan)
+        layout = find_layout(meta, profile.blocks)
+        for n in batch_sizes or profile.measured_at:
+            out[n] = saved_per_unit(meta, layout, tree_map(_meta, slice_batch(batch, n)))
     return out
