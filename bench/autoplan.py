@@ -3,6 +3,7 @@
 prediction for every feasible plan of a model, and each plan trained and timed.
 
     .venv/bin/python bench/autoplan.py [--quick | --plans N] [--models gpt,llama,qwen2] [--rounds 2] [--json PATH]
+                                       [--transfer]
 
 Per model (the project's GPT and Llama, a Hugging Face Qwen2; 4 ranks spawned here, one
 thread each, on a machine that may be shared):
@@ -25,6 +26,13 @@ thread each, on a machine that may be shared):
    against the measured, the noise floor (how much the rounds of one plan disagree), a
    Megatron-style heuristic (TP inside the node: TP4 on one node of 4 ranks) and all-ZeRO-3
    (DP4 ZeRO-3), and a memory limit that the plan chosen under it must respect;
+
+``--transfer``: "profile model A, plan model B". Per model, A is the model above and B the
+same architecture 1.5x as deep and as wide (6 layers, 384 wide), built on meta: the
+planner plans B from A's answer (``plan_eager(B, ..., like=A's)``: times scaled by FLOPs,
+shapes and collectives from what-if runs of B), and from B's own profile as well; B's
+plans (the derived ranking sampled as above, B's own choice added) are measured, and both
+predictions compared with the measurements and with each other.
 
 A benchmark, never a test: misses are reported, not raised.
 """
@@ -92,6 +100,7 @@ def _qwen2(layers=4, hidden=256):
 
 
 MODELS = {"gpt": (_gpt, "tuple"), "llama": (_llama, "tuple"), "qwen2": (_qwen2, "hf")}
+TRANSFER_B = (6, 384)  # --transfer: model B is 1.5x as deep and as wide as the benchmark's model
 
 
 def _data(kind: str, n: int):
@@ -258,27 +267,22 @@ def _find(ranked, **want):
 
 # ---- one model ------------------------------------------------------------------------------------
 
-def run_model(name: str, cfg: dict, log) -> dict:
-    make, kind = MODELS[name]
-    _, sample = _data(kind, BATCH)
-    model = make()
-    dist.barrier()
-    t0 = time.perf_counter()
-    result = plan_eager(model, sample, world=WORLD)
-    planning_s = time.perf_counter() - t0
-    log(f"[{name}] planned in {planning_s:.2f} s")
-    log(str(result))
-    del model
+def sample(result, limit: int) -> list:
+    """The plans to measure: all, or the predicted top 6, the two baselines, and the rest
+    evenly over the ranking, ``limit`` in all."""
     cands = list(result.ranked)
-    if cfg["limit_plans"] and len(cands) > cfg["limit_plans"]:
-        # the predicted top 6, the two baselines, and the rest evenly over the ranking
-        k = cfg["limit_plans"]
+    if limit and len(cands) > limit:
         keep = cands[:6] + [c for c in (_find(cands, **BASELINES["megatron_heuristic"]),
                                          _find(cands, **BASELINES["all_zero3"])) if c is not None]
         rest = [c for c in cands if all(c is not x for x in keep)]
-        n = max(k - len(keep), 1)
+        n = max(limit - len(keep), 1)
         keep += [rest[round(i * (len(rest) - 1) / max(n - 1, 1))] for i in range(n)] if rest else []
         cands = sorted({id(c): c for c in keep}.values(), key=lambda c: c.step_s)
+    return cands
+
+
+def measure_all(result, cands: list, make, kind: str, cfg: dict, log) -> tuple[list, dict]:
+    """Every candidate trained ``cfg['rounds']`` times in a random order: rows for analyse()."""
     keys = [c.key() for c in cands]
     rng = random.Random(cfg["seed"])
     # a throwaway plan first: the first step in a process allocates for good (thread pools,
@@ -316,11 +320,65 @@ def run_model(name: str, cfg: dict, log) -> dict:
                          predicted_rank_bytes=[r["total"] for r in c.rank_memory],
                          first_loss=ms[0]["first_loss"], verdict=c.verdict,
                          growth_bytes_per_step=max(m["growth_bytes_per_step"] for m in ms)))
+    return rows, {str(k): v for k, v in failures.items()}
+
+
+def run_model(name: str, cfg: dict, log) -> dict:
+    make, kind = MODELS[name]
+    _, batch = _data(kind, BATCH)
+    model = make()
+    dist.barrier()
+    t0 = time.perf_counter()
+    result = plan_eager(model, batch, world=WORLD)
+    planning_s = time.perf_counter() - t0
+    log(f"[{name}] planned in {planning_s:.2f} s")
+    log(str(result))
+    del model
+    rows, failures = measure_all(result, sample(result, cfg["limit_plans"]), make, kind, cfg, log)
     return dict(model=name, planning_s=planning_s, planning_breakdown=result.seconds, rows=rows,
-                failures={str(k): v for k, v in failures.items()}, choice=result.best.label,
+                failures=failures, choice=result.best.label,
                 choice_key=list(result.best.key()), profile=result.profile.summary(), comm=str(result.comm),
                 tp=[ch.describe() for (tp, sp), ch in sorted(result.tp_choices.items()) if not sp],
                 analysis=analyse(rows, result))
+
+
+def run_transfer(name: str, cfg: dict, log) -> dict:
+    """Profile model A (the benchmark's model), plan model B (deeper and wider, built on
+    meta, never run by the planner) from A's timings; B also planned from its own profile;
+    B's plans measured; both plannings compared with the measurements."""
+    make, kind = MODELS[name]
+    layers, hidden = TRANSFER_B
+    make_b = functools.partial(make, layers, hidden)
+    _, batch = _data(kind, BATCH)
+    dist.barrier()
+    t0 = time.perf_counter()
+    small = plan_eager(make(), batch, world=WORLD)
+    t1 = time.perf_counter()
+    with torch.device("meta"):
+        meta_b = make_b()
+    derived = plan_eager(meta_b, batch, world=WORLD, like=small)
+    t2 = time.perf_counter()
+    own = plan_eager(make_b(), batch, world=WORLD, comm=small.comm)
+    t3 = time.perf_counter()
+    log(f"[{name} B: {layers} layers, {hidden} wide] A planned in {t1 - t0:.2f} s, B from A's profile in "
+        f"{t2 - t1:.2f} s, B from its own in {t3 - t2:.2f} s")
+    log(str(derived))
+    cands = sample(derived, cfg["limit_plans"])
+    if all(c.key() != own.best.key() for c in cands):  # B's own choice is measured too
+        cands += [c for c in derived.ranked if c.key() == own.best.key()]
+    rows, failures = measure_all(derived, cands, make_b, kind, cfg, log)
+    predicted_own = {c.key(): c for c in own.ranked}
+    own_rows = [dict(r, predicted_s=predicted_own[tuple(r["key"])].step_s,
+                     predicted_bytes=predicted_own[tuple(r["key"])].memory["total"])
+                for r in rows if tuple(r["key"]) in predicted_own]
+    both = [k for k in (c.key() for c in derived.ranked) if k in predicted_own]
+    d_pred = {c.key(): c.step_s for c in derived.ranked}
+    return dict(model=name, b=dict(layers=layers, hidden=hidden), planning_s=dict(a=t1 - t0, b_from_a=t2 - t1,
+                                                                                  b_own=t3 - t2),
+                rows=rows, failures=failures, choice_from_a=derived.best.label, choice_own=own.best.label,
+                tau_between_predictions=kendall_tau([d_pred[k] for k in both],
+                                                    [predicted_own[k].step_s for k in both]),
+                analysis=analyse(rows, derived), analysis_own=analyse(own_rows, own))
 
 
 def analyse(rows: list, result) -> dict:
@@ -390,6 +448,12 @@ def _rank_main(rank: int, port: int, cfg: dict, out_path: str) -> None:
             logs.append(msg)
     results = {}
     for name in cfg["models"]:
+        if cfg["transfer"]:
+            results[name] = run_transfer(name, cfg, log)
+            if rank == 0:
+                with open(out_path, "w") as f:
+                    json.dump(dict(results=results, cfg=cfg), f, indent=1, default=str)
+            continue
         results[name] = run_model(name, cfg, log)
         if cfg["memory_limit"]:
             results[name]["memory_limit"] = memory_limit_check(name, cfg, log)
@@ -411,10 +475,13 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-memory-limit", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--transfer", action="store_true",
+                    help="profile each model, plan a deeper and wider one from its timings (never running it), "
+                         "measure the latter's plans")
     args = ap.parse_args()
     cfg = dict(models=args.models.split(","), rounds=1 if args.quick else args.rounds, steps=args.steps,
                seed=args.seed, limit_plans=12 if args.quick else args.plans, memory_limit=not args.no_memory_limit,
-               watchdog_s=7200)
+               watchdog_s=7200, transfer=args.transfer)
     out_path = args.json or tempfile.mktemp(suffix=".json")
     print(f"load average before: {os.getloadavg()}; results -> {out_path}", flush=True)
     t0 = time.time()
@@ -423,6 +490,9 @@ def main() -> int:
         data = json.load(f)
     print(f"\n==== summary ({time.time() - t0:.0f} s, load average after: {os.getloadavg()})")
     for name, r in data["results"].items():
+        if cfg["transfer"]:
+            _print_transfer(name, r)
+            continue
         a = r["analysis"]
         print(f"{name}: {a['plans']} plans measured; planner chose {a['chosen']} (measured rank "
               f"{a['chosen_rank_measured']}), best measured {a['best_measured']}; regret "
@@ -438,6 +508,20 @@ def main() -> int:
         if r["failures"]:
             print(f"   failed plans: {r['failures']}")
     return 0
+
+
+def _print_transfer(name: str, r: dict) -> None:
+    a, o = r["analysis"], r["analysis_own"]
+    print(f"{name} B ({r['b']['layers']} layers, {r['b']['hidden']} wide): {a['plans']} plans measured, best "
+          f"{a['best_measured']}; planning A {r['planning_s']['a']:.2f} s, B from A {r['planning_s']['b_from_a']:.2f} s")
+    for label, x in (("from A's profile", a), ("from its own profile", o)):
+        print(f"   {label:22s} chose {x['chosen']} (measured rank {x['chosen_rank_measured']}): regret "
+              f"{_pct(x['regret'])}, Kendall tau {x['tau']:.3f}, step error median {_pct(x['step_error_median'])}, "
+              f"memory within 10%: {_pct(x['memory_within_10pct'])} (median error {_pct(x['memory_error_median'])})")
+    print(f"   Kendall tau between the two predictions: {r['tau_between_predictions']:.3f}; noise floor median "
+          f"{_pct(a['noise_median'])}")
+    if r["failures"]:
+        print(f"   failed plans: {r['failures']}")
 
 
 def _pct(x):

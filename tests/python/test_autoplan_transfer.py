@@ -92,6 +92,10 @@ def test_a_profile_scaled_from_a_smaller_model(name):
             names, r = derived.derived["units"][u.name]
             assert names == [u.name]  # the same embedding / head by name
     assert derived.optimizer == small.optimizer and derived.scalars == small.scalars
+    # the peak of a step (malloc's counters, where glibc has them): within 15% of B's own
+    if own.working != (0.0, 0.0):
+        x, y = (w[0] + w[1] * BATCH for w in (derived.working, own.working))
+        assert abs(x / y - 1) < 0.15, (derived.working, own.working)
     assert "times scaled from" in derived.summary()
 
 

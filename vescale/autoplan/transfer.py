@@ -7,9 +7,10 @@ from it splits in two:
   backward and hands on, its FLOPs and ops, the legal cuts, the collectives and bytes of
   every tensor-parallel layout): read off model B itself, on ``meta`` tensors, through
   the same hooks, dispatch modes and what-if runs as a measured profile;
-- what takes a clock (forward and backward seconds, unsharded and per tensor-parallel
-  layout, the backward's input/weight split, the shadows' cost, the optimizer's and the
-  copies' rates, the working memory beyond what is saved): taken from a planner's answer
+- what takes a clock or an allocator (forward and backward seconds, unsharded and per
+  tensor-parallel layout, the backward's input/weight split, the shadows' cost, the
+  optimizer's and the copies' rates, the transients of a step beyond what is saved,
+  scaled like the head's saved bytes): taken from a planner's answer
   for model A, which did run here, unit by unit. A block of B takes the median times of
   A's blocks of its class, a unit before or after the blocks those of A's unit of the same
   name (else kind and class); the per-sample part scaled by the ratio of their FLOPs (of
@@ -124,15 +125,20 @@ def profile_like(source: Profile, model: nn.Module, sample_batch, *, loss_fn=Non
     units = assemble_units(meta, layout, st, (small, B), at["forward"], at["backward"], (saved_small, st["saved"]),
                            tuple(out), shares, split_costs, shadows)
 
-    # the working memory beyond what is saved grows with it: A's, scaled by the saved bytes
-    def saved_total(p_units, n):
-        return sum(u.at("saved", n) for u in p_units)
+    # the profile's working memory is the peak of a forward + backward less the gradients;
+    # the peak comes at the forward's end: all that is saved, plus transients (the logits and
+    # their gradient): A's transients, scaled like the head's saved bytes
+    params = list(meta.parameters())
+    grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+
+    def saved_total(p_units, n, kinds=("pre", "block", "post")):
+        return sum(u.at("saved", n) for u in p_units if u.kind in kinds)
     working = []
     for n in (small, B):
-        base = saved_total(source.units, n)
-        working.append(source.working[0] + source.working[1] * n if base <= 0 else
-                       (source.working[0] + source.working[1] * n) * saved_total(units, n) / base)
-    params = list(meta.parameters())
+        transient = max(0.0, source.working[0] + source.working[1] * n + source.param_bytes - saved_total(source.units, n))
+        head_a, head_b = saved_total(source.units, n, ("post",)), saved_total(units, n, ("post",))
+        transient *= head_b / head_a if head_a > 0 else 1.0
+        working.append(max(0.0, saved_total(units, n) + transient - grads))
     totals = {what: [sum(u.at(what, n) for u in units) for n in (small, B)] for what in ("forward", "backward")}
     return Profile(
         model_class=type(model).__name__, blocks=layout.blocks_name, units=units, modules=st["modules"],
