@@ -137,6 +137,8 @@ def test_a_model_unlike_the_profiled_one_is_refused():
                        constraints={"tensor_parallel.size": 2})
     with pytest.raises(PlanError, match=r"class DecoderLayer.*\(GPT\) does not have.*same kinds of modules"):
         plan_eager(_on_meta(_llama, 4, 64), _tokens(), world=4, comm=COMM, like=small)
+    with pytest.raises(PlanError, match="lives on meta.*like="):
+        plan_eager(_on_meta(_gpt, 4, 64), _tokens(), world=4, comm=COMM)
     with pytest.raises(PlanError, match="planned for 4 ranks, not 2"):
         plan_eager(_on_meta(_gpt, 4, 64), _tokens(), world=2, comm=COMM, like=small)
     # a degree the profiled model was not planned at: refused with the reason, the rest planned

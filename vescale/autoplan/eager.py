@@ -395,6 +395,10 @@ def plan_eager(model: nn.Module, sample_batch, *, world: int | None = None, cons
         comm = comm or like.comm
     # 1. the profile
     t = time.perf_counter()
+    if profile is None and like is None and any(p.is_meta for p in model.parameters()):
+        raise PlanError(f"{type(model).__name__} lives on meta (no data): the planner cannot time it; pass "
+                        f"like=<a smaller model of the same kinds of blocks that runs here> to plan it from that "
+                        f"one's timings")
     if profile is None and like is not None:
         profile = profile_like(like.profile, model, sample_batch, loss_fn=loss_fn, blocks=blocks)
     profile = profile or profile_model(model, sample_batch, loss_fn=loss_fn, blocks=blocks, steps=steps)
