@@ -573,11 +573,18 @@ def _input_share(block: nn.Module, inputs: list, steps: int = 3) -> tuple[float,
 def meta_forward_times(model: nn.Module, layout: Layout, batch, loss_fn=None, steps: int = 2) -> dict[str, float]:
     """Seconds each unit's forward takes on meta tensors: what a pipeline stage pays to run
     the units of the stages before it as shadows (vescale's stages run the model's own
-    forward; units they do not own run on meta so that glue code keeps working)."""
+    forward; units they do not own run on meta so that glue code keeps working). As in a
+    stage, a shadow called with inputs of shapes seen before (every step after the first)
+    returns its remembered outputs without running (``ShadowCache``): the times are those
+    of such warm steps."""
+    from ..parallel.pipeline.stage import ShadowCache
     from .whatif import meta_copy  # (whatif imports this module)
 
     meta = meta_copy(model)
     mlayout = find_layout(meta, layout.blocks_name)
+    cache = ShadowCache()
+    for u in mlayout.units:
+        u.module.forward = cache.wrap(u.name, u.module.forward)
     timer = _Timer(mlayout)
     out: dict[str, list] = defaultdict(list)
     try:

@@ -72,7 +72,7 @@ class StageRunner:
         self.local_units = frozenset().union(*(specs[s].units for s in local))
         self._run: _Run | None = None
         self._twins: dict[int, tuple] = {}
-        self._shadow_outputs: dict = {}
+        self._shadow_outputs = ShadowCache()
         self._handles = []
         self.install_hooks()
 
@@ -204,17 +204,7 @@ class StageRunner:
         run = self._run
         if run is None or not run.restores or run.restores[-1][0] is not unit.module or run.restores[-1][2]:
             return original(*args, **kwargs)
-        key = _signature(unit.name, args, kwargs)
-        if key is not None and key in self._shadow_outputs:
-            leaves, tree = self._shadow_outputs[key]
-            return tree_unflatten([_meta_of(x) for x in leaves], tree)
-        out = original(*args, **kwargs)
-        leaves, tree = tree_flatten(out)
-        if key is not None and all(_cacheable(x) for x in leaves):
-            if len(self._shadow_outputs) >= _SHADOW_CACHE:
-                self._shadow_outputs.pop(next(iter(self._shadow_outputs)))
-            self._shadow_outputs[key] = ([_spec_of(x) for x in leaves], tree)
-        return out
+        return self._shadow_outputs(unit.name, original, args, kwargs)
 
     def _check_inputs(self, run: _Run, unit: Unit, args, kwargs) -> None:
         leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -296,6 +286,32 @@ def _cacheable(x) -> bool:
 
 def _spec_of(x):
     return _MetaSpec((tuple(x.shape), x.dtype, x.requires_grad)) if isinstance(x, torch.Tensor) else x
+
+
+class ShadowCache:
+    """A shadow's forward by the shapes of its inputs: called with inputs of a signature
+    seen before (``_signature``), it returns meta outputs of the shapes it gave then
+    without running; the planner's profile times shadows through it too."""
+
+    def __init__(self):
+        self._outputs: dict = {}
+
+    def __call__(self, name: str, original, args, kwargs):
+        key = _signature(name, args, kwargs)
+        if key is not None and key in self._outputs:
+            leaves, tree = self._outputs[key]
+            return tree_unflatten([_meta_of(x) for x in leaves], tree)
+        out = original(*args, **kwargs)
+        leaves, tree = tree_flatten(out)
+        if key is not None and all(_cacheable(x) for x in leaves):
+            if len(self._outputs) >= _SHADOW_CACHE:
+                self._outputs.pop(next(iter(self._outputs)))
+            self._outputs[key] = ([_spec_of(x) for x in leaves], tree)
+        return out
+
+    def wrap(self, name: str, original):
+        """``original`` (a module's forward) through the cache."""
+        return lambda *args, **kwargs: self(name, original, args, kwargs)
 
 
 def _meta_of(x):
