@@ -319,7 +319,8 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
   std::vector<StageCost> sc(static_cast<size_t>(S)), waits(static_cast<size_t>(S)), shared(static_cast<size_t>(S));
   std::vector<double> compute_f(static_cast<size_t>(S)), compute_b(static_cast<size_t>(S)), tp_s(static_cast<size_t>(S)),
       zero_s(static_cast<size_t>(S)), saved(static_cast<size_t>(S)), pbytes(static_cast<size_t>(S)), pnumel(static_cast<size_t>(S)),
-      ptensors(static_cast<size_t>(S)), pmax(static_cast<size_t>(S)), pgrad(static_cast<size_t>(S));
+      ptensors(static_cast<size_t>(S)), pmax(static_cast<size_t>(S)), pgrad(static_cast<size_t>(S)),
+      rematerialized(static_cast<size_t>(S));
   double root_bytes = 0;  // parameters outside the blocks: ZeRO-3 gathers them with the root module
   for (size_t i = 0; i < p.units.size(); ++i)
     if (p.units[i].kind != 1) root_bytes += l.units[i].param_bytes;
@@ -351,6 +352,8 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       tpf += uc;
       tpb += comm_time(cost, u.bwd_comm, n) + (again ? uc : 0.0);
       saved[us] += again ? u.out_a + u.out_b * n : u.saved_a + u.saved_b * n;
+      // a recomputed block's forward runs again in its backward: what it saves lives until then
+      if (again) rematerialized[us] = std::max(rematerialized[us], u.saved_a + u.saved_b * n);
       pbytes[us] += u.param_bytes;
       pnumel[us] += u.param_numel;
       pgrad[us] += u.partial_grad_bytes;
@@ -453,7 +456,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
   Breakdown worst;
   e.rank_memory.assign(static_cast<size_t>(c.pp), Memory{});
   for (int64_t r = 0; r < c.pp; ++r) {
-    double rb = 0, rn = 0, rt = 0, rsaved = 0, rpmax = 0, rf = 0, rbk = 0, rtp = 0, rz = 0, rpg = 0;
+    double rb = 0, rn = 0, rt = 0, rsaved = 0, rpmax = 0, rf = 0, rbk = 0, rtp = 0, rz = 0, rpg = 0, rremat = 0;
     // ZeRO's units on this rank (vescale/parallel/ddp.py shard_gradients reduce-scatters
     // one unit's gradients per bucket): each block, then the root (everything outside them)
     std::vector<double> zero_units;
@@ -469,6 +472,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       rn += pnumel[us];
       rt += ptensors[us];
       rsaved += saved[us] * flight[us];
+      rremat = std::max(rremat, rematerialized[us]);
       rpmax = std::max(rpmax, pmax[us]);
       rf += compute_f[us] * static_cast<double>(m) * (c.pp == 1 ? all_busy : 1.0);
       rbk += compute_b[us] * static_cast<double>(m) * (c.pp == 1 ? all_busy : 1.0);
@@ -559,14 +563,14 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       const double largest = *std::max_element(zero_units.begin(), zero_units.end());
       live_grads = std::min(grads, 2 * largest * p.grad_bytes_per_param_byte) + grads / dpd;
     }
-    const double during = rsaved + transient + live_grads;            // forward and backward
+    const double during = rsaved + rremat + transient + live_grads;   // forward and backward
     // the gradients and their bucket (DDP's all-reduce); ZeRO-2/3's are in live_grads
     const double reduce = c.dp > 1 ? (c.zero >= 2 ? live_grads : 2 * grads) : grads;
     const double kept = c.zero >= 2 ? grads / dpd : grads;
     const double stepping = kept + p.optimizer_temp_per_element * elements;  // the optimizer step
     const double top = std::max({during, reduce, stepping});
     if (top == during) {
-      mem.activations = rsaved + transient;
+      mem.activations = rsaved + rremat + transient;
       mem.grads = live_grads;
     } else {
       mem.activations = 0;
