@@ -863,18 +863,27 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
 
     units = assemble_units(model, layout, st, (small, B), (f1, f2), (b1, b2), (saved_small, st["saved"]),
                            (out1, out2), shares, split_costs, shadows)
-    tied = tied_parameters(model)
-    params = list(model.parameters())
-    dtype_bytes = params[0].element_size() if params else 4
     return Profile(
-        model_class=type(model).__name__, blocks=layout.blocks_name, units=units, modules=st["modules"],
-        glue_params=list(layout.glue_parameters), tied=tied, linears=linears,
-        legal_cuts=[not p for p in st["cut_problems"]], cut_problems=st["cut_problems"], batch=B,
-        measured_at=(small, B), step=dict(forward_s=tf2, backward_s=tb2, forward_small_s=tf1, backward_small_s=tb1),
-        optimizer=opt, backward_ops=st["backward_ops"], param_bytes=sum(p.numel() * p.element_size() for p in params),
-        dtype_bytes=dtype_bytes, seconds=time.perf_counter() - start, ranks=ranks, cores=cores,
+        units=units, **structure_fields(model, layout, st, linears), batch=B, measured_at=(small, B),
+        step=dict(forward_s=tf2, backward_s=tb2, forward_small_s=tf1, backward_small_s=tb1),
+        optimizer=opt, seconds=time.perf_counter() - start, ranks=ranks, cores=cores,
         working=_line(small, working[small], B, working[B]), optimizer_temp=opt_temp, copy_per_byte=copy_s,
         scalars=tape.values)
+
+
+def unit_kind(u) -> str:
+    """A layout unit's place: "pre" (before the blocks), "block" or "post"."""
+    return "block" if u.block is not None else ("pre" if u.before else "post")
+
+
+def structure_fields(model: nn.Module, layout: Layout, st: dict, linears: list[Linear]) -> dict:
+    """The Profile fields that follow from the model's structure and the structure run ``st``."""
+    params = list(model.parameters())
+    return dict(model_class=type(model).__name__, blocks=layout.blocks_name, modules=st["modules"],
+                glue_params=list(layout.glue_parameters), tied=tied_parameters(model), linears=linears,
+                legal_cuts=[not p for p in st["cut_problems"]], cut_problems=st["cut_problems"],
+                backward_ops=st["backward_ops"], param_bytes=sum(p.numel() * p.element_size() for p in params),
+                dtype_bytes=params[0].element_size() if params else 4)
 
 
 def assemble_units(model: nn.Module, layout: Layout, st: dict, sizes: tuple, forward: tuple, backward: tuple,
@@ -886,7 +895,7 @@ def assemble_units(model: nn.Module, layout: Layout, st: dict, sizes: tuple, for
     units = []
     counted: set = set()  # a tensor under two names (tied weights) counts with the first unit that holds it
     for u in layout.units:
-        kind = "block" if u.block is not None else ("pre" if u.before else "post")
+        kind = unit_kind(u)
         own = [(n, p) for n, p in u.module.named_parameters() if id(p) not in counted]
         counted.update(id(p) for _, p in own)
         sig = _signature(u.module)

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_map
 from ..parallel.pipeline.split import find_layout
 from ..plan import PlanError
 from .profile import (Profile, UnitProfile, _line, _linears, _signature, _structure, _Timer, assemble_units,
-                      batch_size_of, saved_per_unit, slice_batch, tied_parameters)
+                      batch_size_of, saved_per_unit, slice_batch, structure_fields, unit_kind)
 from .scalars import replaying
 from .whatif import _meta, meta_copy, what_if
 
@@ -105,12 +105,9 @@ def profile_like(source: Profile, model: nn.Module, sample_batch, *, loss_fn=Non
         out = [_output_bytes(meta, layout, b, loss_fn) for b in (part, full)]
     match: dict = {}
     for u in layout.units:
-        kind = "block" if u.block is not None else ("pre" if u.before else "post")
-        same = _counterparts(u.name, kind, type(u.module).__name__, source)
-        a = same[0]
-        per_sample_out = (out[1].get(u.name, 0) - out[0].get(u.name, 0)) / (B - small) if B > small else \
-            out[1].get(u.name, 0) / B
-        match[u.name] = (same, _ratio(st["flops"].get(u.name, 0.0) / B, per_sample_out, a))
+        same = _counterparts(u.name, unit_kind(u), type(u.module).__name__, source)
+        per_sample_out = _line(small, out[0].get(u.name, 0), B, out[1].get(u.name, 0))[1]
+        match[u.name] = (same, _ratio(st["flops"].get(u.name, 0.0) / B, per_sample_out, same[0]))
     at = {}
     for what in ("forward", "backward"):
         lines = {n: _scaled(_median_line([getattr(a, what) for a in same]), r) for n, (same, r) in match.items()}
@@ -128,30 +125,26 @@ def profile_like(source: Profile, model: nn.Module, sample_batch, *, loss_fn=Non
     # the profile's working memory is the peak of a forward + backward less the gradients;
     # the peak comes at the forward's end: all that is saved, plus transients (the logits and
     # their gradient): A's transients, scaled like the head's saved bytes
-    params = list(meta.parameters())
-    grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    fields = structure_fields(meta, layout, st, linears)
+    grads = sum(p.numel() * p.element_size() for p in meta.parameters() if p.requires_grad)
 
     def saved_total(p_units, n, kinds=("pre", "block", "post")):
         return sum(u.at("saved", n) for u in p_units if u.kind in kinds)
     working = []
     for n in (small, B):
-        transient = max(0.0, source.working[0] + source.working[1] * n + source.param_bytes - saved_total(source.units, n))
+        peak_a = source.working[0] + source.working[1] * n + source.param_bytes
+        transient = max(0.0, peak_a - saved_total(source.units, n))
         head_a, head_b = saved_total(source.units, n, ("post",)), saved_total(units, n, ("post",))
         transient *= head_b / head_a if head_a > 0 else 1.0
         working.append(max(0.0, saved_total(units, n) + transient - grads))
     totals = {what: [sum(u.at(what, n) for u in units) for n in (small, B)] for what in ("forward", "backward")}
     return Profile(
-        model_class=type(model).__name__, blocks=layout.blocks_name, units=units, modules=st["modules"],
-        glue_params=list(layout.glue_parameters), tied=tied_parameters(meta), linears=linears,
-        legal_cuts=[not p for p in st["cut_problems"]], cut_problems=st["cut_problems"], batch=B,
-        measured_at=(small, B),
+        units=units, **fields, batch=B, measured_at=(small, B),
         step=dict(forward_s=totals["forward"][1], backward_s=totals["backward"][1],
                   forward_small_s=totals["forward"][0], backward_small_s=totals["backward"][0]),
-        optimizer=source.optimizer, backward_ops=st["backward_ops"],
-        param_bytes=sum(p.numel() * p.element_size() for p in params),
-        dtype_bytes=params[0].element_size() if params else 4, seconds=time.perf_counter() - start,
-        ranks=source.ranks, cores=source.cores, working=_line(small, working[0], B, working[1]),
-        optimizer_temp=source.optimizer_temp, copy_per_byte=source.copy_per_byte, scalars=source.scalars,
+        optimizer=source.optimizer, seconds=time.perf_counter() - start, ranks=source.ranks, cores=source.cores,
+        working=_line(small, working[0], B, working[1]), optimizer_temp=source.optimizer_temp,
+        copy_per_byte=source.copy_per_byte, scalars=source.scalars,
         derived={"from": source.model_class,
                  "units": {n: ([a.name for a in same], r) for n, (same, r) in match.items()}})
 
