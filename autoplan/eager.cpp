@@ -435,8 +435,10 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
     }
     Timeline tl;
     if (p.cores > 0) {
+      // each pipeline rank of the timeline stands for its dp x tp processes, which compute
+      // in step with it: k busy pipeline ranks keep k * dp * tp processes busy
       pm.costs = shared;
-      tl = simulate_pipeline_shared(pm, p.cores, waits);
+      tl = simulate_pipeline_shared(pm, p.cores / static_cast<double>(c.dp * c.tp), waits);
     } else {
       tl = simulate_pipeline(pm);
     }
@@ -580,7 +582,9 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
     if (mem.total() > e.memory.total()) e.memory = mem;
     if (end > step) {
       step = end;
-      worst.compute = rf + rbk;
+      // the timeline's busy time holds the rank's compute at the speed it ran (processors
+      // shared) and its actions' collectives
+      worst.compute = c.pp > 1 ? std::max(0.0, busy[static_cast<size_t>(r)] - rtp - rz) : rf + rbk;
       worst.tp_comm = rtp;
       worst.zero_comm = rz;
       worst.idle = std::max(0.0, finish[static_cast<size_t>(r)] - busy[static_cast<size_t>(r)]);

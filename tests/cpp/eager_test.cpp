@@ -201,6 +201,37 @@ TEST(EagerStepModel, PipelineIsTheTimelinePlusItsSync) {
   EXPECT_GT(e.bubble, 0.0);
 }
 
+TEST(EagerStepModel, PipelineRanksOfDataParallelReplicasShareTheCores) {
+  // 4 ranks on 2 cores, PP2 x DP2: each pipeline rank of the timeline is 2 processes, so
+  // one stage computing already fills both cores. With no per-call costs and free sends
+  // the processors never idle and never run faster, whatever the micro-batches: the
+  // step is the same at m = 1, 2, 4 (pipelining cannot help when the cores are full).
+  auto p = tiny();
+  p.cores = 2;
+  p.profiled_busy = 4;
+  for (auto& u : p.layouts[0].units) u.fwd_a = u.bwd_a = 0;
+  for (auto& ab : p.comm)
+    if (ab.kind == "send") ab.alpha = ab.beta = 0;
+  std::vector<double> steps;
+  for (int64_t m : {1, 2, 4}) {
+    eager::Config c;
+    c.pp = 2;
+    c.dp = 2;
+    c.schedule = "gpipe";
+    c.microbatches = m;
+    c.blocks_per_stage = {2, 2};
+    const auto e = eager::estimate(p, c);
+    ASSERT_TRUE(e.feasible) << e.reason;
+    steps.push_back(e.step_s);
+    // 4 samples per pipeline; each stage's forward and backward at full speed (the profile
+    // ran 4 ranks on 2 cores: half speed), one stage after the other
+    const double per_sample = (2 * 3e-3 + 0.3e-3) / 2;  // both stages alike, forward + backward
+    EXPECT_NEAR(e.breakdown.compute + e.breakdown.idle, 2 * 4 * per_sample, 1e-9) << "m = " << m;
+  }
+  EXPECT_NEAR(steps[1], steps[0], 1e-9);
+  EXPECT_NEAR(steps[2], steps[0], 1e-9);
+}
+
 TEST(EagerStepModel, RecomputationByHand) {
   auto p = tiny();
   eager::Config c;
