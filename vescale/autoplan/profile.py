@@ -374,7 +374,14 @@ def _structure(model: nn.Module, layout: Layout, batch, loss_fn, linears: list[L
 
 class _Timer:
     """Hooks on the units only: forward spans (gaps charged to the next unit, the tail to
-    the last), backward from the time each unit's output gets its gradient."""
+    the last), backward from the time each unit's output gets its gradient.
+
+    The spans are read in processor time and the forward's (the backward's) wall time is
+    shared among the units in proportion to them. Ranks that share the cores are
+    descheduled for whole time slices, which a wall clock charges to whichever short unit
+    was running; over a whole forward the wall time is steady, and the processor time says
+    which unit it went to (read off wall clocks, a block's per-call cost came out 0-1.2 ms
+    in one profile where its processor time says 1.3)."""
 
     def __init__(self, layout: Layout):
         self.units = layout.units
@@ -382,7 +389,7 @@ class _Timer:
         self.grad_events: dict[str, float] = {}
         self.out_bytes: dict[str, int] = {}
         self.handles = []
-        clock = time.perf_counter
+        clock = time.process_time
         for u in self.units:
             def pre(mod, args, u=u):
                 self.fwd_events.append((u.name, "pre", clock()))
@@ -400,7 +407,7 @@ class _Timer:
             self.handles.append(u.module.register_forward_hook(post))
 
     def _grad(self, name: str) -> None:
-        self.grad_events.setdefault(name, time.perf_counter())
+        self.grad_events.setdefault(name, time.process_time())
 
     def remove(self) -> None:
         for h in self.handles:
@@ -409,11 +416,11 @@ class _Timer:
     def step(self, model, batch, loss_fn) -> tuple[dict, dict, float, float]:
         self.fwd_events.clear()
         self.grad_events.clear()
-        t0 = time.perf_counter()
+        w0, t0 = time.perf_counter(), time.process_time()
         loss = loss_of(call_model(model, batch), loss_fn)
-        t1 = time.perf_counter()
+        w1, t1 = time.perf_counter(), time.process_time()
         loss.backward()
-        t2 = time.perf_counter()
+        w2, t2 = time.perf_counter(), time.process_time()
         fwd: dict[str, float] = defaultdict(float)
         last_end, open_at, pending_gap = t0, {}, 0.0
         last_unit = None
@@ -436,7 +443,13 @@ class _Timer:
             bwd[name] += end - t
             if i == 0:
                 bwd[name] += t - t1
-        return fwd, bwd, t1 - t0, t2 - t1
+        return _to_wall(fwd, w1 - w0, t1 - t0), _to_wall(bwd, w2 - w1, t2 - t1), w1 - w0, w2 - w1
+
+
+def _to_wall(spans: dict, wall: float, cpu: float) -> dict:
+    """Processor-time spans as shares of the phase's wall time."""
+    scale = wall / cpu if cpu > 0 else 1.0
+    return {k: v * scale for k, v in spans.items()}
 
 
 def saved_per_unit(model: nn.Module, layout: Layout, batch, loss_fn=None) -> dict[str, int]:
@@ -591,11 +604,12 @@ def meta_forward_times(model: nn.Module, layout: Layout, batch, loss_fn=None, st
         with torch.no_grad():
             for i in range(steps + 1):
                 timer.fwd_events.clear()
-                t0 = time.perf_counter()
+                w0, t0 = time.perf_counter(), time.process_time()
                 try:
                     call_model(meta, tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, batch))
                 except Exception:  # noqa: BLE001  (a model that cannot run on meta: no shadow cost known)
                     return {}
+                wall, cpu = time.perf_counter() - w0, time.process_time() - t0
                 if not i:
                     continue
                 spans: dict[str, float] = defaultdict(float)
@@ -605,7 +619,7 @@ def meta_forward_times(model: nn.Module, layout: Layout, batch, loss_fn=None, st
                         open_at[name] = t
                     elif name in open_at:
                         spans[name] += t - open_at.pop(name)
-                for n, v in spans.items():
+                for n, v in _to_wall(spans, wall, cpu).items():
                     out[n].append(v)
     finally:
         timer.remove()
@@ -793,6 +807,16 @@ def _line(x1: float, y1: float, x2: float, y2: float) -> tuple[float, float]:
 
 # ---- the profile ------------------------------------------------------------------------------
 
+# The second batch size timed: the smallest micro-batch the search may choose that is not
+# degenerate. Per-call costs (Python, kernel launches, small matrices running below the
+# machine's speed) weigh most at small sizes, so a line through it and the whole batch is
+# close over the range the search uses; a batch dim of 1 is left out because views and
+# sharding rules take shortcuts on a dim of size 1 (the GPT's loss under sequence
+# parallelism redistributes with an all-to-all at 1 sample, an all-gather from 2 on).
+def second_batch_size(batch: int) -> int:
+    return 2 if batch > 2 else 1
+
+
 def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str | None = None, steps: int = 3,
                   small: int | None = None, average_over_ranks: bool = True) -> Profile:
     """Profiles ``model`` training on ``sample_batch`` (a batch as ``vescale.parallelize``'s
@@ -800,12 +824,12 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
     the model must return its loss, or an output with ``.loss``; else pass ``loss_fn``).
 
     The model's parameters and gradients are left as they were. ``small``: the second
-    batch size timed (default: a quarter of the batch, at least 1)."""
+    batch size timed (default: ``second_batch_size``)."""
     start = time.perf_counter()
     layout = find_layout(model, blocks)
     cores = effective_cores() if average_over_ranks else 0.0
     B = batch_size_of(sample_batch)
-    small = small or max(1, B // 4)
+    small = small or second_batch_size(B)
     was_training = model.training
     model.train()
     saved_grads = {id(p): p.grad for p in model.parameters()}

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_map
 from ..parallel.pipeline.split import find_layout
 from ..plan import PlanError
 from .profile import (Profile, UnitProfile, _line, _linears, _signature, _structure, _Timer, assemble_units,
-                      batch_size_of, saved_per_unit, slice_batch, structure_fields, unit_kind)
+                      batch_size_of, second_batch_size, saved_per_unit, slice_batch, structure_fields, unit_kind)
 from .scalars import replaying
 from .whatif import _meta, meta_copy, what_if
 
@@ -95,7 +95,7 @@ def profile_like(source: Profile, model: nn.Module, sample_batch, *, loss_fn=Non
     meta = meta_copy(model)
     layout = find_layout(meta, blocks)
     B = batch_size_of(sample_batch)
-    small = max(1, B // 4)
+    small = second_batch_size(B)
     full = tree_map(_meta, sample_batch)
     part = slice_batch(full, small)
     linears = _linears(meta)
