@@ -458,7 +458,8 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
   Breakdown worst;
   e.rank_memory.assign(static_cast<size_t>(c.pp), Memory{});
   for (int64_t r = 0; r < c.pp; ++r) {
-    double rb = 0, rn = 0, rt = 0, rsaved = 0, rpmax = 0, rf = 0, rbk = 0, rtp = 0, rz = 0, rpg = 0, rremat = 0;
+    double rb = 0, rn = 0, rt = 0, rsaved = 0, rpmax = 0, rf = 0, rbk = 0, rtp = 0, rz = 0, rpg = 0, rremat = 0,
+           rone = 0;
     // ZeRO's units on this rank (vescale/parallel/ddp.py shard_gradients reduce-scatters
     // one unit's gradients per bucket): each block, then the root (everything outside them)
     std::vector<double> zero_units;
@@ -474,6 +475,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       rn += pnumel[us];
       rt += ptensors[us];
       rsaved += saved[us] * flight[us];
+      rone = std::max(rone, saved[us]);
       rremat = std::max(rremat, rematerialized[us]);
       rpmax = std::max(rpmax, pmax[us]);
       rf += compute_f[us] * static_cast<double>(m) * (c.pp == 1 ? all_busy : 1.0);
@@ -565,18 +567,47 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       const double largest = *std::max_element(zero_units.begin(), zero_units.end());
       live_grads = std::min(grads, 2 * largest * p.grad_bytes_per_param_byte) + grads / dpd;
     }
-    const double during = rsaved + rremat + transient + live_grads;   // forward and backward
-    // the gradients and their bucket (DDP's all-reduce); ZeRO-2/3's are in live_grads
-    const double reduce = c.dp > 1 ? (c.zero >= 2 ? live_grads : 2 * grads) : grads;
+    // DDP's all-reduce buckets (ZeRO-0/1) are kept from step to step, as torch's DDP keeps
+    // them: from the second step on they are there at every moment (Partial gradients
+    // summed over DP x TP at once are not in them)
+    const double buckets = c.dp > 1 && c.zero <= 1 ? grads - (c.pp == 1 ? rpg : 0.0) : 0.0;
+    // forward and backward: the gradients fill up in this rank's first backward while its
+    // micro-batch's saved tensors go, and are whole from then on. Where a forward follows a
+    // backward (1F1B's steady state) whole gradients meet every micro-batch in flight;
+    // else (GPipe, or one micro-batch) the fullest moments are the first backward's start
+    // (no gradients) and the second's (whole gradients, one micro-batch fewer). ZeRO-2/3's
+    // live gradients (two units' and the slices) are there from the first unit's backward on.
+    bool whole_with_all = c.dp > 1 && c.zero >= 2;
+    if (c.pp > 1) {
+      bool backward_seen = false;
+      for (const auto& a : sched->orders[static_cast<size_t>(r)]) {
+        whole_with_all |= backward_seen && a.kind == 'F';
+        backward_seen |= a.kind != 'F';
+      }
+    }
+    const double with_grads = (whole_with_all ? rsaved : rsaved - rone) + live_grads;
+    const double during = std::max(rsaved, with_grads) + rremat + transient + buckets;
+    // the gradients and their buckets (DDP's all-reduce); ZeRO-2/3's are in live_grads
+    const double reduce = (c.dp > 1 && c.zero >= 2 ? live_grads : grads) + buckets;
     const double kept = c.zero >= 2 ? grads / dpd : grads;
-    const double stepping = kept + p.optimizer_temp_per_element * elements;  // the optimizer step
-    const double top = std::max({during, reduce, stepping});
+    const double stepping = kept + p.optimizer_temp_per_element * elements + buckets;  // the optimizer step
+    // ZeRO-1/2 then gather the updated slices into the parameters one bucket at a time
+    // (vescale/parallel/optimizer.py): the gradients kept and one bucket's parameters whole
+    // (ZeRO-1: DDP's buckets; ZeRO-2: a unit's)
+    double gathering = 0;
+    if (c.dp > 1 && (c.zero == 1 || c.zero == 2)) {
+      double largest = 0;
+      for (const double u : c.zero == 2 ? zero_units : std::vector<double>{rb})
+        for (const double b : buckets_of(u, p.bucket_bytes)) largest = std::max(largest, b);
+      gathering = kept + largest + buckets;
+    }
+    const double top = std::max({during, reduce, stepping, gathering});
     if (top == during) {
-      mem.activations = rsaved + rremat + transient;
-      mem.grads = live_grads;
+      mem.activations = (with_grads > rsaved ? with_grads - live_grads : rsaved) + rremat + transient;
+      mem.grads = (with_grads > rsaved ? live_grads : 0.0) + buckets;
     } else {
       mem.activations = 0;
-      mem.grads = top;  // gradients, their bucket, or the step's temporaries with them
+      mem.grads = top;  // gradients, their bucket, the step's temporaries or a gathered bucket with them
     }
     e.rank_memory[static_cast<size_t>(r)] = mem;
     if (mem.total() > e.memory.total()) e.memory = mem;

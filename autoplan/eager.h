@@ -28,14 +28,17 @@
 // computing at once, a pipeline rank computing while others wait runs faster.
 //
 // Memory of a rank: parameters (1/dp of them under ZeRO-3, plus the largest unit
-// gathered) and optimizer state (two fp32 moments; under ZeRO an fp32 master copy too
-// where the parameters are not fp32, both 1/dp) all the time, plus the largest of three
-// moments: the forward and backward (the bytes each micro-batch's forward saves, times
-// the micro-batches the schedule keeps in flight on that rank at its worst moment, the
-// transient buffers measured on the whole model, and the gradients: under ZeRO-2/3 their
-// slices and two units' whole gradients), the end of the backward (the gradients and the
-// bucket the data-parallel reduction packs them into), and the optimizer step (the
-// gradients it keeps and its temporaries, measured per element).
+// gathered), optimizer state (two fp32 moments; under ZeRO an fp32 master copy too where
+// the parameters are not fp32, both 1/dp) and DDP's all-reduce buckets (ZeRO-0/1: kept
+// from step to step, as big as the gradients) all the time, plus the largest of four
+// moments: the forward and backward (the bytes each micro-batch's forward saves, times the
+// micro-batches the schedule keeps in flight on that rank at its worst moment, the
+// transient buffers measured on the whole model, and the gradients: whole ones only once a
+// backward has run, so with one micro-batch fewer unless a forward follows a backward;
+// under ZeRO-2/3 their slices and two units' whole gradients, from the start), the end of
+// the backward (the gradients), the optimizer step (the gradients it keeps and its
+// temporaries, measured per element), and ZeRO-1/2's gather of the updated parameters
+// (one bucket's, whole).
 //
 // Recomputation (activation checkpointing of every block): a block keeps only its input
 // (the bytes the block before hands on) and runs its forward, collectives included, again
