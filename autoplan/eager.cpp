@@ -384,14 +384,16 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
     compute_b[us] = b;
     tp_s[us] = tpf + tpb;
     zero_s[us] = z;
-    sc[us].forward = f + tpf + z / 2;
-    sc[us].backward = b + tpb + z / 2;
-    sc[us].input_backward = bi + tpb + z / 2;
-    sc[us].weight_backward = b - bi;
+    // the pipeline runtime's own work per schedule action (processor time at full speed)
+    const double act = c.pp > 1 ? p.action_seconds : 0.0;
+    sc[us].forward = f + tpf + z / 2 + act;
+    sc[us].backward = b + tpb + z / 2 + act;
+    sc[us].input_backward = bi + tpb + z / 2 + act;
+    sc[us].weight_backward = b - bi + act;
     // on shared processors: compute at full speed, then the collectives (no processor)
     const double slow = p.cores > 0 ? std::max(1.0, static_cast<double>(p.profiled_busy) / p.cores) : 1.0;
     waits[us] = {tpf + z / 2, tpb + z / 2, tpb + z / 2, 0.0};
-    shared[us] = {f / slow, b / slow, bi / slow, (b - bi) / slow};
+    shared[us] = {f / slow + act, b / slow + act, bi / slow + act, (b - bi) / slow + act};
     e.stage_forward.push_back(sc[us].forward);
     e.stage_backward.push_back(sc[us].backward);
   }

@@ -142,6 +142,10 @@ struct Problem {
   // Seconds per byte of a tensor copy: DDP flattens gradients into its buckets and back,
   // ZeRO packs and unpacks slices around its collectives.
   double copy_per_byte = 0;
+  // Processor seconds the pipeline runtime spends per schedule action beyond the units'
+  // compute (its Python, the send and receive, the autograd call; measured by
+  // vescale/autoplan/runtime_cost.py), added to every F, B, I and W of a pipeline.
+  double action_seconds = 0;
 };
 
 struct Constraints {

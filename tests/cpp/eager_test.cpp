@@ -233,6 +233,32 @@ TEST(EagerStepModel, PipelineRanksOfDataParallelReplicasShareTheCores) {
   EXPECT_NEAR(steps[2], steps[0], 1e-9);
 }
 
+TEST(EagerStepModel, EveryScheduleActionPaysTheRuntimesCost) {
+  // GPipe over 2 equal stages, 2 micro-batches: the critical path runs 3 forward and 3
+  // backward slots (F0.0 F0.1 F1.1, B1.0 B1.1 B0.1), each of them longer by the cost
+  auto p = tiny();
+  eager::Config c;
+  c.pp = 2;
+  c.dp = 2;
+  c.schedule = "gpipe";
+  c.microbatches = 2;
+  c.blocks_per_stage = {2, 2};
+  const auto before = eager::estimate(p, c);
+  p.action_seconds = 1e-3;
+  const auto after = eager::estimate(p, c);
+  ASSERT_TRUE(before.feasible && after.feasible);
+  EXPECT_NEAR(after.step_s - before.step_s, 6e-3, 1e-12);
+  c.pp = 1;  // no pipeline, no schedule actions
+  c.dp = 4;
+  c.schedule = "none";
+  c.microbatches = 1;
+  c.blocks_per_stage.clear();
+  p.action_seconds = 0;
+  const auto plain = eager::estimate(p, c);
+  p.action_seconds = 1e-3;
+  EXPECT_NEAR(eager::estimate(p, c).step_s, plain.step_s, 1e-15);
+}
+
 TEST(EagerStepModel, RecomputationByHand) {
   auto p = tiny();
   eager::Config c;

@@ -385,6 +385,19 @@ def test_what_if_collectives_match_a_real_run(pool4, name):
         assert abs(nbytes - pbytes) <= 0.01 * nbytes + 64 * calls, (label, key, real, priced)
 
 
+def _case_runtime_cost():
+    from vescale.autoplan.runtime_cost import action_seconds
+    return action_seconds(steps=2)
+
+
+def test_the_pipeline_runtimes_cost_per_schedule_action_is_measured(pool4):
+    """A pipeline of tiny blocks at 1 and 8 micro-batches: the processor time per extra
+    action, the same on every rank (averaged), above zero and far below a block's compute."""
+    costs = pool4.run(_case_runtime_cost)
+    assert len(set(costs)) == 1, costs
+    assert 0 < costs[0] < 0.05, costs
+
+
 def _case_train(constraints: dict, like: bool = False):
     if like:  # planned from a 2-layer GPT's timings, the model itself on meta, never run
         torch.manual_seed(0)

@@ -461,7 +461,8 @@ def plan_eager(model: nn.Module, sample_batch, *, world: int | None = None, cons
                "master_bytes_per_element": 0.0 if profile.dtype_bytes == 4 else 4.0,
                "profiled_busy": profile.ranks if profile.cores else 1,
                "working_a": profile.working[0], "working_b": profile.working[1],
-               "optimizer_temp_per_element": profile.optimizer_temp, "copy_per_byte": profile.copy_per_byte}
+               "optimizer_temp_per_element": profile.optimizer_temp, "copy_per_byte": profile.copy_per_byte,
+               "action_seconds": profile.action_s}
     search = {key: k[key] for key in ("pp", "dp", "tp", "zero", "sp", "recompute", "microbatches", "vp", "schedule",
                                       "split", "memory_limit") if key in k}
     r = _C.autoplan_eager_search(problem, search)

@@ -18,7 +18,8 @@ trace of the model):
   receives that needs a gradient is block i-1's output (the rest is recomputable glue);
 - linear layers whose output the model splits into k equal pieces right away (fused
   q|k|v or gate|up): the tensor-parallel what-if tries ``InterleavedShard`` on them;
-- the optimizer step's time per element and per tensor (AdamW on copies).
+- the optimizer step's time per element and per tensor (AdamW on copies), and the
+  pipeline runtime's own processor time per schedule action (``runtime_cost``).
 
 Times and byte counts are taken at two batch sizes and kept as ``a + b * n`` in the
 number of samples n, so the cost model can ask for any micro-batch size. When ranks are
@@ -43,6 +44,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from ..parallel.pipeline.engine import loss_in
 from .scalars import ScalarTape
+from .runtime_cost import action_seconds
 from ..parallel.pipeline.split import Layout, find_layout
 
 __all__ = ["Linear", "UnitProfile", "Profile", "profile_model", "call_model", "loss_of", "slice_batch",
@@ -112,6 +114,7 @@ class Profile:
     working: tuple = (0.0, 0.0)    # bytes a forward + backward adds at its peak beyond the gradients (a + b n)
     optimizer_temp: float = 0.0    # bytes the optimizer step adds at its peak, per parameter element
     copy_per_byte: float = 0.0     # seconds per byte of a tensor copy (DDP buckets, ZeRO slices)
+    action_s: float = 0.0          # processor seconds of the pipeline runtime per schedule action
     # values the model read out of its tensors, per place in its code (vescale.autoplan.scalars)
     scalars: dict = field(default_factory=dict)
     # set by vescale.autoplan.transfer.profile_like: not measured on this model but scaled
@@ -141,7 +144,7 @@ class Profile:
                  f"{self.param_bytes / 2**20:.2f} MiB of parameters, batch {self.batch} (timed at "
                  f"{self.measured_at[0]} and {self.measured_at[1]} samples, {self.ranks} rank(s)), "
                  f"forward {1e3 * self.step['forward_s']:.2f} ms, backward {1e3 * self.step['backward_s']:.2f} ms, "
-                 f"profiled in {self.seconds:.2f} s"]
+                 f"pipeline runtime {1e3 * self.action_s:.2f} ms per schedule action, profiled in {self.seconds:.2f} s"]
         if self.derived:
             lines[0] += (f"; times scaled from {self.derived['from']}'s by FLOPs (sizes, memory and collectives "
                          f"from what-if runs of this model on meta)")
@@ -856,6 +859,7 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
                     shares[sig], split_costs[sig] = 0.5, 1.0
         opt = _optimizer_times(model)
         copy_s = copy_seconds_per_byte()
+        action_s = action_seconds() if average_over_ranks else 0.0
         shadows = meta_forward_times(model, layout, small_batch, loss_fn)
         working, opt_temp = _step_memory(model, sample_batch, loss_fn, (small, B))
     finally:
@@ -892,7 +896,7 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         step=dict(forward_s=tf2, backward_s=tb2, forward_small_s=tf1, backward_small_s=tb1),
         optimizer=opt, seconds=time.perf_counter() - start, ranks=ranks, cores=cores,
         working=_line(small, working[small], B, working[B]), optimizer_temp=opt_temp, copy_per_byte=copy_s,
-        scalars=tape.values)
+        action_s=action_s, scalars=tape.values)
 
 
 def unit_kind(u) -> str:

@@ -144,7 +144,7 @@ def profile_like(source: Profile, model: nn.Module, sample_batch, *, loss_fn=Non
                   forward_small_s=totals["forward"][0], backward_small_s=totals["backward"][0]),
         optimizer=source.optimizer, seconds=time.perf_counter() - start, ranks=source.ranks, cores=source.cores,
         working=_line(small, working[0], B, working[1]), optimizer_temp=source.optimizer_temp,
-        copy_per_byte=source.copy_per_byte, scalars=source.scalars,
+        copy_per_byte=source.copy_per_byte, action_s=source.action_s, scalars=source.scalars,
         derived={"from": source.model_class,
                  "units": {n: ([a.name for a in same], r) for n, (same, r) in match.items()}})
 
