@@ -9,6 +9,8 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <utility>
+#include <vector>
 
 namespace vescale::autoplan {
 namespace {
@@ -152,6 +154,17 @@ eager::Problem tiny() {
   return p;
 }
 
+// PP2 x DP2 with GPipe over m micro-batches; the split left to the search when empty
+eager::Config gpipe_pp2_dp2(int64_t m, std::vector<int64_t> split = {}) {
+  eager::Config c;
+  c.pp = 2;
+  c.dp = 2;
+  c.schedule = "gpipe";
+  c.microbatches = m;
+  c.blocks_per_stage = std::move(split);
+  return c;
+}
+
 TEST(EagerStepModel, DataParallelStepByHand) {
   auto p = tiny();
   eager::Config c;
@@ -179,12 +192,7 @@ TEST(EagerStepModel, DataParallelStepByHand) {
 
 TEST(EagerStepModel, PipelineIsTheTimelinePlusItsSync) {
   auto p = tiny();
-  eager::Config c;
-  c.pp = 2;
-  c.dp = 2;
-  c.schedule = "gpipe";
-  c.microbatches = 2;
-  const auto e = eager::estimate(p, c, "time");
+  const auto e = eager::estimate(p, gpipe_pp2_dp2(2), "time");
   ASSERT_TRUE(e.feasible) << e.reason;
   EXPECT_EQ(e.config.blocks_per_stage, (std::vector<int64_t>{2, 2}));
   // 2 samples per micro-batch; stage 0: emb + 2 blocks = 0.3 + 6 = 6.3 ms forward (3 + 0.3 backward x2)
@@ -215,13 +223,7 @@ TEST(EagerStepModel, PipelineRanksOfDataParallelReplicasShareTheCores) {
     if (ab.kind == "send") ab.alpha = ab.beta = 0;
   std::vector<double> steps;
   for (int64_t m : {1, 2, 4}) {
-    eager::Config c;
-    c.pp = 2;
-    c.dp = 2;
-    c.schedule = "gpipe";
-    c.microbatches = m;
-    c.blocks_per_stage = {2, 2};
-    const auto e = eager::estimate(p, c);
+    const auto e = eager::estimate(p, gpipe_pp2_dp2(m, {2, 2}));
     ASSERT_TRUE(e.feasible) << e.reason;
     steps.push_back(e.step_s);
     // 4 samples per pipeline; each stage's forward and backward at full speed (the profile
@@ -237,12 +239,7 @@ TEST(EagerStepModel, EveryScheduleActionPaysTheRuntimesCost) {
   // GPipe over 2 equal stages, 2 micro-batches: the critical path runs 3 forward and 3
   // backward slots (F0.0 F0.1 F1.1, B1.0 B1.1 B0.1), each of them longer by the cost
   auto p = tiny();
-  eager::Config c;
-  c.pp = 2;
-  c.dp = 2;
-  c.schedule = "gpipe";
-  c.microbatches = 2;
-  c.blocks_per_stage = {2, 2};
+  auto c = gpipe_pp2_dp2(2, {2, 2});
   const auto before = eager::estimate(p, c);
   p.action_seconds = 1e-3;
   const auto after = eager::estimate(p, c);
