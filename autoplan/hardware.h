@@ -32,6 +32,10 @@ struct Hardware {
   // Compute lost to a collective running beside it (its kernels occupy SMs and HBM
   // bandwidth): c seconds of overlapped communication slow the compute by share * c.
   double overlap_compute_share = 0;
+  // Share of a layer's tensor-parallel collectives hidden behind its own GEMMs (Transformer
+  // Engine's userbuffers, as Megatron-Bridge's recipes turn on with tp_comm_overlap); 0:
+  // none, as in vescale today and in the Megatron-LM runs the table is validated against.
+  double tp_overlap = 0;
 
   // The alpha-beta links of collectives/cost_model.h with the achieved bandwidths.
   collectives::LinkCost nvlink() const;

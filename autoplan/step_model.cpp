@@ -116,9 +116,21 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
            k.all_gather * collective_time(hw, Collective::all_gather, bytes, tp_group) +
            k.reduce_scatter * collective_time(hw, Collective::reduce_scatter, bytes, tp_group);
   };
+  // Collectives overlapped with the GEMMs beside them (hw.tp_overlap of what those cover)
+  // leave their hidden part off the critical path and slow the GEMMs by the share of the
+  // GPU they take.
+  auto overlap = [&](double& comp, double& tp) {
+    const double hidden = hw.tp_overlap * std::min(comp, tp);
+    comp += hw.overlap_compute_share * hidden;
+    tp -= hidden;
+  };
   auto piece = [&](const LayerWork& w) {
-    return PieceTime{compute(w.forward),   tp_time(w.tp_forward, w.tp_bytes),   compute(w.backward),
-                     tp_time(w.tp_backward, w.tp_bytes), compute(w.recompute), tp_time(w.tp_recompute, w.tp_bytes)};
+    PieceTime t{compute(w.forward),   tp_time(w.tp_forward, w.tp_bytes),   compute(w.backward),
+                tp_time(w.tp_backward, w.tp_bytes), compute(w.recompute), tp_time(w.tp_recompute, w.tp_bytes)};
+    overlap(t.f_comp, t.f_tp);
+    overlap(t.b_comp, t.b_tp);
+    overlap(t.r_comp, t.r_tp);
+    return t;
   };
   const PieceTime tl = piece(layer), te = piece(emb), th = piece(head);
 

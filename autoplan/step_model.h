@@ -9,8 +9,9 @@
 // then pipeline (so TP groups sit inside a node when tp <= 8, DP groups stride tp, and
 // pipeline neighbours stride tp * dp).
 //
-// What the model leaves out, on purpose: overlap of tensor-parallel collectives with
-// compute (Megatron of the validation runs had none), context parallelism, the
+// Tensor-parallel collectives are not overlapped with compute unless the hardware entry
+// says so (Hardware::tp_overlap; Megatron of the validation runs had none, nor has
+// vescale yet). What the model leaves out, on purpose: context parallelism, the
 // vocabulary-parallel cross-entropy's three tiny all-reduces, gradient-norm reductions,
 // kernel launch gaps, stragglers and congestion between jobs.
 

@@ -87,7 +87,8 @@ const std::vector<Field<Hardware>>& hardware_fields() {
       field("ib_bw", &Hardware::ib_bw),
       field("ib_efficiency", &Hardware::ib_efficiency),
       field("ib_latency", &Hardware::ib_latency),
-      field("overlap_compute_share", &Hardware::overlap_compute_share)};
+      field("overlap_compute_share", &Hardware::overlap_compute_share),
+      field("tp_overlap", &Hardware::tp_overlap)};
   return f;
 }
 

@@ -175,6 +175,29 @@ TEST(AutoplanStep, ZeroStagesShardWhatTheySay) {
   }
 }
 
+TEST(AutoplanStep, TensorParallelOverlapHidesWhatTheGemmsCover) {
+  // TP 2 on one pipeline stage: whatever the overlap hides leaves the TP time, the step
+  // gets shorter by just that, and the GEMMs beside it slow by the share it takes.
+  Hardware hw = round_hardware();
+  const Transformer m = tiny_gpt();
+  ParallelConfig c;
+  c.tp = 2;
+  c.micro_batch = 2;
+  const StepEstimate plain = estimate_step(m, hw, c);
+  hw.tp_overlap = 1.0;
+  hw.overlap_compute_share = 0.0;
+  const StepEstimate free = estimate_step(m, hw, c);
+  ASSERT_TRUE(plain.feasible && free.feasible);
+  const double hidden = plain.breakdown.tp_comm - free.breakdown.tp_comm;
+  EXPECT_GT(hidden, 0.0);
+  EXPECT_NEAR(free.breakdown.compute, plain.breakdown.compute, 1e-12);
+  EXPECT_NEAR(plain.step_s - free.step_s, hidden, 1e-9 * plain.step_s);
+  hw.overlap_compute_share = 0.25;
+  const StepEstimate shared = estimate_step(m, hw, c);
+  EXPECT_NEAR(shared.breakdown.tp_comm, free.breakdown.tp_comm, 1e-12);
+  EXPECT_NEAR(shared.breakdown.compute - plain.breakdown.compute, 0.25 * hidden, 1e-9 * plain.step_s);
+}
+
 TEST(AutoplanStep, ShapesThatDoNotDivideAreRefusedWithAReason) {
   const Hardware hw = round_hardware();
   const Transformer m = tiny_gpt();
