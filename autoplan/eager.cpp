@@ -495,12 +495,14 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       rt += 1;
     }
     zero_units.push_back(root_unit_bytes);
+    // the gradient bytes that go through data parallelism's buckets: Partial (TP) gradients
+    // summed over DP x TP at once (no pipeline, ZeRO-0/1) are not in DDP's own buckets
+    const bool composed = c.pp == 1 && c.zero <= 1;
+    const double bucketed = rb * p.grad_bytes_per_param_byte - (composed ? rpg : 0.0);
     // data parallelism: the gradients' reduction, the parameters' gather after a ZeRO-1/2 step, the loss
     double dp_t = partial_grad_reduction(cost, c, p.bucket_bytes, rpg, r == 0 ? &e.rank0_comms : nullptr);
     if (c.dp > 1) {
-      // Partial (TP) gradients summed over DP x TP at once are not in DDP's own buckets
-      const bool composed = c.pp == 1 && c.zero <= 1;
-      const double grads = rb * p.grad_bytes_per_param_byte - (composed ? rpg : 0.0);
+      const double grads = bucketed;
       std::vector<double> buckets;
       if (c.zero >= 2) {
         for (const double u : zero_units)
@@ -570,9 +572,8 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       live_grads = std::min(grads, 2 * largest * p.grad_bytes_per_param_byte) + grads / dpd;
     }
     // DDP's all-reduce buckets (ZeRO-0/1) are kept from step to step, as torch's DDP keeps
-    // them: from the second step on they are there at every moment (Partial gradients
-    // summed over DP x TP at once are not in them)
-    const double buckets = c.dp > 1 && c.zero <= 1 ? grads - (c.pp == 1 ? rpg : 0.0) : 0.0;
+    // them: from the second step on they are there at every moment
+    const double buckets = c.dp > 1 && c.zero <= 1 ? bucketed : 0.0;
     // forward and backward: the gradients fill up in this rank's first backward while its
     // micro-batch's saved tensors go, and are whole from then on. Where a forward follows a
     // backward (1F1B's steady state) whole gradients meet every micro-batch in flight;
@@ -587,8 +588,11 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
         backward_seen |= a.kind != 'F';
       }
     }
-    const double with_grads = (whole_with_all ? rsaved : rsaved - rone) + live_grads;
-    const double during = std::max(rsaved, with_grads) + rremat + transient + buckets;
+    const double saved_with_grads = whole_with_all ? rsaved : rsaved - rone;
+    const bool grads_peak = saved_with_grads + live_grads > rsaved;
+    const double peak_saved = grads_peak ? saved_with_grads : rsaved;
+    const double peak_grads = grads_peak ? live_grads : 0.0;
+    const double during = peak_saved + peak_grads + rremat + transient + buckets;
     // the gradients and their buckets (DDP's all-reduce); ZeRO-2/3's are in live_grads
     const double reduce = (c.dp > 1 && c.zero >= 2 ? live_grads : grads) + buckets;
     const double kept = c.zero >= 2 ? grads / dpd : grads;
@@ -605,8 +609,8 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
     }
     const double top = std::max({during, reduce, stepping, gathering});
     if (top == during) {
-      mem.activations = (with_grads > rsaved ? with_grads - live_grads : rsaved) + rremat + transient;
-      mem.grads = (with_grads > rsaved ? live_grads : 0.0) + buckets;
+      mem.activations = peak_saved + rremat + transient;
+      mem.grads = peak_grads + buckets;
     } else {
       mem.activations = 0;
       mem.grads = top;  // gradients, their bucket, the step's temporaries or a gathered bucket with them

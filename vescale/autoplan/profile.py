@@ -43,9 +43,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from ..parallel.pipeline.engine import loss_in
-from .scalars import ScalarTape
-from .runtime_cost import action_seconds
 from ..parallel.pipeline.split import Layout, find_layout
+from .runtime_cost import action_seconds
+from .scalars import ScalarTape
 
 __all__ = ["Linear", "UnitProfile", "Profile", "profile_model", "call_model", "loss_of", "slice_batch",
            "batch_size_of"]
