@@ -2,6 +2,7 @@
 
 #include "collectives/collectives.h"
 
+#include <c10/core/TensorOptions.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -10,8 +11,14 @@ namespace vescale {
 
 namespace {
 
-c10::DispatchKeySet dtensor_key_set() {
-  return c10::DispatchKeySet({kDTensorKey, kDTensorAutogradKey, c10::DispatchKey::ADInplaceOrView});
+// The autocast key of the local device's backend too (AutocastCPU, AutocastCUDA, ...): a
+// TensorImpl gets it from its backend bit, which PrivateUse2 is not. Without it autocast
+// skipped DTensor ops, autograd recorded them in fp32, the local ops ran in bf16 under
+// the same autocast, and backward met mixed dtypes.
+c10::DispatchKeySet dtensor_key_set(c10::Device device) {
+  const auto backend = c10::toBackendComponent(c10::computeDispatchKey(std::nullopt, std::nullopt, device));
+  return c10::DispatchKeySet({kDTensorKey, kDTensorAutogradKey, c10::DispatchKey::ADInplaceOrView}) |
+         c10::getAutocastRelatedKeySetFromBackend(backend);
 }
 
 std::atomic<int64_t> g_live{0};
@@ -19,7 +26,7 @@ std::atomic<int64_t> g_live{0};
 }  // namespace
 
 DTensorImpl::DTensorImpl(at::Tensor local, SpecPtr spec)
-    : c10::TensorImpl(dtensor_key_set(), local.dtype(), local.device()),
+    : c10::TensorImpl(dtensor_key_set(local.device()), local.dtype(), local.device()),
       local_(std::move(local)),
       spec_(std::move(spec)) {
   set_storage_access_should_throw();
@@ -28,7 +35,7 @@ DTensorImpl::DTensorImpl(at::Tensor local, SpecPtr spec)
 }
 
 DTensorImpl::DTensorImpl(std::shared_ptr<collectives::PendingShard> pending, SpecPtr spec, c10::Device device)
-    : c10::TensorImpl(dtensor_key_set(), c10::scalarTypeToTypeMeta(spec->dtype), device),
+    : c10::TensorImpl(dtensor_key_set(device), c10::scalarTypeToTypeMeta(spec->dtype), device),
       pending_(std::move(pending)),
       spec_(std::move(spec)) {
   set_storage_access_should_throw();

@@ -3,8 +3,9 @@
 //
 // It reports the global shape and strides, the local shard's dtype and device, and
 // owns no storage: its data is `local_`, this rank's shard. Its dispatch key set is
-// {kDTensorKey, its autograd key, ADInplaceOrView}, so autograd and view tracking
-// run above it and every aten op then reaches vescale's handler.
+// {kDTensorKey, its autograd key, ADInplaceOrView} and the local device's autocast key,
+// so autocast, autograd and view tracking run above it and every aten op then reaches
+// vescale's handler.
 
 #include "core/spec.h"
 

@@ -201,6 +201,9 @@ void run_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }  // namespace
 
 void dtensor_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  // Autocast decided above autograd, on the DTensors, what dtype this op runs in; the
+  // local ops must run exactly that, not be cast again by the local tensors' autocast key.
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   // The only cost of vescale.debug's observers while they are off: one relaxed load.
   if (C10_UNLIKELY(collectives::trace::flags() != 0)) {
     observed_kernel(op, stack, &run_kernel);

@@ -131,7 +131,8 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
     With ``src_data_rank`` (default 0) the values are first broadcast from the mesh's
     ``src_data_rank``-th rank (row-major over the mesh), so the result is consistent
     even if ranks disagree; ``None`` trusts every rank's copy. The result is a leaf
-    and requires grad when ``tensor`` does.
+    and requires grad when ``tensor`` does. A tensor on another device than the mesh's
+    is moved there first (as torch's distribute_tensor does).
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"distribute_tensor expects a torch.Tensor, got {type(tensor).__name__}")
@@ -145,7 +146,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
                              "with vescale.deferred_init(ModelClass, ...) to shard it without allocating it whole")
         return _materialize_shard(tensor, *_resolve(device_mesh, placements, tensor.dim()))
     mesh, cp = _resolve(device_mesh, placements, tensor.dim())
-    return _C.distribute_tensor(tensor, _register(mesh), cp, src_data_rank)
+    return _C.distribute_tensor(_on_device_of(tensor, mesh), _register(mesh), cp, src_data_rank)
 
 
 def _materialize_shard(tensor: torch.Tensor, mesh: DeviceMesh, cp) -> torch.Tensor:
@@ -164,8 +165,16 @@ def _materialize_shard(tensor: torch.Tensor, mesh: DeviceMesh, cp) -> torch.Tens
         local = torch.empty(sizes, dtype=tensor.dtype, device="cpu")
         for shard_box, global_box in parts:
             materialize(tensor, global_box, into=shard_box.view_of(local, Box((0,) * local.dim(), tuple(sizes))))
-    out = _C.from_local(local, _register(mesh), cp, list(tensor.shape), _strides_like(tensor.shape, tensor.stride()))
+    out = _C.from_local(_on_device_of(local, mesh), _register(mesh), cp, list(tensor.shape),
+                        _strides_like(tensor.shape, tensor.stride()))
     return out.requires_grad_(tensor.requires_grad)
+
+
+def _on_device_of(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``tensor`` on the mesh's device type, as torch's distribute_tensor moves it: a model
+    built on the CPU (or materialised there by deferred_init) is sharded onto a CUDA mesh's
+    current device."""
+    return tensor if tensor.device.type == mesh.device_type else tensor.to(mesh.device_type)
 
 
 # ---- helpers -------------------------------------------------------------------------

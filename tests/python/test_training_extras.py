@@ -23,7 +23,7 @@ from examples.models.llama import LlamaConfig, LlamaForCausalLM
 CLIP = 0.05  # small enough that every step clips
 
 
-def _reference(factory, steps=3, clip=None, dtype=torch.float32):
+def _reference(factory, steps=3, clip=None, dtype=torch.float32, autocast=False):
     torch.manual_seed(0)
     model = factory().to(dtype)
     masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
@@ -32,7 +32,8 @@ def _reference(factory, steps=3, clip=None, dtype=torch.float32):
     for idx, tgt in _batches()[:steps]:
         for p in model.parameters():
             p.grad = None
-        loss = model(idx, tgt)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(idx, tgt)
         loss.backward()
         for m, p in zip(masters, model.parameters()):
             m.grad = p.grad.float()
@@ -46,7 +47,7 @@ def _reference(factory, steps=3, clip=None, dtype=torch.float32):
     return losses
 
 
-def _train_dp2_tp2(factory, plan, *, steps=3, clip=None, zero=0, dtype=torch.float32):
+def _train_dp2_tp2(factory, plan, *, steps=3, clip=None, zero=0, dtype=torch.float32, autocast=False):
     m = mesh("2d")
     torch.manual_seed(0)
     model = factory().to(dtype)
@@ -60,7 +61,8 @@ def _train_dp2_tp2(factory, plan, *, steps=3, clip=None, zero=0, dtype=torch.flo
     for idx, tgt in _batches()[:steps]:
         opt.zero_grad()
         rows = slice(2 * dp_rank, 2 * dp_rank + 2)
-        loss = model(idx[rows], tgt[rows])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(idx[rows], tgt[rows])
         loss.backward()
         if clip and zero:
             opt.clip_grad_norm_(clip)
@@ -95,6 +97,35 @@ def _case_bf16():
 
 def test_bf16_with_fp32_master_weights(pool4):
     assert pool4.run(_case_bf16) == [None] * 4
+
+
+def _case_autocast(model: str):
+    """fp32 parameters under bf16 autocast: autocast casts the DTensors themselves, so
+    autograd records the casts (before the fix it skipped DTensor ops, their local ops
+    ran in bf16 anyway, and backward met mixed dtypes)."""
+    factory = ((lambda: GPT(GPTConfig(bias=False))) if model == "gpt"  # noqa: E731
+               else (lambda: LlamaForCausalLM(LlamaConfig())))
+    plan = gpt_plan if model == "gpt" else llama_plan
+    losses = _train_dp2_tp2(factory, plan, zero=2, autocast=True)
+    ref = _reference(factory, autocast=True)
+    fp32 = _reference(factory)
+    m = mesh("2d")
+    torch.manual_seed(0)
+    net = factory()
+    parallelize_module(net, m["TP"], plan(sequence_parallel=True))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = net(_batches()[0][0])
+    logits = getattr(logits, "logits", logits)
+    problems = [mismatch(torch.tensor(losses), torch.tensor(ref), rtol=2e-2, atol=1e-2),
+                None if logits.dtype == torch.bfloat16 else f"logits in {logits.dtype}",
+                # autocast really ran in bf16: the fp32 run's losses differ beyond fp32 rounding
+                None if max(abs(a - b) for a, b in zip(losses, fp32)) > 1e-5 else "losses equal the fp32 run's"]
+    return [p for p in problems if p]
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_bf16_autocast_with_fp32_parameters(pool4, model):
+    assert pool4.run(_case_autocast, model) == [[]] * 4
 
 
 def _case_loss_scaling():

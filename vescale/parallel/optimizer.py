@@ -232,7 +232,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # pipeline ranks hold counts once, not once per holder.
         holders = pipeline_holders(self.ddps)
         plain_copies = dist.get_world_size() // (self.world * pipeline_size(self.ddps))
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=collective_device())
         for o, g in slices:
             if g is None:
                 continue
@@ -293,7 +293,7 @@ def grad_norm_power(params, norm_type: float, ranks_per_stage: int, holders: dic
     several pipeline ranks hold (``holders``: id -> count, see ``pipeline_holders``),
     all divided out."""
     holders = holders or {}
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=collective_device())
     for p in params:
         g = p.grad
         power = local_of(g).double().abs().pow(norm_type).sum() / holders.get(id(p), 1)
@@ -304,6 +304,14 @@ def grad_norm_power(params, norm_type: float, ranks_per_stage: int, holders: dic
     if dist.is_initialized():
         dist.all_reduce(total)
     return total
+
+
+def collective_device() -> torch.device:
+    """Where a tensor must live for the default process group's collectives: NCCL's on this
+    rank's current GPU, gloo's (and a run without torch.distributed) on the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _copies(param: DTensor) -> int:
@@ -326,7 +334,7 @@ class _LossScaler:
         self.clean_steps = 0
 
     def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
-        found = torch.zeros(1)
+        found = torch.zeros(1, device=collective_device())
         for g in grads:
             g.div_(self.scale)
             if not torch.isfinite(g).all():

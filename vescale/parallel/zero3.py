@@ -48,8 +48,8 @@ class ShardedParameters:
         self.sharded: dict[int, _Sharded] = {}
         for slot, start, end, values in slots:  # `values`: this rank's slice, owned from now on
             if is_deferred(slot.param):  # a storage to gather into, never touched until then
-                torch.utils.swap_tensors(slot.param, nn.Parameter(torch.empty(slot.param.shape, dtype=values.dtype),
-                                                                  requires_grad=slot.param.requires_grad))
+                storage = torch.empty(slot.param.shape, dtype=values.dtype, device=values.device)
+                torch.utils.swap_tensors(slot.param, nn.Parameter(storage, requires_grad=slot.param.requires_grad))
             self.sharded[id(slot.param)] = _Sharded(slot.param, slot, start, end, values)
         claimed: set[int] = set()
         for root in modules:
