@@ -176,7 +176,10 @@ RedistPlan plan_redistribution(
                       shape.size(), " dims");
   const auto problem = interleaved_problem(shape, dst, mesh.shape);
   TORCH_CHECK_VALUE(problem.empty(), "redistribute: ", problem);
-  return Planner(mesh, src, dst, shape, dtype).run();
+  Placements from(src.begin(), src.end()), to(dst.begin(), dst.end());
+  replicate_groups_of_one(from, mesh.shape);
+  replicate_groups_of_one(to, mesh.shape);
+  return Planner(mesh, from, to, shape, dtype).run();
 }
 
 }  // namespace vescale::collectives

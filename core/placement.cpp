@@ -54,6 +54,11 @@ bool all_replicate(PlacementsRef placements) {
   return true;
 }
 
+void replicate_groups_of_one(Placements& placements, c10::ArrayRef<int64_t> mesh_shape) {
+  for (size_t m = 0; m < placements.size() && m < mesh_shape.size(); ++m)
+    if (mesh_shape[m] == 1) placements[m] = Placement::replicate();
+}
+
 LocalBox local_box(
     c10::ArrayRef<int64_t> global_shape,
     PlacementsRef placements,

@@ -91,6 +91,12 @@ inline std::ostream& operator<<(std::ostream& os, const Placement& p) { return o
 bool any_partial(PlacementsRef placements);
 bool all_replicate(PlacementsRef placements);
 
+// A group of one rank holds the whole tensor whatever its placement says (a shard of
+// one piece, a sum over one rank): every placement on a mesh dim of size 1 becomes
+// Replicate, so that specs, rules and redistributions see one form (no vocabulary-
+// parallel loss or masked embedding where the vocabulary is not split at all).
+void replicate_groups_of_one(Placements& placements, c10::ArrayRef<int64_t> mesh_shape);
+
 // ---- torch.chunk arithmetic -------------------------------------------------
 
 // Size of piece `index` when `n` elements are split into `parts` pieces the way

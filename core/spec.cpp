@@ -122,6 +122,7 @@ SpecPtr make_spec(
   const auto ndim = static_cast<int64_t>(shape.size());
   for (auto& p : spec.placements)
     if (p.splits()) p.dim = normalize_shard_dim(p.dim, ndim, "placement");
+  replicate_groups_of_one(spec.placements, spec.mesh->shape);
   spec.shape.assign(shape.begin(), shape.end());
   spec.stride.assign(stride.begin(), stride.end());
   spec.dtype = dtype;

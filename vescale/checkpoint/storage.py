@@ -28,8 +28,9 @@ class CorruptCheckpoint(RuntimeError):
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:
-    """A tensor's bytes, any dtype (bfloat16 too), as a uint8 array without a copy when contiguous."""
-    t = t.detach().contiguous()
+    """A tensor's bytes, any dtype (bfloat16 too), as a uint8 array without a copy when
+    contiguous and in host memory (a GPU tensor is copied there)."""
+    t = t.detach().cpu().contiguous()
     return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
 
 

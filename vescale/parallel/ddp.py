@@ -238,6 +238,11 @@ class DDP(nn.Module):
         b.tp = launch_partial_sums([s.param for s, w in zip(b.slots, over_world) if w],
                                    over_world=True, divide_by=self.world)
         b.in_buffer = [s for s, w in zip(b.slots, over_world) if not w]
+        if self.world == 1:  # one DP rank: its gradients are their average; only TP sums remain
+            b.tp += launch_partial_sums([s.param for s in b.in_buffer if self._is_partial(s.param)])
+            b.in_buffer = []
+            b.work = (None, torch.empty(0, dtype=b.dtype, device=b.device))
+            return
         flat = [local_of(s.param.grad).reshape(-1) if s.param.grad is not None
                 else torch.zeros(s.numel, dtype=b.dtype, device=b.device) for s in b.in_buffer]
         total = sum(s.numel for s in b.in_buffer)
