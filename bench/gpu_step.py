@@ -8,13 +8,15 @@ torch's own DTensor stack on the same 1-rank mesh runs beside them for reference
 Ways, each from the same seed-0 model and the same batches:
 
     torch          GPT(cfg).cuda(), AdamW
+    torch again    the same once more: the noise floor of the step time and of the losses
     vescale        parallelize_module(gpt_plan) on the mesh's 1-rank "TP" dim, DDP on its
                    1-rank "DP" dim, AdamW (the whole stack a DP x TP plan uses)
     torch DTensor  torch's parallelize_module with the same plan on a 1-rank mesh
                    (bench/common.torch_gpt_tp) and loss_parallel; AdamW without foreach
 
 A step is forward, backward, AdamW step and zero_grad, timed from a torch.cuda.synchronize()
-to the next. Each way is warmed up and its peak CUDA memory read alone (above what the ways
+to the next (``host ms``: until the host had issued the step; where it is close to the
+step's time, the GPU waited for the host). Each way is warmed up and its peak CUDA memory read alone (above what the ways
 built before it hold); then the ways take turns step by step. The report shows median step
 times, tokens per second and their ratio to plain torch (the target: vescale >= 0.98 of
 plain torch on the GPT-2-sized step), and the relative difference from plain torch's losses
@@ -54,7 +56,7 @@ SIZES = {
     "small": (GPTConfig(block_size=256, vocab_size=8192, n_layer=4, n_head=4, n_embd=256, bias=False), 8, 256),
     "gpt2": (GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768, bias=False), 8, 1024),
 }
-WAYS = ("torch", "vescale", "torch DTensor")
+WAYS = ("torch", "vescale", "torch DTensor", "torch again")
 LR = 3e-4
 DEVICE = "cuda"
 PROFILE = False
@@ -64,6 +66,7 @@ class Way:
     def __init__(self, name: str, model, opt, loss_ctx=contextlib.nullcontext):
         self.name, self.model, self.opt, self.loss_ctx = name, model, opt, loss_ctx
         self.times: list[float] = []
+        self.host: list[float] = []  # until the host had issued the whole step
         self.losses: list[torch.Tensor] = []
 
 
@@ -102,6 +105,7 @@ def timed(w: Way, batch, precision: str) -> None:
     sync()
     t0 = time.perf_counter()
     step(w, batch, precision)
+    w.host.append(time.perf_counter() - t0)
     sync()
     w.times.append(time.perf_counter() - t0)
 
@@ -171,6 +175,7 @@ def run(size: str, precision: str, mesh, steps: int, problems: list) -> dict:
         losses = [loss_value(v) for v in w.losses]
         row["ways"][name] = dict(
             median_ms=round(ms, 2), iqr_ms=[round(q[0] * 1e3, 2), round(q[2] * 1e3, 2)],
+            host_ms=round(statistics.median(w.host) * 1e3, 2),
             tokens_per_s=round(batch * seq / (ms / 1e3)), peak_mb=round(peak[name]),
             throughput_vs_torch=None if base is None else round(base * 1e3 / ms, 4),
             # the first step starts from the same weights; later ones drift apart as the GPU's
@@ -182,13 +187,14 @@ def run(size: str, precision: str, mesh, steps: int, problems: list) -> dict:
 
 
 def print_rows(rows: list, problems: list) -> None:
-    print(f"\n{'size':6} {'prec':5} {'way':14} {'median ms':>10} {'IQR ms':>16} {'tokens/s':>10} "
+    print(f"\n{'size':6} {'prec':5} {'way':14} {'median ms':>10} {'IQR ms':>16} {'host ms':>8} {'tokens/s':>10} "
           f"{'vs torch':>9} {'peak MiB':>9} {'loss 1 diff':>11} {'max diff':>9}")
     for r in rows:
         for name, w in r["ways"].items():
             iqr = f"{w['iqr_ms'][0]:.2f}-{w['iqr_ms'][1]:.2f}"
             ratio, first, diff = w["throughput_vs_torch"], w["first_loss_rel_diff"], w["max_loss_rel_diff"]
-            print(f"{r['size']:6} {r['precision']:5} {name:14} {w['median_ms']:10.2f} {iqr:>16} {w['tokens_per_s']:10d} "
+            print(f"{r['size']:6} {r['precision']:5} {name:14} {w['median_ms']:10.2f} {iqr:>16} {w['host_ms']:8.2f} "
+                  f"{w['tokens_per_s']:10d} "
                   f"{'-' if ratio is None else f'{ratio:.3f}':>9} {w['peak_mb']:9d} "
                   f"{'-' if first is None else f'{first:.1e}':>11} {'-' if diff is None else f'{diff:.1e}':>9}")
     for p in problems:
