@@ -155,7 +155,13 @@ def check_fallbacks(problems: list, what: str) -> None:
 
 
 def check_placements(ves, tor, problems: list, what: str) -> None:
-    if ves is not None and tor is not None and str(tuple(ves.placements)) != str(tuple(tor.placements)):
+    """vescale's placements against torch's, except on mesh dims of one rank: vescale calls
+    every placement there Replicate (the same data; docs/engine.md), torch keeps the Shard."""
+    if ves is None or tor is None:
+        return
+    sizes = ves.device_mesh.shape
+    torch_placements = tuple(vescale.Replicate() if n == 1 else p for p, n in zip(tor.placements, sizes))
+    if str(tuple(ves.placements)) != str(torch_placements):
         problems.append(f"{what}: vescale gives placements {tuple(ves.placements)}, "
                         f"torch's DTensor {tuple(tor.placements)}")
 
