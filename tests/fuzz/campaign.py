@@ -24,7 +24,7 @@ for path in (ROOT, os.path.join(ROOT, "tests", "python")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from tests.fuzz.chains import Program, generate  # noqa: E402
+from tests.fuzz.chains import MESHES, Program, generate  # noqa: E402
 from tests.opinfo.pool import Ranks  # noqa: E402
 
 HANDLER = "tests.fuzz.rank:handle"
@@ -114,7 +114,8 @@ def shrink(ranks: Ranks, program: Program, kind: str, budget: int = 60) -> Progr
 
 # ---- the campaign -------------------------------------------------------------------------------
 
-def campaign(chains: int, seed: int, batch: int = 25, shrink_findings: bool = True, log=print) -> dict:
+def campaign(chains: int, seed: int, batch: int = 25, shrink_findings: bool = True, log=print,
+             mesh: str | None = None) -> dict:
     ranks = start_ranks()
     counts: collections.Counter = collections.Counter()
     findings = []
@@ -122,7 +123,7 @@ def campaign(chains: int, seed: int, batch: int = 25, shrink_findings: bool = Tr
     try:
         for first in range(0, chains, batch):
             seeds = list(range(seed + first, seed + min(first + batch, chains)))
-            programs = [generate(random.Random(s)) for s in seeds]
+            programs = [generate(random.Random(s), mesh) for s in seeds]
             for s, program, (kind, detail) in zip(seeds, programs, run_batch(ranks, programs)):
                 counts[kind] += 1
                 if kind == "ok":
@@ -146,9 +147,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=25)
     parser.add_argument("--no-shrink", action="store_true")
     parser.add_argument("--out", default=None, help="write counts and findings as JSON")
+    parser.add_argument("--mesh", default=None, choices=sorted(MESHES),
+                        help="draw every program on this mesh (default: 1d4 or 2d at random)")
     args = parser.parse_args()
     result = campaign(args.chains, args.seed, args.batch, not args.no_shrink,
-                      log=lambda *a: print(*a, file=sys.stderr, flush=True))
+                      log=lambda *a: print(*a, file=sys.stderr, flush=True), mesh=args.mesh)
     print(json.dumps({k: v for k, v in result.items() if k != "findings"}))
     if args.out:
         with open(args.out, "w") as f:

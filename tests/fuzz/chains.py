@@ -20,7 +20,7 @@ import torch
 
 from .ops import OPS, OPS_BY_NAME
 
-MESHES = {"1d4": (4,), "2d": (2, 2), "1d2": (2,)}
+MESHES = {"1d4": (4,), "2d": (2, 2), "1d2": (2,), "2d14": (1, 4)}  # 2d14: a mesh dim of one rank
 SIZES = [0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 9]
 
 

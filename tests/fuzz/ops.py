@@ -307,9 +307,10 @@ def _redistribute(x, *, seed):
     (the next op is then the first use that waits); the identity on plain tensors."""
     if not hasattr(x, "redistribute") or not hasattr(x, "device_mesh"):
         return x.clone()
-    from .chains import placements_from_codes, fresh_placements
+    from .chains import MESHES, placements_from_codes, fresh_placements
     mesh = x.device_mesh
-    codes = fresh_placements(seed, list(x.shape), "2d" if mesh.ndim == 2 else "1d4", partial=True)
+    name = next(n for n, shape in MESHES.items() if shape == tuple(mesh.shape))
+    codes = fresh_placements(seed, list(x.shape), name, partial=True)
     y = x.redistribute(mesh, placements_from_codes(codes), async_op=bool(seed & 1))
     return y.clone() if y is x else y  # to its own placements, redistribute hands back x itself
 

@@ -196,3 +196,34 @@ def _case_inplace_on_views_with_autograd():
 def test_inplace_on_views_with_autograd(pool4):
     for failures in pool4.run(_case_inplace_on_views_with_autograd):
         assert failures == {}
+
+
+def _case_mesh_dims_of_one_rank():
+    """On a (2, 1) mesh the "TP" dim has one rank: every placement there is Replicate (the
+    same data), so a loss over classes "split" on it is plain torch's (no vocabulary-parallel
+    composition) and moving along it costs no collective."""
+    m = vescale.DeviceMesh("cpu", torch.arange(2).reshape(2, 1), mesh_dim_names=("DP", "TP"))
+    logits, target = rand((6, 10), seed=1), torch.arange(6) % 10
+    x = vescale.distribute_tensor(logits.clone(), m, [Shard(0), Shard(1)]).requires_grad_()
+    out = {"placements": [str(p) for p in x.placements],
+           "partial": [str(p) for p in vescale.DTensor.from_local(torch.ones(2), m, [Replicate(), Partial()]).placements]}
+    vescale.reset_collective_counts()
+    y = x.redistribute(placements=[Shard(0), Replicate()]).redistribute(placements=[Shard(0), Shard(0)])
+    out["moves"] = {k: v for k, v in vescale.collective_counts().items() if v != (0, 0)}
+    out["same"] = mismatch(y.full_tensor(), logits)
+    loss = torch.nn.functional.cross_entropy(x, target)
+    loss.backward()
+    ref = logits.clone().requires_grad_()
+    ref_loss = torch.nn.functional.cross_entropy(ref, target)
+    ref_loss.backward()
+    out["loss"] = mismatch(loss.full_tensor(), ref_loss)
+    out["grad"] = mismatch(x.grad.full_tensor(), ref.grad)
+    return out
+
+
+def test_mesh_dims_of_one_rank_are_replicate(pool2):
+    for res in pool2.run(_case_mesh_dims_of_one_rank):
+        assert res["placements"] == ["Shard(dim=0)", "Replicate()"]
+        assert res["partial"] == ["Replicate()", "Replicate()"]
+        assert res["moves"] == {}
+        assert res["same"] is res["loss"] is res["grad"] is None
