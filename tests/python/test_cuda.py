@@ -117,7 +117,7 @@ def test_attention_kernels(mesh, backend, dtype):
     close(out, ref, tol)
     for mine, theirs in ((dq, q), (dk, k), (dv, v)):
         close(mine.grad, theirs.grad, tol)
-    assert vescale.fallback_counts() == {} or all("attention" not in op for op in vescale.fallback_counts())
+    assert not any("attention" in op for op in vescale.fallback_counts())  # the attention rule ran it
 
 
 def _gpt_on_cuda() -> GPT:
