@@ -121,7 +121,11 @@ at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placeme
   auto dst = with_placements(src, placements);
   const auto plan = collectives::plan_redistribution(*src, dst->placements);
   if (async_op && !plan.empty()) {
-    auto pending = collectives::start_redistribution(plan, *src->mesh, src->shape, src->stride, impl->local());
+    // The collective reads its input while the caller goes on, and the caller may write
+    // into the source meanwhile (an optimizer step, any in-place op): it reads a snapshot
+    // of the shard, so the result is the source's value at this call (a shard's copy).
+    auto pending = collectives::start_redistribution(plan, *src->mesh, src->shape, src->stride,
+                                                     impl->local().clone());
     return make_pending_dtensor(std::move(pending), std::move(dst), impl->device());
   }
   auto local = collectives::execute_redistribution(plan, *src->mesh, src->shape, src->stride, impl->local());

@@ -125,3 +125,28 @@ def _case_waits_at_first_use():
 def test_collective_is_in_flight_until_its_first_use(pool4):
     for failures in pool4.run(_case_waits_at_first_use):
         assert failures == []
+
+
+def _case_writes_to_the_source_do_not_reach_the_result(layout: str):
+    """An in-place write to the source right after an asynchronous redistribution must not
+    reach the result, whose collective may still be reading the source's shard (found by
+    the chain fuzzer on a (1, 4) mesh: masked_fill_, async redistribute, add_ on the source).
+    A shard big enough that gloo is still sending when the write comes."""
+    m = mesh("1d4")
+    full = rand((4096, 256), seed=3, dtype=torch.float32)
+    placements = [Shard(0)] if layout == "shard" else [Partial()]
+    failures = []
+    for trial in range(5):
+        x = (vescale.distribute_tensor(full, m, placements) if layout == "shard"
+             else vescale.DTensor.from_local(full / 4, m, placements))
+        y = x.redistribute(m, [Replicate()], async_op=True)
+        x.mul_(-3.0)  # races with the collective unless the source was kept as it was
+        err = (y.to_local() - full).abs().max().item()
+        if err > 1e-5:
+            failures.append(f"trial {trial}: result off by {err:.3g}")
+    return failures
+
+
+@pytest.mark.parametrize("layout", ["shard", "partial"])
+def test_writes_to_the_source_do_not_reach_the_result(pool4, layout):
+    assert pool4.run(_case_writes_to_the_source_do_not_reach_the_result, layout) == [[]] * 4
