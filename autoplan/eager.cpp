@@ -319,7 +319,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
   std::vector<StageCost> sc(static_cast<size_t>(S)), waits(static_cast<size_t>(S)), shared(static_cast<size_t>(S));
   std::vector<double> compute_f(static_cast<size_t>(S)), compute_b(static_cast<size_t>(S)), tp_s(static_cast<size_t>(S)),
       zero_s(static_cast<size_t>(S)), saved(static_cast<size_t>(S)), pbytes(static_cast<size_t>(S)), pnumel(static_cast<size_t>(S)),
-      ptensors(static_cast<size_t>(S)), pmax(static_cast<size_t>(S)), pgrad(static_cast<size_t>(S)),
+      ptensors(static_cast<size_t>(S)), pgrad(static_cast<size_t>(S)),
       rematerialized(static_cast<size_t>(S));
   double root_bytes = 0;  // parameters outside the blocks: ZeRO-3 gathers them with the root module
   for (size_t i = 0; i < p.units.size(); ++i)
@@ -361,12 +361,10 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       if (c.zero == 3 && p.units[i].kind == 1) {
         // gathered (and unpacked into the parameters) for the forward and the backward
         z += 2 * (cost.time("all_gather", c.dp, std::ceil(u.param_bytes / dpd)) + p.copy_per_byte * u.param_bytes);
-        pmax[us] = std::max(pmax[us], u.param_bytes);
       }
     }
     if (c.zero == 3) {  // the root's parameters, gathered for every micro-batch's forward and backward
       z += 2 * (cost.time("all_gather", c.dp, std::ceil(root_bytes / dpd)) + p.copy_per_byte * root_bytes);
-      pmax[us] = std::max(pmax[us], root_bytes);
     }
     if ((c.pp > 1 ? sched->placement[us] : 0) == 0) {
       const auto mi = c.microbatches;
@@ -460,18 +458,19 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
   Breakdown worst;
   e.rank_memory.assign(static_cast<size_t>(c.pp), Memory{});
   for (int64_t r = 0; r < c.pp; ++r) {
-    double rb = 0, rn = 0, rt = 0, rsaved = 0, rpmax = 0, rf = 0, rbk = 0, rtp = 0, rz = 0, rpg = 0, rremat = 0,
+    double rb = 0, rn = 0, rt = 0, rsaved = 0, rf = 0, rbk = 0, rtp = 0, rz = 0, rpg = 0, rremat = 0,
            rone = 0;
     // ZeRO's units on this rank (vescale/parallel/ddp.py shard_gradients reduce-scatters
     // one unit's gradients per bucket): each block, then the root (everything outside them)
     std::vector<double> zero_units;
-    double root_unit_bytes = 0;
+    double root_unit_bytes = 0, head_bytes = 0;  // head: the units after the blocks
     for (int64_t s = 0; s < S; ++s) {
       const auto us = static_cast<size_t>(s);
       if ((c.pp > 1 ? sched->placement[us] : 0) != r) continue;
       for (const auto i : stages.units[us]) {
         if (p.units[i].kind == 1) zero_units.push_back(l.units[i].param_bytes);
         else root_unit_bytes += l.units[i].param_bytes;
+        if (p.units[i].kind == 2) head_bytes += l.units[i].param_bytes;
       }
       rb += pbytes[us];
       rn += pnumel[us];
@@ -479,7 +478,6 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       rsaved += saved[us] * flight[us];
       rone = std::max(rone, saved[us]);
       rremat = std::max(rremat, rematerialized[us]);
-      rpmax = std::max(rpmax, pmax[us]);
       rf += compute_f[us] * static_cast<double>(m) * (c.pp == 1 ? all_busy : 1.0);
       rbk += compute_b[us] * static_cast<double>(m) * (c.pp == 1 ? all_busy : 1.0);
       rtp += tp_s[us] * static_cast<double>(m);
@@ -494,6 +492,8 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       rn += p.tied_param_bytes / 4.0 / static_cast<double>(c.tp);
       rt += 1;
     }
+    double largest_block = 0;
+    for (const double u : zero_units) largest_block = std::max(largest_block, u);
     zero_units.push_back(root_unit_bytes);
     // the gradient bytes that go through data parallelism's buckets: Partial (TP) gradients
     // summed over DP x TP at once (no pipeline, ZeRO-0/1) are not in DDP's own buckets
@@ -549,7 +549,11 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
     const double end = finish[static_cast<size_t>(r)] + dp_t + pp_t + opt_t;
     // memory
     Memory mem;
-    mem.params = c.zero == 3 ? rb / dpd + rpmax : rb;
+    // ZeRO-3 holds, besides the slices, the root unit whole (its module runs around all
+    // the others, so it is gathered for the whole forward and backward; a pipeline stage
+    // never releases it) and two blocks: the one running and the next, which backward
+    // prefetches (vescale/parallel/zero3.py)
+    mem.params = c.zero == 3 ? rb / dpd + root_unit_bytes + 2 * largest_block : rb;
     mem.optimizer = (c.zero >= 1 ? (p.state_bytes_per_element + p.master_bytes_per_element) / dpd
                                  : p.state_bytes_per_element) * (rb / 4.0);
     const double grads = rb * p.grad_bytes_per_param_byte;
@@ -564,12 +568,24 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       }
       transient = std::max(0.0, p.working_a + p.working_b * n - all_saved) / static_cast<double>(c.tp);
     }
-    // ZeRO-2/3 copy each gradient into its unit's bucket as it arrives and keep a slice:
-    // whole gradients of at most two units (one reducing, one filling) and the slices
+    // ZeRO-2/3 without a pipeline copy each gradient into its unit's bucket as backward
+    // produces it and keep a slice: whole gradients of at most two units (one reducing, one
+    // filling) and the slices. A pipeline's schedule runs under no_sync
+    // (vescale/parallel/pipeline/engine.py): gradients accumulate whole over the
+    // micro-batches, as without ZeRO, and are reduce-scattered unit by unit at the end.
+    const bool scatter_in_backward = c.dp > 1 && c.zero >= 2 && c.pp == 1;
+    const double largest_unit_grads =
+        *std::max_element(zero_units.begin(), zero_units.end()) * p.grad_bytes_per_param_byte;
     double live_grads = grads;
-    if (c.dp > 1 && c.zero >= 2) {
-      const double largest = *std::max_element(zero_units.begin(), zero_units.end());
-      live_grads = std::min(grads, 2 * largest * p.grad_bytes_per_param_byte) + grads / dpd;
+    if (scatter_in_backward) live_grads = std::min(grads, 2 * largest_unit_grads) + grads / dpd;
+    // While the saved tensors are all there (backward's start) the whole gradients are the
+    // head's, whose backward runs first (with a tensor tied to the embedding: its
+    // gradient too, which the head's backward starts) and two blocks' (one filling, one in
+    // its bucket); the slices come as the saved tensors go.
+    double during_grads = live_grads;
+    if (scatter_in_backward) {
+      during_grads = std::min(grads, (head_bytes + p.tied_param_bytes / static_cast<double>(c.tp) + 2 * largest_block) *
+                                         p.grad_bytes_per_param_byte);
     }
     // DDP's all-reduce buckets (ZeRO-0/1) are kept from step to step, as torch's DDP keeps
     // them: from the second step on they are there at every moment
@@ -580,7 +596,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
     // else (GPipe, or one micro-batch) the fullest moments are the first backward's start
     // (no gradients) and the second's (whole gradients, one micro-batch fewer). ZeRO-2/3's
     // live gradients (two units' and the slices) are there from the first unit's backward on.
-    bool whole_with_all = c.dp > 1 && c.zero >= 2;
+    bool whole_with_all = scatter_in_backward;
     if (c.pp > 1) {
       bool backward_seen = false;
       for (const auto& a : sched->orders[static_cast<size_t>(r)]) {
@@ -589,12 +605,15 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       }
     }
     const double saved_with_grads = whole_with_all ? rsaved : rsaved - rone;
-    const bool grads_peak = saved_with_grads + live_grads > rsaved;
+    const bool grads_peak = saved_with_grads + during_grads > rsaved;
     const double peak_saved = grads_peak ? saved_with_grads : rsaved;
-    const double peak_grads = grads_peak ? live_grads : 0.0;
+    const double peak_grads = grads_peak ? during_grads : 0.0;
     const double during = peak_saved + peak_grads + rremat + transient + buckets;
-    // the gradients and their buckets (DDP's all-reduce); ZeRO-2/3's are in live_grads
-    const double reduce = (c.dp > 1 && c.zero >= 2 ? live_grads : grads) + buckets;
+    // the gradients and their buckets (DDP's all-reduce); ZeRO-2/3's are in live_grads, or
+    // after a pipeline: the whole gradients, the unit being copied into its bucket and the
+    // one before, whose input the collective holds until it is waited for
+    double reduce = grads + buckets;
+    if (c.dp > 1 && c.zero >= 2) reduce = scatter_in_backward ? live_grads : grads + 2 * largest_unit_grads;
     const double kept = c.zero >= 2 ? grads / dpd : grads;
     const double stepping = kept + p.optimizer_temp_per_element * elements + buckets;  // the optimizer step
     // ZeRO-1/2 then gather the updated slices into the parameters one bucket at a time

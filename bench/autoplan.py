@@ -17,7 +17,8 @@ thread each, on a machine that may be shared):
    fresh seed-0 model, 2 warm-up steps, then timed steps (a barrier before each; a step
    takes as long as its slowest rank; the median of the steps); memory: the most bytes malloc had handed out
    (glibc mallinfo2, sampled at every module's forward start and end, every gradient's
-   accumulation and around the optimizer step) during the two warm-up steps (the
+   accumulation, around the optimizer step and around every collective Python issues)
+   during the two warm-up steps (the
    optimizer's state is made in the first), less those in use before the plan was built,
    the largest rank's; and the resident memory that stays per timed step
    (tensor-parallel steps leak, see docs/benchmarks.md);
@@ -201,7 +202,7 @@ def measure(result, cand: EagerCandidate, make, kind: str, steps: int) -> dict:
     build_s = time.perf_counter() - t_build
     times, losses = [], []
     it = iter(loader)
-    watch = PeakInUse().watch(model)  # the peak of the first two steps (the optimizer's state appears in the first)
+    watch = PeakInUse(collectives=True).watch(model)  # the peak of the first two steps (the optimizer's state appears in the first)
     peak = growth_from = None
     for i in range(2 + steps):
         batch = next(it)

@@ -30,6 +30,7 @@ sharing the machine, as in a real step) and the medians are averaged over the ra
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import time
 from collections import Counter, defaultdict
@@ -738,13 +739,23 @@ def in_use() -> int:
     return m.uordblks + m.hblkhd
 
 
+# torch.distributed's collectives that PeakInUse(collectives=True) samples around
+_COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
+                "all_gather_single", "all_gather", "broadcast", "isend", "irecv", "send", "recv")
+
+
 class PeakInUse:
     """The most bytes in use (``in_use``), sampled at every module's forward start and end,
-    whenever a parameter's gradient is accumulated, and around every optimizer step."""
+    whenever a parameter's gradient is accumulated, and around every optimizer step; with
+    ``collectives=True`` also just before and after every torch.distributed collective
+    (a pipeline's gradient reduction after its schedule and ZeRO's gathers after the step
+    hold buffers that no hook above sees; the engine's own collectives run inside ops)."""
 
-    def __init__(self):
+    def __init__(self, collectives: bool = False):
         self.peak = 0
         self.handles = []
+        self.collectives = collectives
+        self._originals: dict = {}
 
     def sample(self, *args, **kwargs):
         self.peak = max(self.peak, in_use())
@@ -759,13 +770,29 @@ class PeakInUse:
         for p in model.parameters():
             if p.requires_grad:
                 self.handles.append(p.register_post_accumulate_grad_hook(self.sample))
+        if self.collectives:
+            self._originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+            for name, fn in self._originals.items():
+                setattr(dist, name, self._sampled(fn))
         return self
+
+    def _sampled(self, fn):
+        @functools.wraps(fn)
+        def sampled(*args, **kwargs):
+            self.sample()
+            out = fn(*args, **kwargs)
+            self.sample()
+            return out
+        return sampled
 
     def close(self) -> int:
         self.sample()
         for h in self.handles:
             h.remove()
         self.handles = []
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
+        self._originals = {}
         return self.peak
 
 
