@@ -551,9 +551,11 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
     Memory mem;
     // ZeRO-3 holds, besides the slices, the root unit whole (its module runs around all
     // the others, so it is gathered for the whole forward and backward; a pipeline stage
-    // never releases it) and two blocks: the one running and the next, which backward
-    // prefetches (vescale/parallel/zero3.py)
-    mem.params = c.zero == 3 ? rb / dpd + root_unit_bytes + 2 * largest_block : rb;
+    // never releases it), and while forward and backward run two blocks: the one running
+    // and the next, which backward prefetches (vescale/parallel/zero3.py), and the
+    // backend's own copy of a block while it gathers
+    mem.params = c.zero == 3 ? rb / dpd + root_unit_bytes : rb;
+    const double gathered_blocks = c.zero == 3 ? (2 + p.gather_copies) * largest_block : 0.0;
     mem.optimizer = (c.zero >= 1 ? (p.state_bytes_per_element + p.master_bytes_per_element) / dpd
                                  : p.state_bytes_per_element) * (rb / 4.0);
     const double grads = rb * p.grad_bytes_per_param_byte;
@@ -594,8 +596,9 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
     // micro-batch's saved tensors go, and are whole from then on. Where a forward follows a
     // backward (1F1B's steady state) whole gradients meet every micro-batch in flight;
     // else (GPipe, or one micro-batch) the fullest moments are the first backward's start
-    // (no gradients) and the second's (whole gradients, one micro-batch fewer). ZeRO-2/3's
-    // live gradients (two units' and the slices) are there from the first unit's backward on.
+    // (no gradients) and the second's (whole gradients, one micro-batch fewer). ZeRO-2/3
+    // without a pipeline: their gradients during backward (during_grads) meet all the saved
+    // tensors.
     bool whole_with_all = scatter_in_backward;
     if (c.pp > 1) {
       bool backward_seen = false;
@@ -608,7 +611,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
     const bool grads_peak = saved_with_grads + during_grads > rsaved;
     const double peak_saved = grads_peak ? saved_with_grads : rsaved;
     const double peak_grads = grads_peak ? during_grads : 0.0;
-    const double during = peak_saved + peak_grads + rremat + transient + buckets;
+    const double during = peak_saved + peak_grads + rremat + transient + buckets + gathered_blocks;
     // the gradients and their buckets (DDP's all-reduce); ZeRO-2/3's are in live_grads, or
     // after a pipeline: the whole gradients, the unit being copied into its bucket and the
     // one before, whose input the collective holds until it is waited for
@@ -618,16 +621,17 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
     const double stepping = kept + p.optimizer_temp_per_element * elements + buckets;  // the optimizer step
     // ZeRO-1/2 then gather the updated slices into the parameters one bucket at a time
     // (vescale/parallel/optimizer.py): the gradients kept and one bucket's parameters whole
-    // (ZeRO-1: DDP's buckets; ZeRO-2: a unit's)
+    // (ZeRO-1: DDP's buckets; ZeRO-2: a unit's), and the backend's copy of it
     double gathering = 0;
     if (c.dp > 1 && (c.zero == 1 || c.zero == 2)) {
       double largest = 0;
       for (const double u : c.zero == 2 ? zero_units : std::vector<double>{rb})
         for (const double b : buckets_of(u, p.bucket_bytes)) largest = std::max(largest, b);
-      gathering = kept + largest + buckets;
+      gathering = kept + largest * (1 + p.gather_copies) + buckets;
     }
     const double top = std::max({during, reduce, stepping, gathering});
     if (top == during) {
+      mem.params += gathered_blocks;
       mem.activations = peak_saved + rremat + transient;
       mem.grads = peak_grads + buckets;
     } else {

@@ -146,6 +146,9 @@ struct Problem {
   // compute (its Python, the send and receive, the autograd call; measured by
   // vescale/autoplan/runtime_cost.py), added to every F, B, I and W of a pipeline.
   double action_seconds = 0;
+  // Whole copies of an all-gather's output the backend holds while it runs: gloo gathers
+  // into a flat buffer of its own and copies out of it (1); NCCL writes in place (0).
+  double gather_copies = 0;
 };
 
 struct Constraints {

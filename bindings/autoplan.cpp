@@ -300,6 +300,7 @@ eager::Problem to_problem(const py::dict& d) {
   p.optimizer_temp_per_element = get_or<double>(d, "optimizer_temp_per_element", 0.0);
   p.copy_per_byte = get_or<double>(d, "copy_per_byte", 0.0);
   p.action_seconds = get_or<double>(d, "action_seconds", 0.0);
+  p.gather_copies = get_or<double>(d, "gather_copies", 0.0);
   TORCH_CHECK_VALUE(p.world >= 1 && p.batch >= 1, "eager problem: world and batch must be >= 1");
   return p;
 }

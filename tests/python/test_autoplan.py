@@ -354,6 +354,7 @@ WHAT_IF_PLANS = {
     "tp4": {"mesh.TP": 4, "tensor_parallel.sequence_parallel": False},
     "dp2-tp2-sp-zero1": {"mesh.DP": 2, "mesh.TP": 2, "tensor_parallel.sequence_parallel": True,
                          "data_parallel.zero_stage": 1},
+    "dp4-zero1": {"mesh.DP": 4, "data_parallel.zero_stage": 1},
     "dp4-zero2": {"mesh.DP": 4, "data_parallel.zero_stage": 2},
     "dp4-zero3": {"mesh.DP": 4, "data_parallel.zero_stage": 3},
     "pp2-dp2-1f1b": {"mesh.PP": 2, "mesh.DP": 2, "data_parallel.zero_stage": 0,
@@ -450,6 +451,7 @@ MEMORY_PLANS = {  # one of each way the gradients and parameters live
                       "pipeline_parallel.microbatches": 1},
     "pp2-dp2-zero2-gpipe": {"mesh.PP": 2, "mesh.DP": 2, "data_parallel.zero_stage": 2,
                             "pipeline_parallel.schedule": "gpipe", "pipeline_parallel.microbatches": 1},
+    "dp4-zero1": {"mesh.DP": 4, "data_parallel.zero_stage": 1},
     "dp4-zero2": {"mesh.DP": 4, "data_parallel.zero_stage": 2},
     "dp2-tp2-sp-zero3": {"mesh.DP": 2, "mesh.TP": 2, "tensor_parallel.sequence_parallel": True,
                          "data_parallel.zero_stage": 3},
@@ -497,8 +499,10 @@ def test_predicted_peak_memory_is_within_a_tenth_of_the_measured(pool4):
     """The planner's memory per rank (parameters, gradients as each schedule and ZeRO stage
     keeps them, optimizer state, activations in flight) against a real run's peak: within
     10% for plain data parallelism in a pipeline, ZeRO-2 in a pipeline (its gradients
-    accumulate whole over the schedule and are reduce-scattered after it), ZeRO-2 without
-    one (reduce-scattered as backward produces them) and ZeRO-3 with TP and SP."""
+    accumulate whole over the schedule and are reduce-scattered after it), ZeRO-1 (the
+    updated parameters gathered whole, gloo holding a copy of its own while it gathers),
+    ZeRO-2 without a pipeline (reduce-scattered as backward produces them) and ZeRO-3 with
+    TP and SP."""
     found = pool4.run(_case_memory, list(MEMORY_PLANS))[0]
     assert set(found) == set(MEMORY_PLANS)
     for name, (predicted, measured, label) in found.items():

@@ -462,7 +462,7 @@ def plan_eager(model: nn.Module, sample_batch, *, world: int | None = None, cons
                "profiled_busy": profile.ranks if profile.cores else 1,
                "working_a": profile.working[0], "working_b": profile.working[1],
                "optimizer_temp_per_element": profile.optimizer_temp, "copy_per_byte": profile.copy_per_byte,
-               "action_seconds": profile.action_s}
+               "action_seconds": profile.action_s, "gather_copies": _gather_copies()}
     search = {key: k[key] for key in ("pp", "dp", "tp", "zero", "sp", "recompute", "microbatches", "vp", "schedule",
                                       "split", "memory_limit") if key in k}
     r = _C.autoplan_eager_search(problem, search)
@@ -487,6 +487,13 @@ def plan_eager(model: nn.Module, sample_batch, *, world: int | None = None, cons
 def _bytes_of(model: nn.Module, name: str) -> int:
     p = model.get_parameter(name)
     return p.numel() * p.element_size()
+
+
+def _gather_copies() -> float:
+    """Whole copies of an all-gather's output the backend holds while it runs: gloo's
+    all_gather_into_tensor gathers into a flat buffer of its own and copies out of it."""
+    running = dist.is_available() and dist.is_initialized()
+    return 1.0 if not running or dist.get_backend() == "gloo" else 0.0
 
 
 def _spans_ends(profile: Profile, names: list[str]) -> bool:
