@@ -191,11 +191,19 @@ def _one(kind: str, pg, ranks: list[int], nbytes: int, gap_s: float = 0.0) -> fl
     return time.perf_counter() - t0
 
 
+# the kinds whose messages grow with the model (gradient buckets, ZeRO's gathers)
+_BULK = ("all_reduce", "all_gather", "reduce_scatter")
+
+
 def measure_comm(world: int | None = None, *, group_sizes=None, sizes=SIZES, reps: int = 4,
-                 kinds=KINDS, gap_s: float = 0.002) -> CommModel:
+                 kinds=KINDS, gap_s: float = 0.002, largest: int = 0) -> CommModel:
     """Microbenchmarks every collective kind at every group size that divides the world
     (collective: every rank calls it) and fits alpha-beta to each. The ranks' medians
-    are averaged, so every rank returns the same model."""
+    are averaged, so every rank returns the same model. ``largest``: the bytes of the
+    biggest buffer a step reduces (a gradient bucket, at most the model's parameters),
+    measured too (twice) for the bulk kinds, so that the fit holds up to it: from the
+    small sizes alone, gloo's all-reduce over 4 ranks sharing 2 cores extrapolates to a
+    quarter of its measured time at 14 MiB (an all-gather's input there: a rank's slice)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("measure_comm runs on the ranks that will train: initialise torch.distributed "
                            "(torchrun) first, or give the planner a CommModel")
@@ -208,10 +216,14 @@ def measure_comm(world: int | None = None, *, group_sizes=None, sizes=SIZES, rep
     for g in group_sizes:
         pg, ranks = _groups(world, g)
         for kind in kinds:
-            for nbytes in (_FEW.get(kind, sizes) if sizes is SIZES else sizes):
+            todo = list(_FEW.get(kind, sizes) if sizes is SIZES else sizes)
+            big = largest // g if kind == "all_gather" else largest
+            if kind in _BULK and big > max(todo):
+                todo.append(big)
+            for nbytes in todo:
                 runs = []
                 dist.barrier(group=pg)
-                for i in range(reps + 1):
+                for i in range((reps if nbytes in sizes else 2) + 1):
                     t = _one(kind, pg, ranks, nbytes, gap_s)
                     if i:
                         runs.append(t)

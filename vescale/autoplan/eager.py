@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from .. import _C
 from ..parallel.pipeline.schedules import SCHEDULES, make_schedule
-from ..plan import Plan, PlanError
+from ..plan import SCHEMA, Plan, PlanError
 from .commfit import CommModel, measure_comm
 from .profile import Profile, batch_size_of, profile_model
 from .scale import parse_bytes
@@ -405,8 +405,8 @@ def plan_eager(model: nn.Module, sample_batch, *, world: int | None = None, cons
     seconds["profile"] = time.perf_counter() - t
     # 2. the collectives
     t = time.perf_counter()
-    if comm is None:
-        comm = measure_comm(world)
+    if comm is None:  # up to the biggest gradient bucket a data-parallel plan reduces
+        comm = measure_comm(world, largest=min(profile.param_bytes, _bucket_bytes()))
     seconds["comm"] = time.perf_counter() - t
     # 3. tensor-parallel layouts, shared among the ranks
     t = time.perf_counter()
@@ -487,6 +487,11 @@ def plan_eager(model: nn.Module, sample_batch, *, world: int | None = None, cons
 def _bytes_of(model: nn.Module, name: str) -> int:
     p = model.get_parameter(name)
     return p.numel() * p.element_size()
+
+
+def _bucket_bytes() -> int:
+    """DDP's default bucket cap (the plan's data_parallel.bucket_cap_mb), in bytes."""
+    return int(SCHEMA["data_parallel"]["bucket_cap_mb"][0] * 2**20)
 
 
 def _gather_copies() -> float:
