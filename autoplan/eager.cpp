@@ -1,4 +1,5 @@
 #include "autoplan/eager.h"
+#include "autoplan/eager_memory.h"
 
 #include "autoplan/split.h"
 
@@ -125,13 +126,6 @@ double partial_grad_reduction(const CommCost& cost, const Config& c, double buck
   const double nb = std::max(1.0, std::ceil(bytes / bucket));
   if (rank0) rank0->push_back({"all_reduce", group, bytes / nb, static_cast<int64_t>(nb) * runs, "tp grads"});
   return static_cast<double>(runs) * nb * cost.time("all_reduce", group, bytes / nb);
-}
-
-// DDP's buckets of `bytes` of gradients: as many as the cap asks, of equal size.
-std::vector<double> buckets_of(double bytes, double cap) {
-  if (bytes <= 0) return {};
-  const double nb = std::max(1.0, std::ceil(bytes / cap));
-  return std::vector<double>(static_cast<size_t>(nb), bytes / nb);
 }
 
 }  // namespace
@@ -492,8 +486,8 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       rn += p.tied_param_bytes / 4.0 / static_cast<double>(c.tp);
       rt += 1;
     }
-    double largest_block = 0;
-    for (const double u : zero_units) largest_block = std::max(largest_block, u);
+    RankHoldings held;
+    held.blocks = zero_units;
     zero_units.push_back(root_unit_bytes);
     // the gradient bytes that go through data parallelism's buckets: Partial (TP) gradients
     // summed over DP x TP at once (no pipeline, ZeRO-0/1) are not in DDP's own buckets
@@ -548,96 +542,30 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
     const double opt_t = (p.optimizer_per_tensor * rt + p.optimizer_per_element * elements) * all_busy;
     const double end = finish[static_cast<size_t>(r)] + dp_t + pp_t + opt_t;
     // memory
-    Memory mem;
-    // ZeRO-3 holds, besides the slices, the root unit whole (its module runs around all
-    // the others, so it is gathered for the whole forward and backward; a pipeline stage
-    // never releases it), and while forward and backward run two blocks: the one running
-    // and the next, which backward prefetches (vescale/parallel/zero3.py), and the
-    // backend's own copy of a block while it gathers
-    mem.params = c.zero == 3 ? rb / dpd + root_unit_bytes : rb;
-    const double gathered_blocks = c.zero == 3 ? (2 + p.gather_copies) * largest_block : 0.0;
-    mem.optimizer = (c.zero >= 1 ? (p.state_bytes_per_element + p.master_bytes_per_element) / dpd
-                                 : p.state_bytes_per_element) * (rb / 4.0);
-    const double grads = rb * p.grad_bytes_per_param_byte;
-    // transient buffers of the forward and backward (logits, gradients of activations), on
-    // the rank that computes the loss, split like the activations under TP
-    double transient = 0;
-    if (r == last_rank) {
+    held.param_bytes = rb;
+    held.optimizer_elements = elements;
+    held.root_bytes = root_unit_bytes;
+    held.head_bytes = head_bytes;
+    held.saved = rsaved;
+    held.saved_one = rone;
+    held.rematerialized = rremat;
+    held.bucketed = bucketed;
+    if (r == last_rank) {  // the forward's and backward's temporaries (logits, gradients of activations), split like the activations under TP
       double all_saved = 0;
       for (size_t i = 0; i < p.units.size(); ++i) {
         const auto& u0 = p.layouts.front().units[i];
         all_saved += u0.saved_a + u0.saved_b * n;
       }
-      transient = std::max(0.0, p.working_a + p.working_b * n - all_saved) / static_cast<double>(c.tp);
+      held.transient = std::max(0.0, p.working_a + p.working_b * n - all_saved) / static_cast<double>(c.tp);
     }
-    // ZeRO-2/3 without a pipeline copy each gradient into its unit's bucket as backward
-    // produces it and keep a slice: whole gradients of at most two units (one reducing, one
-    // filling) and the slices. A pipeline's schedule runs under no_sync
-    // (vescale/parallel/pipeline/engine.py): gradients accumulate whole over the
-    // micro-batches, as without ZeRO, and are reduce-scattered unit by unit at the end.
-    const bool scatter_in_backward = c.dp > 1 && c.zero >= 2 && c.pp == 1;
-    const double largest_unit_grads =
-        *std::max_element(zero_units.begin(), zero_units.end()) * p.grad_bytes_per_param_byte;
-    double live_grads = grads;
-    if (scatter_in_backward) live_grads = std::min(grads, 2 * largest_unit_grads) + grads / dpd;
-    // While the saved tensors are all there (backward's start) the whole gradients are the
-    // head's, whose backward runs first (with a tensor tied to the embedding: its
-    // gradient too, which the head's backward starts) and two blocks' (one filling, one in
-    // its bucket); the slices come as the saved tensors go.
-    double during_grads = live_grads;
-    if (scatter_in_backward) {
-      during_grads = std::min(grads, (head_bytes + p.tied_param_bytes / static_cast<double>(c.tp) + 2 * largest_block) *
-                                         p.grad_bytes_per_param_byte);
-    }
-    // DDP's all-reduce buckets (ZeRO-0/1) are kept from step to step, as torch's DDP keeps
-    // them: from the second step on they are there at every moment
-    const double buckets = c.dp > 1 && c.zero <= 1 ? bucketed : 0.0;
-    // forward and backward: the gradients fill up in this rank's first backward while its
-    // micro-batch's saved tensors go, and are whole from then on. Where a forward follows a
-    // backward (1F1B's steady state) whole gradients meet every micro-batch in flight;
-    // else (GPipe, or one micro-batch) the fullest moments are the first backward's start
-    // (no gradients) and the second's (whole gradients, one micro-batch fewer). ZeRO-2/3
-    // without a pipeline: their gradients during backward (during_grads) meet all the saved
-    // tensors.
-    bool whole_with_all = scatter_in_backward;
     if (c.pp > 1) {
       bool backward_seen = false;
       for (const auto& a : sched->orders[static_cast<size_t>(r)]) {
-        whole_with_all |= backward_seen && a.kind == 'F';
+        held.forward_after_backward |= backward_seen && a.kind == 'F';
         backward_seen |= a.kind != 'F';
       }
     }
-    const double saved_with_grads = whole_with_all ? rsaved : rsaved - rone;
-    const bool grads_peak = saved_with_grads + during_grads > rsaved;
-    const double peak_saved = grads_peak ? saved_with_grads : rsaved;
-    const double peak_grads = grads_peak ? during_grads : 0.0;
-    const double during = peak_saved + peak_grads + rremat + transient + buckets + gathered_blocks;
-    // the gradients and their buckets (DDP's all-reduce); ZeRO-2/3's are in live_grads, or
-    // after a pipeline: the whole gradients, the unit being copied into its bucket and the
-    // one before, whose input the collective holds until it is waited for
-    double reduce = grads + buckets;
-    if (c.dp > 1 && c.zero >= 2) reduce = scatter_in_backward ? live_grads : grads + 2 * largest_unit_grads;
-    const double kept = c.zero >= 2 ? grads / dpd : grads;
-    const double stepping = kept + p.optimizer_temp_per_element * elements + buckets;  // the optimizer step
-    // ZeRO-1/2 then gather the updated slices into the parameters one bucket at a time
-    // (vescale/parallel/optimizer.py): the gradients kept and one bucket's parameters whole
-    // (ZeRO-1: DDP's buckets; ZeRO-2: a unit's), and the backend's copy of it
-    double gathering = 0;
-    if (c.dp > 1 && (c.zero == 1 || c.zero == 2)) {
-      double largest = 0;
-      for (const double u : c.zero == 2 ? zero_units : std::vector<double>{rb})
-        for (const double b : buckets_of(u, p.bucket_bytes)) largest = std::max(largest, b);
-      gathering = kept + largest * (1 + p.gather_copies) + buckets;
-    }
-    const double top = std::max({during, reduce, stepping, gathering});
-    if (top == during) {
-      mem.params += gathered_blocks;
-      mem.activations = peak_saved + rremat + transient;
-      mem.grads = peak_grads + buckets;
-    } else {
-      mem.activations = 0;
-      mem.grads = top;  // gradients, their bucket, the step's temporaries or a gathered bucket with them
-    }
+    const Memory mem = rank_memory(p, c, held);
     e.rank_memory[static_cast<size_t>(r)] = mem;
     if (mem.total() > e.memory.total()) e.memory = mem;
     if (end > step) {

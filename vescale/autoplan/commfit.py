@@ -216,14 +216,14 @@ def measure_comm(world: int | None = None, *, group_sizes=None, sizes=SIZES, rep
     for g in group_sizes:
         pg, ranks = _groups(world, g)
         for kind in kinds:
-            todo = list(_FEW.get(kind, sizes) if sizes is SIZES else sizes)
+            todo = [(nbytes, reps) for nbytes in (_FEW.get(kind, sizes) if sizes is SIZES else sizes)]
             big = largest // g if kind == "all_gather" else largest
-            if kind in _BULK and big > max(todo):
-                todo.append(big)
-            for nbytes in todo:
+            if kind in _BULK and big > max(nbytes for nbytes, _ in todo):
+                todo.append((big, 2))
+            for nbytes, times in todo:
                 runs = []
                 dist.barrier(group=pg)
-                for i in range((reps if nbytes in sizes else 2) + 1):
+                for i in range(times + 1):
                     t = _one(kind, pg, ranks, nbytes, gap_s)
                     if i:
                         runs.append(t)

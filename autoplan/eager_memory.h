@@ -1,0 +1,33 @@
+#pragma once
+// The eager planner's memory of one pipeline rank: what vescale holds at each of a step's
+// fullest moments (forward and backward, the gradients' reduction, the optimizer step,
+// ZeRO's gather of the updated parameters) for the plan's ZeRO stage and schedule, and
+// the largest of them by kind.
+
+#include "autoplan/eager.h"
+
+#include <vector>
+
+namespace vescale::autoplan::eager {
+
+// What one pipeline rank holds for a plan (eager.cpp sums it over the rank's stages).
+struct RankHoldings {
+  double param_bytes = 0;          // this rank's parameters
+  double optimizer_elements = 0;   // elements its optimizer step updates (1/DP of them under ZeRO)
+  std::vector<double> blocks;      // ZeRO's units: each block's parameter bytes
+  double root_bytes = 0;           // ZeRO's root unit: everything outside the blocks
+  double head_bytes = 0;           // the units after the blocks
+  double saved = 0;                // saved tensors of every micro-batch in flight
+  double saved_one = 0;            // the most one micro-batch saves
+  double rematerialized = 0;       // a recomputed block's saved tensors, alive during its backward
+  double transient = 0;            // the loss rank's forward and backward temporaries
+  double bucketed = 0;             // gradient bytes that go through DDP's buckets
+  bool forward_after_backward = false;  // the schedule runs a forward after a backward here
+};
+
+// DDP's buckets of `bytes` of gradients: as many as the cap asks, of equal size.
+std::vector<double> buckets_of(double bytes, double cap);
+
+Memory rank_memory(const Problem& p, const Config& c, const RankHoldings& h);
+
+}  // namespace vescale::autoplan::eager
