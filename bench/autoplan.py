@@ -66,7 +66,7 @@ import vescale  # noqa: E402
 import vescale.train as _train  # noqa: E402
 from vescale.autoplan import plan_eager  # noqa: E402
 from vescale.autoplan.eager import EagerCandidate  # noqa: E402
-from vescale.autoplan.profile import PeakInUse, in_use  # noqa: E402
+from vescale.autoplan.host_memory import PeakInUse, in_use  # noqa: E402
 from bench.common import free_port  # noqa: E402
 
 WORLD = 4

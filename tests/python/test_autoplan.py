@@ -464,7 +464,7 @@ def _case_memory(names: list[str]):
     appears in the first) above those in use before, on the fullest rank."""
     import ctypes
     import torch.distributed as dist
-    from vescale.autoplan.profile import PeakInUse, in_use
+    from vescale.autoplan.host_memory import PeakInUse, in_use
 
     def make():  # big enough (14 MiB of parameters) that the allocator's own bytes do not count
         torch.manual_seed(0)

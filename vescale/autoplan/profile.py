@@ -30,7 +30,6 @@ sharing the machine, as in a real step) and the medians are averaged over the ra
 from __future__ import annotations
 
 import copy
-import functools
 import statistics
 import time
 from collections import Counter, defaultdict
@@ -45,6 +44,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from ..parallel.pipeline.engine import loss_in
 from ..parallel.pipeline.split import Layout, find_layout
+from .host_memory import PeakInUse, in_use, malloc_counted
 from .runtime_cost import action_seconds
 from .scalars import ScalarTape
 
@@ -707,100 +707,11 @@ def copy_seconds_per_byte(nbytes: int = 8 << 20, reps: int = 5) -> float:
     return robust(runs) / nbytes
 
 
-class _MallInfo2:
-    lib = None
-
-    @classmethod
-    def get(cls):
-        if cls.lib is None:
-            import ctypes
-
-            class Info(ctypes.Structure):
-                _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                           "fsmblks", "uordblks", "fordblks", "keepcost")]
-            try:
-                lib = ctypes.CDLL("libc.so.6")
-                lib.mallinfo2.restype = Info
-                lib.mallinfo2()
-                cls.lib = lib
-            except (OSError, AttributeError):
-                cls.lib = False
-        return cls.lib
-
-
-def in_use() -> int:
-    """Bytes malloc has handed out and not taken back (glibc's mallinfo2: in-use chunks and
-    mmapped ones): the CPU tensors' memory, unlike the resident set, which keeps what the
-    allocator freed but did not return. 0 where glibc is not there."""
-    lib = _MallInfo2.get()
-    if not lib:
-        return 0
-    m = lib.mallinfo2()
-    return m.uordblks + m.hblkhd
-
-
-# torch.distributed's collectives that PeakInUse(collectives=True) samples around
-_COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
-                "all_gather_single", "all_gather", "broadcast", "isend", "irecv", "send", "recv")
-
-
-class PeakInUse:
-    """The most bytes in use (``in_use``), sampled at every module's forward start and end,
-    whenever a parameter's gradient is accumulated, and around every optimizer step; with
-    ``collectives=True`` also just before and after every torch.distributed collective
-    (a pipeline's gradient reduction after its schedule and ZeRO's gathers after the step
-    hold buffers that no hook above sees; the engine's own collectives run inside ops)."""
-
-    def __init__(self, collectives: bool = False):
-        self.peak = 0
-        self.handles = []
-        self.collectives = collectives
-        self._originals: dict = {}
-
-    def sample(self, *args, **kwargs):
-        self.peak = max(self.peak, in_use())
-
-    def watch(self, model: nn.Module) -> "PeakInUse":
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-        self.sample()
-        self.handles += [register_module_forward_pre_hook(self.sample), register_module_forward_hook(self.sample),
-                         register_optimizer_step_pre_hook(self.sample), register_optimizer_step_post_hook(self.sample)]
-        for p in model.parameters():
-            if p.requires_grad:
-                self.handles.append(p.register_post_accumulate_grad_hook(self.sample))
-        if self.collectives:
-            self._originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-            for name, fn in self._originals.items():
-                setattr(dist, name, self._sampled(fn))
-        return self
-
-    def _sampled(self, fn):
-        @functools.wraps(fn)
-        def sampled(*args, **kwargs):
-            self.sample()
-            out = fn(*args, **kwargs)
-            self.sample()
-            return out
-        return sampled
-
-    def close(self) -> int:
-        self.sample()
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-        for name, fn in self._originals.items():
-            setattr(dist, name, fn)
-        self._originals = {}
-        return self.peak
-
-
 def _step_memory(model: nn.Module, batch, loss_fn, sizes) -> tuple[dict, float]:
     """Peak bytes a forward + backward adds (in use, ``in_use``) at each batch size, less
     the gradients; and what an AdamW step adds beyond its state, per element. Measured on
     a copy of the model (zeros where glibc's counters are not there)."""
-    if not _MallInfo2.get():
+    if not malloc_counted():
         return {n: 0.0 for n in sizes}, 0.0
     mod = copy.deepcopy(model)
     params = [p for p in mod.parameters() if p.requires_grad]
