@@ -440,8 +440,62 @@ def _case_train(constraints: dict, like: bool = False):
 def test_a_generated_plan_trains_to_single_device_losses(pool4, constraints, like):
     for losses, ref, text in pool4.run(_case_train, constraints, like):
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref, text)
-        assert "# predicted best:" in text
+        assert "# chosen: " in text or "# predicted best:" in text, text
         assert ("recompute.modules : []" in text) != bool(constraints.get("recompute")), text
+
+
+# ---- the finalists, trained ----------------------------------------------------------------------
+
+def _case_trials():
+    """Plans the GPT with 3 finalists trained, the second of them made to fail; returns what
+    the caller can check on every rank."""
+    import vescale.autoplan.trials as trials
+    model = _gpt()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    train = trials._train
+    seen = []
+
+    def failing_second(result, candidate, *args, **kwargs):
+        seen.append(candidate.label)
+        if len(seen) == 2:
+            raise RuntimeError("made to fail by the test")
+        return train(result, candidate, *args, **kwargs)
+
+    trials._train = failing_second
+    try:
+        result = plan_eager(model, _tokens(), world=4, steps=1, trials=3)
+    finally:
+        trials._train = train
+    untouched = (torch.equal(rng, torch.get_rng_state()),
+                 all(torch.equal(before[n], p.detach()) for n, p in model.named_parameters()),
+                 all(p.grad is None for p in model.parameters()))
+    trained = [(c.label, c.trial.step_s) for c in result.ranked if c.trial is not None]
+    failed = [(c.label, c.verdict) for c in result.rejected if c.trial is not None]
+    return seen, trained, failed, [(c.label, c.verdict) for c in result.ranked], untouched, str(result)
+
+
+def test_the_finalists_are_trained_and_the_fastest_measured_is_chosen(pool4):
+    """The top predicted plans of distinct actions are trained on the ranks at hand; the
+    chosen one is the fastest measured, the others follow by measured time; one that fails
+    to train is refused with its error; every rank answers alike; the model's parameters
+    and the caller's random state are left as they were."""
+    answers = pool4.run(_case_trials)
+    seen, trained, failed, order, untouched, text = answers[0]
+    assert all(a[:4] == answers[0][:4] for a in answers), "the ranks disagree"
+    assert all(a[4] == (True, True, True) for a in answers), [a[4] for a in answers]
+    assert len(seen) == 3 and len(set(seen)) == 3, seen
+    assert failed == [(seen[1], "failed when trained: RuntimeError: made to fail by the test")], failed
+    assert sorted(label for label, _ in trained) == sorted([seen[0], seen[2]]), (trained, seen)
+    assert trained[0][1] <= trained[1][1], trained
+    # the fastest measured first, then the other finalist; only plans running the same actions between
+    labels = [label for label, _ in order]
+    first, second = labels.index(trained[0][0]), labels.index(trained[1][0])
+    assert first == 0 and all(v.startswith("runs the same actions as ") for _, v in order[1:second]), order
+    assert all(label not in seen for label in labels[second + 1:]), order
+    assert "chosen by training the finalists: measured" in text and "# " not in text
+    assert f"measured {1e3 * trained[1][1]:.2f} ms per step when trained" in text
 
 
 # ---- predicted peak memory against a measured one -------------------------------------------------

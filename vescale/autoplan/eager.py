@@ -20,7 +20,9 @@ What happens (every rank calls it when torch.distributed runs; all return the sa
    (``whatif``); the ranks share this work;
 4. the C++ search (``autoplan/eager.h``) prices every mesh factorisation, ZeRO stage,
    sequence parallelism, schedule, micro-batch count and split on the pipeline timeline,
-   under the memory limit, and ranks them.
+   under the memory limit, and ranks them;
+5. on the ranks at hand, the few best predicted plans are trained a few steps each and the
+   fastest measured is chosen (``trials``).
 
 Constraints fix what they name (``CONSTRAINTS`` lists the keys); anything else is searched.
 """
@@ -43,11 +45,16 @@ from .commfit import CommModel, measure_comm
 from .profile import Profile, batch_size_of, profile_model
 from .scale import parse_bytes
 from .transfer import profile_like, scaled_sharded_lines
+from .trials import finalists, run_trials, structure
 from .whatif import TPChoice, sharded_saved, sharded_times, tensor_parallel_plan, unit_collectives
 
 __all__ = ["generate_plan", "plan_eager", "EagerPlan", "EagerCandidate", "CONSTRAINTS", "plan_for"]
 
 MiB = float(1 << 20)
+# the best predicted plans trained before one is chosen, and how far behind the best the
+# last may be predicted
+TRIALS = 4
+TRIAL_MARGIN = 0.5
 
 # constraint -> what it fixes
 CONSTRAINTS = {
@@ -150,6 +157,7 @@ class EagerCandidate:
     label = property(lambda self: self.d["label"])
     feasible = property(lambda self: self.d["feasible"])
     bubble = property(lambda self: self.d["bubble"])
+    trial = property(lambda self: self.d.get("trial"))  # what training it measured (finalists only)
 
     def key(self) -> tuple:
         c = self.config
@@ -201,8 +209,14 @@ class EagerPlan:
                  f"{self.enumerated} plans priced, {len(self.rejected)} refused"]
         if self.profile.derived:
             lines[0] += f"; not run here: times scaled from {self.profile.derived['from']}'s profile"
+        if "trials" in s:
+            lines[0] += f"; the {self._trained()} best predicted plans trained in {s['trials']:.2f} s"
         if self.ranked:
-            lines.append("predicted best: " + self.best.describe())
+            best = self.best
+            if best.trial is not None:
+                lines.append(f"chosen by training the finalists: measured {1e3 * best.trial.step_s:.2f} ms per step "
+                             f"(steps {', '.join(f'{1e3 * x:.1f}' for x in best.trial.steps_s)} ms)")
+            lines.append(("chosen: " if best.trial is not None else "predicted best: ") + best.describe())
             per_rank = ", ".join(f"{m['total'] / MiB:.1f}" for m in self.best.rank_memory)
             lines.append(f"  memory per pipeline rank (MiB): {per_rank}")
             if len(self.ranked) > 1:
@@ -223,6 +237,9 @@ class EagerPlan:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+    def _trained(self) -> int:
+        return sum(c.trial is not None for c in self.ranked + self.rejected)
 
 
 # ---- the plan ------------------------------------------------------------------------------------
@@ -359,11 +376,23 @@ def _collect(local: dict, world: int) -> dict:
 
 def plan_eager(model: nn.Module, sample_batch, *, world: int | None = None, constraints: dict | None = None,
                comm: CommModel | None = None, loss_fn=None, blocks: str | None = None, steps: int = 3,
-               profile: Profile | None = None, tp_degrees=None, like: "EagerPlan | nn.Module | None" = None) -> EagerPlan:
+               profile: Profile | None = None, tp_degrees=None, like: "EagerPlan | nn.Module | None" = None,
+               trials: int | None = None) -> EagerPlan:
     """The planner's full answer (``generate_plan`` returns its best as a ``vescale.Plan``).
     ``like``: plan ``model`` without running it, from the planner's answer for a model of
     the same kinds of blocks that ran here (``vescale.autoplan.transfer``); a module is
-    planned first (on ``sample_batch``)."""
+    planned first (on ``sample_batch``). ``trials``: how many of the best predicted plans
+    are trained on the ranks at hand to choose between them (``vescale.autoplan.trials``;
+    default ``TRIALS``, 0: none); only where the model runs here and the world is the
+    ranks at hand. The caller's random state is left as it was."""
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):  # the profile and the trials draw (dropout, initialisation)
+        return _plan_eager(model, sample_batch, world, constraints, comm, loss_fn, blocks, steps, profile, tp_degrees,
+                           like, trials)
+
+
+def _plan_eager(model, sample_batch, world, constraints, comm, loss_fn, blocks, steps, profile, tp_degrees, like,
+                trials) -> EagerPlan:
     t0 = time.perf_counter()
     k = _check_constraints(constraints or {})
     running = dist.is_available() and dist.is_initialized()
@@ -479,9 +508,63 @@ def plan_eager(model: nn.Module, sample_batch, *, world: int | None = None, cons
         dist.broadcast_object_list(box, src=0)
         index = {c.key(): c for c in ranked}
         ranked = [index[key] for key in box[0] if key in index]
+    # 5. the finalists, trained on the ranks at hand
+    trials = TRIALS if trials is None else trials
+    here = running and ranks == world and like is None and not any(p.is_meta for p in model.parameters())
+    picked = finalists(ranked, problem, trials, TRIAL_MARGIN) if here else []
+    if len(picked) > 1:
+        t = time.perf_counter()
+        answer = EagerPlan(type(model).__name__, world, batch, ranked, rejected, profile, comm, tp_choices, seconds,
+                           r["enumerated"], dict(constraints or {}), problem)
+        measured = run_trials(answer, model, sample_batch, picked, loss_fn=loss_fn, steps=steps)
+        ranked, rejected = _ranked_by_trials(ranked, rejected, measured, problem, k.get("memory_limit", 0.0))
+        seconds["trials"] = time.perf_counter() - t
     seconds["total"] = time.perf_counter() - t0
     return EagerPlan(type(model).__name__, world, batch, ranked, rejected, profile, comm, tp_choices, seconds,
                      r["enumerated"], dict(constraints or {}), problem)
+
+
+def _ranked_by_trials(ranked: list, rejected: list, measured: dict, problem: dict,
+                      memory_limit: float) -> tuple[list, list]:
+    """The trained finalists first, fastest measured first, each followed by the plans that
+    run the same actions (GPipe and 1F1B at one micro-batch), then the rest as predicted;
+    a finalist that failed, or measured over the memory limit, refused with its twins."""
+    trained = {structure(c, problem): c for c in ranked if c.key() in measured}
+    done, failed, twins = [], [], {}
+    for c in ranked:
+        trial = measured.get(c.key())
+        if trial is None:
+            continue
+        c.d["trial"] = trial
+        if trial.error:
+            why = f"failed when trained: {trial.error}"
+        elif memory_limit > 0 and trial.peak_bytes > memory_limit:
+            why = (f"measured {trial.peak_bytes / MiB:.1f} MiB per rank when trained, over the limit of "
+                   f"{memory_limit / MiB:.1f} MiB")
+        else:
+            done.append(c)
+            continue
+        c.d["verdict"], c.d["feasible"] = why, False
+        failed.append(c)
+    for c in ranked:
+        twin = trained.get(structure(c, problem))
+        if twin is not None and twin is not c:
+            twins.setdefault(twin.key(), []).append(c)
+            c.d["verdict"] = f"runs the same actions as {twin.label}"
+            if twin in failed:
+                c.d["feasible"] = False
+                failed.append(c)
+    done.sort(key=lambda c: c.trial.step_s)
+    out = []
+    for c in done:
+        if out:
+            first = out[0]
+            c.d["verdict"] = (f"measured {1e3 * c.trial.step_s:.2f} ms per step when trained, "
+                              f"{100 * (c.trial.step_s / first.trial.step_s - 1):+.1f}% (predicted "
+                              f"{100 * (c.step_s / first.step_s - 1):+.1f}%)")
+        out += [c] + [t for t in twins.get(c.key(), []) if t not in failed]
+    placed = {id(c) for c in out} | {id(c) for c in failed}
+    return out + [c for c in ranked if id(c) not in placed], failed + rejected
 
 
 def _bytes_of(model: nn.Module, name: str) -> int:
@@ -509,7 +592,8 @@ def _spans_ends(profile: Profile, names: list[str]) -> bool:
 
 def generate_plan(constraints: dict | nn.Module | None = None, model: nn.Module | dict | None = None, *,
                   sample_batch=None, world: int | None = None, comm: CommModel | None = None, loss_fn=None,
-                  blocks: str | None = None, steps: int = 3, like: "EagerPlan | nn.Module | None" = None) -> Plan:
+                  blocks: str | None = None, steps: int = 3, like: "EagerPlan | nn.Module | None" = None,
+                  trials: int | None = None) -> Plan:
     """A ``vescale.Plan`` for ``model`` on ``world`` ranks, from the model's eager execution on
     ``sample_batch`` (one global batch, as the training loop calls the model) and
     measurements of the backend; ``constraints`` fix what they name (``CONSTRAINTS``).
@@ -519,11 +603,13 @@ def generate_plan(constraints: dict | nn.Module | None = None, model: nn.Module 
     measuring (e.g. planning in one process for other ranks). ``like``: a smaller model of
     the same kinds of blocks (or its ``plan_eager`` answer) that runs here: ``model`` is then
     planned without training it (it may live on ``meta``), its times scaled from the smaller
-    one's by FLOPs, its memory and collectives from what-if runs of its own."""
+    one's by FLOPs, its memory and collectives from what-if runs of its own. ``trials``: how
+    many of the best predicted plans are trained here before one is chosen (default 4; 0:
+    the best predicted)."""
     if isinstance(constraints, nn.Module):  # generate_plan(model, constraints) as DESIGN.md writes it
         constraints, model = model, constraints
     if not isinstance(model, nn.Module):
         raise TypeError(f"generate_plan needs the model (an nn.Module), got {type(model).__name__}")
     result = plan_eager(model, sample_batch, world=world, constraints=constraints or {}, comm=comm,
-                        loss_fn=loss_fn, blocks=blocks, steps=steps, like=like)
+                        loss_fn=loss_fn, blocks=blocks, steps=steps, like=like, trials=trials)
     return result.to_plan()
