@@ -21,8 +21,8 @@ What happens (every rank calls it when torch.distributed runs; all return the sa
 4. the C++ search (``autoplan/eager.h``) prices every mesh factorisation, ZeRO stage,
    sequence parallelism, schedule, micro-batch count and split on the pipeline timeline,
    under the memory limit, and ranks them;
-5. on the ranks at hand, the few best predicted plans are trained a few steps each and the
-   fastest measured is chosen (``trials``).
+5. with ``trials=N``, on the ranks at hand, the N best predicted plans are trained a few
+   steps each and the fastest measured is chosen.
 
 Constraints fix what they name (``CONSTRAINTS`` lists the keys); anything else is searched.
 """
@@ -51,9 +51,11 @@ from .whatif import TPChoice, sharded_saved, sharded_times, tensor_parallel_plan
 __all__ = ["generate_plan", "plan_eager", "EagerPlan", "EagerCandidate", "CONSTRAINTS", "plan_for"]
 
 MiB = float(1 << 20)
-# the best predicted plans trained before one is chosen, and how far behind the best the
+# how many of the best predicted plans generate_plan(trials=...) trains before choosing,
+# by default (0: none; in the one bench run so far, 3 steps each could not separate
+# finalists closer than the noise, docs/benchmarks.md), and how far behind the best the
 # last may be predicted
-TRIALS = 4
+TRIALS = 0
 TRIAL_MARGIN = 0.5
 
 # constraint -> what it fixes
@@ -383,8 +385,8 @@ def plan_eager(model: nn.Module, sample_batch, *, world: int | None = None, cons
     the same kinds of blocks that ran here (``vescale.autoplan.transfer``); a module is
     planned first (on ``sample_batch``). ``trials``: how many of the best predicted plans
     are trained on the ranks at hand to choose between them (``vescale.autoplan.trials``;
-    default ``TRIALS``, 0: none); only where the model runs here and the world is the
-    ranks at hand. The caller's random state is left as it was."""
+    default ``TRIALS``: none); only where the model runs here and the world is the ranks
+    at hand. The caller's random state is left as it was."""
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=cuda):  # the profile and the trials draw (dropout, initialisation)
         return _plan_eager(model, sample_batch, world, constraints, comm, loss_fn, blocks, steps, profile, tp_degrees,
@@ -604,8 +606,8 @@ def generate_plan(constraints: dict | nn.Module | None = None, model: nn.Module 
     the same kinds of blocks (or its ``plan_eager`` answer) that runs here: ``model`` is then
     planned without training it (it may live on ``meta``), its times scaled from the smaller
     one's by FLOPs, its memory and collectives from what-if runs of its own. ``trials``: how
-    many of the best predicted plans are trained here before one is chosen (default 4; 0:
-    the best predicted)."""
+    many of the best predicted plans are trained here before one is chosen (e.g. 4; by
+    default none: the best predicted)."""
     if isinstance(constraints, nn.Module):  # generate_plan(model, constraints) as DESIGN.md writes it
         constraints, model = model, constraints
     if not isinstance(model, nn.Module):
