@@ -330,7 +330,7 @@ def run_model(name: str, cfg: dict, log) -> dict:
     model = make()
     dist.barrier()
     t0 = time.perf_counter()
-    result = plan_eager(model, batch, world=WORLD)
+    result = plan_eager(model, batch, world=WORLD, trials=cfg["trials"])
     planning_s = time.perf_counter() - t0
     log(f"[{name}] planned in {planning_s:.2f} s")
     log(str(result))
@@ -476,14 +476,17 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-memory-limit", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--trials", type=int, default=0,
+                    help="the planner trains its N best predicted plans and chooses the fastest (generate_plan(trials=N))")
     ap.add_argument("--transfer", action="store_true",
                     help="profile each model, plan a deeper and wider one from its timings (never running it), "
                          "measure the latter's plans")
     args = ap.parse_args()
     cfg = dict(models=args.models.split(","), rounds=1 if args.quick else args.rounds, steps=args.steps,
                seed=args.seed, limit_plans=12 if args.quick else args.plans, memory_limit=not args.no_memory_limit,
-               watchdog_s=7200, transfer=args.transfer)
+               watchdog_s=7200, transfer=args.transfer, trials=args.trials)
     out_path = args.json or tempfile.mktemp(suffix=".json")
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     print(f"load average before: {os.getloadavg()}; results -> {out_path}", flush=True)
     t0 = time.time()
     mp.spawn(_rank_main, args=(free_port(), cfg, out_path), nprocs=WORLD, join=True)
