@@ -38,7 +38,7 @@
 // under ZeRO-2/3 their slices and two units' whole gradients, from the start), the end of
 // the backward (the gradients), the optimizer step (the gradients it keeps and its
 // temporaries, measured per element), and ZeRO-1/2's gather of the updated parameters
-// (one bucket's, whole).
+// (one bucket's, whole; ZeRO-1 gathers into DDP's kept bucket).
 //
 // Recomputation (activation checkpointing of every block): a block keeps only its input
 // (the bytes the block before hands on) and runs its forward, collectives included, again

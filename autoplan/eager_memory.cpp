@@ -68,7 +68,8 @@ Memory rank_memory(const Problem& p, const Config& c, const RankHoldings& h) {
   const double stepping = kept + p.optimizer_temp_per_element * h.optimizer_elements + buckets;  // the optimizer step
   // ZeRO-1/2 then gather the updated slices into the parameters one bucket at a time
   // (vescale/parallel/optimizer.py): the gradients kept and one bucket's parameters whole
-  // (ZeRO-1: DDP's buckets; ZeRO-2: a unit's), and the backend's copy of it
+  // (ZeRO-1: into DDP's kept bucket, no new buffer; ZeRO-2: a unit's, fresh), and the
+  // backend's copy of it
   double gathering = 0;
   if (c.dp > 1 && (c.zero == 1 || c.zero == 2)) {
     std::vector<double> units = h.blocks;
@@ -76,7 +77,7 @@ Memory rank_memory(const Problem& p, const Config& c, const RankHoldings& h) {
     double largest = 0;
     for (const double u : c.zero == 2 ? units : std::vector<double>{rb})
       for (const double b : buckets_of(u, p.bucket_bytes)) largest = std::max(largest, b);
-    gathering = kept + largest * (1 + p.gather_copies) + buckets;
+    gathering = kept + largest * ((c.zero == 2 ? 1 : 0) + p.gather_copies) + buckets;
   }
   const double top = std::max({during, reduce, stepping, gathering});
   if (top == during) {

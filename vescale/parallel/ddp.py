@@ -67,7 +67,8 @@ class Bucket:
     partial: list = field(default_factory=list)  # ZeRO-2: (slot, its gradient's Partial TP dims)
     staged: set = field(default_factory=set)  # ZeRO-2: ids of the slots copied into `buffer` already
     # all-reduce: the buffer kept from step to step (as torch's DDP keeps its buckets): a
-    # fresh one each step costs its page faults, several times the copy into it
+    # fresh one each step costs its page faults, several times the copy into it. Sized
+    # world x chunk_total, it also takes ZeRO-1's gather of the updated parameters.
     kept: torch.Tensor | None = None
 
     def numel(self) -> int:
@@ -246,9 +247,13 @@ class DDP(nn.Module):
         flat = [local_of(s.param.grad).reshape(-1) if s.param.grad is not None
                 else torch.zeros(s.numel, dtype=b.dtype, device=b.device) for s in b.in_buffer]
         total = sum(s.numel for s in b.in_buffer)
-        if b.kept is None or b.kept.numel() != total:
-            b.kept = torch.empty(total, dtype=b.dtype, device=b.device)
-        b.buffer = torch.cat(flat, out=b.kept) if flat else b.kept
+        if b.kept is None or b.kept.numel() < total:
+            # with room for every rank's padded slices: ZeRO-1 gathers the updated
+            # parameters into this buffer after the step (DistributedOptimizer)
+            b.kept = torch.empty(max(total, self.world * b.chunk_total), dtype=b.dtype, device=b.device)
+        b.buffer = b.kept[:total]
+        if flat:
+            torch.cat(flat, out=b.buffer)
         token = _trace.collective_started("all_reduce", self.group, b.buffer, source="ddp")
         b.work = (_trace.traced(dist.all_reduce(b.buffer, group=self.group, async_op=True), token), b.buffer)
 

@@ -169,12 +169,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _gather_parameters(self) -> None:
         """All-gather the updated slices, one collective per DDP bucket (and dtype): the
-        transient buffer is one bucket's, not the whole model's."""
-        by_bucket: dict[int, list[Owned]] = {}
+        transient buffer is one bucket's, not the whole model's. ZeRO-1 gathers into the
+        bucket's all-reduce buffer, idle from the end of backward to the next one."""
+        by_bucket: dict[int, tuple] = {}
         for o in self.owned:
-            by_bucket.setdefault(id(self._bucket(o)), []).append(o)
-        for owned in by_bucket.values():
-            for o, rows in all_gather_slices(owned, [o.master.detach() for o in owned], self.group):
+            bucket = self._bucket(o)
+            by_bucket.setdefault(id(bucket), (bucket, []))[1].append(o)
+        for bucket, owned in by_bucket.values():
+            into = bucket.kept if self.zero_stage == 1 else None
+            for o, rows in all_gather_slices(owned, [o.master.detach() for o in owned], self.group, into):
                 fill_rows(local_of(o.param).view(-1), rows)
 
     def _bucket(self, o: Owned):

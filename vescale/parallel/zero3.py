@@ -193,14 +193,16 @@ def _alias(local: torch.Tensor) -> torch.Tensor:
         local.untyped_storage(), local.storage_offset(), (local.numel(),))
 
 
-def all_gather_slices(owners: list, slices: list[torch.Tensor], group):
+def all_gather_slices(owners: list, slices: list[torch.Tensor], group, into: torch.Tensor | None = None):
     """Yields (owner, rows) for each parameter owner (anything with .param and .slot):
     its DP slices from every rank, `rows` being world x chunk, rank-major, the last rows
-    padded. ``slices`` are this rank's slices; one all-gather per dtype and device."""
-    return finish_gather_slices(start_gather_slices(owners, slices, group))
+    padded. ``slices`` are this rank's slices; one all-gather per dtype and device.
+    ``into``: a flat buffer to gather into where it is big enough and of the owners'
+    dtype and device (kept from step to step, its pages do not fault on every gather)."""
+    return finish_gather_slices(start_gather_slices(owners, slices, group, into))
 
 
-def start_gather_slices(owners: list, slices: list[torch.Tensor], group) -> list:
+def start_gather_slices(owners: list, slices: list[torch.Tensor], group, into: torch.Tensor | None = None) -> list:
     """all_gather_slices' collectives, started (asynchronous); finish_gather_slices waits."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     by_kind: dict[tuple, list] = {}
@@ -210,7 +212,10 @@ def start_gather_slices(owners: list, slices: list[torch.Tensor], group) -> list
     started = []
     for (dtype, device), members in by_kind.items():
         total = sum(owner.slot.chunk for owner, _ in members)
-        gathered = torch.empty(world, total, dtype=dtype, device=device)
+        if into is not None and into.dtype == dtype and into.device == device and into.numel() >= world * total:
+            gathered, into = into[:world * total].view(world, total), None  # (one group of members per buffer)
+        else:
+            gathered = torch.empty(world, total, dtype=dtype, device=device)
         # gathered in place (as FSDP2 does): this rank's row is the send buffer, so no
         # separate one is alive while the collective runs
         packed = gathered[rank]
