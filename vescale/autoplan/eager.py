@@ -45,7 +45,7 @@ from .commfit import CommModel, measure_comm
 from .profile import Profile, batch_size_of, profile_model
 from .scale import parse_bytes
 from .transfer import profile_like, scaled_sharded_lines
-from .trials import finalists, run_trials, structure
+from .trials import finalists, ranked_by_trials, run_trials
 from .whatif import TPChoice, sharded_saved, sharded_times, tensor_parallel_plan, unit_collectives
 
 __all__ = ["generate_plan", "plan_eager", "EagerPlan", "EagerCandidate", "CONSTRAINTS", "plan_for"]
@@ -53,10 +53,8 @@ __all__ = ["generate_plan", "plan_eager", "EagerPlan", "EagerCandidate", "CONSTR
 MiB = float(1 << 20)
 # how many of the best predicted plans generate_plan(trials=...) trains before choosing,
 # by default (0: none; in the one bench run so far, 3 steps each could not separate
-# finalists closer than the noise, docs/benchmarks.md), and how far behind the best the
-# last may be predicted
+# finalists closer than the noise, docs/benchmarks.md)
 TRIALS = 0
-TRIAL_MARGIN = 0.5
 
 # constraint -> what it fixes
 CONSTRAINTS = {
@@ -510,63 +508,19 @@ def _plan_eager(model, sample_batch, world, constraints, comm, loss_fn, blocks, 
         dist.broadcast_object_list(box, src=0)
         index = {c.key(): c for c in ranked}
         ranked = [index[key] for key in box[0] if key in index]
+    answer = EagerPlan(type(model).__name__, world, batch, ranked, rejected, profile, comm, tp_choices, seconds,
+                       r["enumerated"], dict(constraints or {}), problem)
     # 5. the finalists, trained on the ranks at hand
-    trials = TRIALS if trials is None else trials
     here = running and ranks == world and like is None and not any(p.is_meta for p in model.parameters())
-    picked = finalists(ranked, problem, trials, TRIAL_MARGIN) if here else []
+    picked = finalists(ranked, problem, TRIALS if trials is None else trials) if here else []
     if len(picked) > 1:
         t = time.perf_counter()
-        answer = EagerPlan(type(model).__name__, world, batch, ranked, rejected, profile, comm, tp_choices, seconds,
-                           r["enumerated"], dict(constraints or {}), problem)
         measured = run_trials(answer, model, sample_batch, picked, loss_fn=loss_fn, steps=steps)
-        ranked, rejected = _ranked_by_trials(ranked, rejected, measured, problem, k.get("memory_limit", 0.0))
+        answer.ranked, answer.rejected = ranked_by_trials(ranked, rejected, measured, problem,
+                                                          k.get("memory_limit", 0.0))
         seconds["trials"] = time.perf_counter() - t
     seconds["total"] = time.perf_counter() - t0
-    return EagerPlan(type(model).__name__, world, batch, ranked, rejected, profile, comm, tp_choices, seconds,
-                     r["enumerated"], dict(constraints or {}), problem)
-
-
-def _ranked_by_trials(ranked: list, rejected: list, measured: dict, problem: dict,
-                      memory_limit: float) -> tuple[list, list]:
-    """The trained finalists first, fastest measured first, each followed by the plans that
-    run the same actions (GPipe and 1F1B at one micro-batch), then the rest as predicted;
-    a finalist that failed, or measured over the memory limit, refused with its twins."""
-    trained = {structure(c, problem): c for c in ranked if c.key() in measured}
-    done, failed, twins = [], [], {}
-    for c in ranked:
-        trial = measured.get(c.key())
-        if trial is None:
-            continue
-        c.d["trial"] = trial
-        if trial.error:
-            why = f"failed when trained: {trial.error}"
-        elif memory_limit > 0 and trial.peak_bytes > memory_limit:
-            why = (f"measured {trial.peak_bytes / MiB:.1f} MiB per rank when trained, over the limit of "
-                   f"{memory_limit / MiB:.1f} MiB")
-        else:
-            done.append(c)
-            continue
-        c.d["verdict"], c.d["feasible"] = why, False
-        failed.append(c)
-    for c in ranked:
-        twin = trained.get(structure(c, problem))
-        if twin is not None and twin is not c:
-            twins.setdefault(twin.key(), []).append(c)
-            c.d["verdict"] = f"runs the same actions as {twin.label}"
-            if twin in failed:
-                c.d["feasible"] = False
-                failed.append(c)
-    done.sort(key=lambda c: c.trial.step_s)
-    out = []
-    for c in done:
-        if out:
-            first = out[0]
-            c.d["verdict"] = (f"measured {1e3 * c.trial.step_s:.2f} ms per step when trained, "
-                              f"{100 * (c.trial.step_s / first.trial.step_s - 1):+.1f}% (predicted "
-                              f"{100 * (c.step_s / first.step_s - 1):+.1f}%)")
-        out += [c] + [t for t in twins.get(c.key(), []) if t not in failed]
-    placed = {id(c) for c in out} | {id(c) for c in failed}
-    return out + [c for c in ranked if id(c) not in placed], failed + rejected
+    return answer
 
 
 def _bytes_of(model: nn.Module, name: str) -> int:

@@ -26,6 +26,7 @@ import functools
 import gc
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,25 +36,32 @@ from torch.utils._pytree import tree_map
 from .host_memory import PeakInUse, in_use, malloc_counted
 from .profile import batch_size_of, loss_of
 
-__all__ = ["finalists", "run_trials", "structure", "Trial"]
+__all__ = ["finalists", "run_trials", "ranked_by_trials", "Trial"]
 
 
+MiB = float(1 << 20)
+# how far behind the best predicted step the last finalist may be predicted
+MARGIN = 0.5
+
+
+@dataclass
 class Trial:
     """What training one finalist measured: ``step_s`` (the slowest rank's, median over the
     steps), ``steps_s``, ``peak_bytes`` (the fullest rank's, 0 where not measured) or
     ``error``."""
-
-    def __init__(self, step_s: float = 0.0, steps_s=(), peak_bytes: int = 0, error: str = ""):
-        self.step_s, self.steps_s, self.peak_bytes, self.error = step_s, list(steps_s), peak_bytes, error
+    step_s: float = 0.0
+    steps_s: list = field(default_factory=list)
+    peak_bytes: int = 0
+    error: str = ""
 
 
 def _schedule_orders(problem: dict) -> dict:
+    """(schedule, pp, micro-batches, vp) -> its per-rank actions, as a comparable string."""
     return {(s["name"], s["pp"], s["microbatches"], s["vp"]): repr(s["orders"]) for s in problem.get("schedules", [])}
 
 
-def structure(c, problem: dict, schedules: dict | None = None) -> tuple:
+def _structure(c, schedules: dict) -> tuple:
     """What a candidate's step runs: a schedule's per-rank actions, not its name."""
-    schedules = _schedule_orders(problem) if schedules is None else schedules
     cfg = c.config
     base = (cfg["pp"], cfg["dp"], cfg["tp"], bool(cfg["sp"]), cfg["zero"], bool(cfg.get("recompute")))
     if cfg["pp"] == 1:
@@ -62,7 +70,7 @@ def structure(c, problem: dict, schedules: dict | None = None) -> tuple:
     return base + (tuple(cfg["blocks_per_stage"]), orders if orders is not None else cfg["schedule"])
 
 
-def finalists(ranked: list, problem: dict, count: int, margin: float) -> list:
+def finalists(ranked: list, problem: dict, count: int, margin: float = MARGIN) -> list:
     """The top ``count`` candidates of distinct step structure predicted within ``margin``
     (a fraction) of the best."""
     if not ranked or count <= 0:
@@ -73,7 +81,7 @@ def finalists(ranked: list, problem: dict, count: int, margin: float) -> list:
     for c in ranked:
         if len(out) == count or c.step_s > best * (1.0 + margin):
             break
-        key = structure(c, problem, schedules)
+        key = _structure(c, schedules)
         if key not in seen:
             seen.add(key)
             out.append(c)
@@ -145,3 +153,51 @@ def run_trials(result, model: nn.Module, batch, cands: list, *, loss_fn=None, st
         slowest = [max(ts) for ts in zip(*(e[0] for e in every))]
         out[c.key()] = Trial(statistics.median(slowest), slowest, max(e[1] for e in every))
     return out
+
+
+def ranked_by_trials(ranked: list, rejected: list, measured: dict, problem: dict,
+                     memory_limit: float) -> tuple[list, list]:
+    """(ranked, rejected) after the trials: the trained finalists first, fastest measured
+    first, each followed by the plans that run the same actions (GPipe and 1F1B at one
+    micro-batch), then the rest as predicted; a finalist that failed, or measured over the
+    memory limit, refused with its twins."""
+    schedules = _schedule_orders(problem)
+    structures = {id(c): _structure(c, schedules) for c in ranked}
+    trained = {structures[id(c)]: c for c in ranked if c.key() in measured}
+    done, failed = [], []
+    for c in ranked:
+        trial = measured.get(c.key())
+        if trial is None:
+            continue
+        c.d["trial"] = trial
+        if trial.error:
+            why = f"failed when trained: {trial.error}"
+        elif memory_limit > 0 and trial.peak_bytes > memory_limit:
+            why = (f"measured {trial.peak_bytes / MiB:.1f} MiB per rank when trained, over the limit of "
+                   f"{memory_limit / MiB:.1f} MiB")
+        else:
+            done.append(c)
+            continue
+        c.d["verdict"], c.d["feasible"] = why, False
+        failed.append(c)
+    refused = {id(c) for c in failed}
+    twins: dict = {}
+    for c in ranked:
+        twin = trained.get(structures[id(c)])
+        if twin is not None and twin is not c:
+            c.d["verdict"] = f"runs the same actions as {twin.label}"
+            if id(twin) in refused:
+                c.d["feasible"] = False
+                failed.append(c)
+            else:
+                twins.setdefault(id(twin), []).append(c)
+    done.sort(key=lambda c: c.trial.step_s)
+    out = []
+    for c in done:
+        if out:
+            c.d["verdict"] = (f"measured {1e3 * c.trial.step_s:.2f} ms per step when trained, "
+                              f"{100 * (c.trial.step_s / out[0].trial.step_s - 1):+.1f}% (predicted "
+                              f"{100 * (c.step_s / out[0].step_s - 1):+.1f}%)")
+        out += [c] + twins.get(id(c), [])
+    placed = {id(c) for c in out + failed}
+    return out + [c for c in ranked if id(c) not in placed], failed + rejected
