@@ -101,6 +101,42 @@ std::vector<double> in_flight(const Schedule& s, int64_t stages) {
   return peak;
 }
 
+// The most bytes one rank's order keeps for backward at once, and the most once the
+// rank's gradients are there (after its first B, W, or the first stage's I): a stage's
+// saved tensors from a micro-batch's F to its backward (to W where the backward is split,
+// except on the first stage, which runs its whole backward in I), and from I to W what
+// the split keeps for W (`held`). Stages sharing a rank (virtual stages) count together.
+struct Kept {
+  double peak = 0, with_grads = 0;
+};
+
+Kept peak_kept(const std::vector<Action>& order, const std::vector<double>& saved, const std::vector<double>& held) {
+  std::vector<double> halves(saved.size(), 0.0);
+  double now = 0;
+  bool grads = false;
+  Kept k;
+  for (const auto& a : order) {
+    const auto s = static_cast<size_t>(a.stage);
+    const bool whole_in_i = a.kind == 'I' && a.stage == 0;
+    if (a.kind == 'F') {
+      now += saved[s];
+    } else if (a.kind == 'B' || whole_in_i || (a.kind == 'W' && halves[s] > 0)) {
+      now -= saved[s];
+      if (a.kind == 'W') {
+        halves[s] -= 1;
+        now -= held[s];
+      }
+    } else if (a.kind == 'I') {
+      halves[s] += 1;
+      now += held[s];
+    }
+    grads |= a.kind == 'B' || a.kind == 'W' || whole_in_i;
+    k.peak = std::max(k.peak, now);
+    if (grads) k.with_grads = std::max(k.with_grads, now);
+  }
+  return k;
+}
+
 double comm_time(const CommCost& cost, const std::vector<Comm>& comms, double n) {
   double t = 0;
   for (const auto& c : comms) t += cost.time(c.kind, c.group, c.bytes_a + c.bytes_b * n);
@@ -314,7 +350,8 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
   std::vector<double> compute_f(static_cast<size_t>(S)), compute_b(static_cast<size_t>(S)), tp_s(static_cast<size_t>(S)),
       zero_s(static_cast<size_t>(S)), saved(static_cast<size_t>(S)), pbytes(static_cast<size_t>(S)), pnumel(static_cast<size_t>(S)),
       ptensors(static_cast<size_t>(S)), pgrad(static_cast<size_t>(S)),
-      rematerialized(static_cast<size_t>(S));
+      rematerialized(static_cast<size_t>(S)), held_for_w(static_cast<size_t>(S)),
+      saved_at_end(static_cast<size_t>(S));  // what the stage's last backward (of its first block) still has
   double root_bytes = 0;  // parameters outside the blocks: ZeRO-3 gathers them with the root module
   for (size_t i = 0; i < p.units.size(); ++i)
     if (p.units[i].kind != 1) root_bytes += l.units[i].param_bytes;
@@ -334,6 +371,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
         if (before) f += l.units[i].shadow;
       }
     }
+    bool block_seen = false;
     for (const auto i : stages.units[us]) {
       const auto& u = l.units[i];
       const bool block = p.units[i].kind == 1, again = c.recompute && block;
@@ -345,7 +383,11 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       bi += ub * (block ? u.input_share : 0.5) + (again ? uf : 0.0);
       tpf += uc;
       tpb += comm_time(cost, u.bwd_comm, n) + (again ? uc : 0.0);
-      saved[us] += again ? u.out_a + u.out_b * n : u.saved_a + u.saved_b * n;
+      const double keeps = again ? u.out_a + u.out_b * n : u.saved_a + u.saved_b * n;
+      saved[us] += keeps;
+      if (p.units[i].kind == 0 || (block && !block_seen)) saved_at_end[us] += keeps;
+      block_seen |= block;
+      held_for_w[us] += u.held_a + u.held_b * n;
       // a recomputed block's forward runs again in its backward: what it saves lives until then
       if (again) rematerialized[us] = std::max(rematerialized[us], u.saved_a + u.saved_b * n);
       pbytes[us] += u.param_bytes;
@@ -452,8 +494,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
   Breakdown worst;
   e.rank_memory.assign(static_cast<size_t>(c.pp), Memory{});
   for (int64_t r = 0; r < c.pp; ++r) {
-    double rb = 0, rn = 0, rt = 0, rsaved = 0, rf = 0, rbk = 0, rtp = 0, rz = 0, rpg = 0, rremat = 0,
-           rone = 0;
+    double rb = 0, rn = 0, rt = 0, rsaved = 0, rf = 0, rbk = 0, rtp = 0, rz = 0, rpg = 0, rremat = 0;
     // ZeRO's units on this rank (vescale/parallel/ddp.py shard_gradients reduce-scatters
     // one unit's gradients per bucket): each block, then the root (everything outside them)
     std::vector<double> zero_units;
@@ -469,8 +510,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       rb += pbytes[us];
       rn += pnumel[us];
       rt += ptensors[us];
-      rsaved += saved[us] * flight[us];
-      rone = std::max(rone, saved[us]);
+      if (c.pp == 1) rsaved += saved[us];
       rremat = std::max(rremat, rematerialized[us]);
       rf += compute_f[us] * static_cast<double>(m) * (c.pp == 1 ? all_busy : 1.0);
       rbk += compute_b[us] * static_cast<double>(m) * (c.pp == 1 ? all_busy : 1.0);
@@ -478,6 +518,10 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       rz += zero_s[us] * static_cast<double>(m);
       rpg += pgrad[us];
     }
+    // without a pipeline the gradients come as the saved tensors go: whole, they meet what
+    // the first block's backward still has
+    Kept kept{rsaved, saved_at_end[0]};
+    if (c.pp > 1) kept = peak_kept(sched->orders[static_cast<size_t>(r)], saved, held_for_w);
     rb += p.glue_param_bytes / static_cast<double>(c.tp);
     root_unit_bytes += p.glue_param_bytes / static_cast<double>(c.tp);
     if (c.pp > 1 && r == last_rank && first_rank != last_rank) {  // its own copy of a tensor tied to the first stage
@@ -546,8 +590,8 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
     held.optimizer_elements = elements;
     held.root_bytes = root_unit_bytes;
     held.head_bytes = head_bytes;
-    held.saved = rsaved;
-    held.saved_one = rone;
+    held.saved = kept.peak;
+    held.saved_with_grads = kept.with_grads;
     held.rematerialized = rremat;
     held.bucketed = bucketed;
     if (r == last_rank) {  // the forward's and backward's temporaries (logits, gradients of activations), split like the activations under TP
@@ -557,13 +601,6 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
         all_saved += u0.saved_a + u0.saved_b * n;
       }
       held.transient = std::max(0.0, p.working_a + p.working_b * n - all_saved) / static_cast<double>(c.tp);
-    }
-    if (c.pp > 1) {
-      bool backward_seen = false;
-      for (const auto& a : sched->orders[static_cast<size_t>(r)]) {
-        held.forward_after_backward |= backward_seen && a.kind == 'F';
-        backward_seen |= a.kind != 'F';
-      }
     }
     const Memory mem = rank_memory(p, c, held);
     e.rank_memory[static_cast<size_t>(r)] = mem;

@@ -83,6 +83,7 @@ struct UnitCost {
   double split_cost = 1.0;   // the two parts of a split backward against a plain one
   double shadow = 0;         // its forward on meta: what a later pipeline stage pays per micro-batch
   double saved_a = 0, saved_b = 0;
+  double held_a = 0, held_b = 0;  // kept from a split backward's I to its W (vescale/autoplan/split_backward.py)
   double out_a = 0, out_b = 0;  // bytes of what it hands on (one TP rank's part)
   double param_bytes = 0;       // one TP rank's
   double param_numel = 0;

@@ -34,31 +34,25 @@ Memory rank_memory(const Problem& p, const Config& c, const RankHoldings& h) {
   // micro-batches, as without ZeRO, and are reduce-scattered unit by unit at the end.
   const bool scatter_in_backward = c.dp > 1 && c.zero >= 2 && c.pp == 1;
   const double live_grads = scatter_in_backward ? std::min(grads, 2 * largest_unit_grads) + grads / dpd : grads;
-  // While the saved tensors are all there (backward's start) the whole gradients are the
-  // head's, whose backward runs first (with a tensor tied to the embedding: its
-  // gradient too, which the head's backward starts) and two blocks' (one filling, one in
-  // its bucket); the slices come as the saved tensors go.
-  const double tied = p.tied_param_bytes / static_cast<double>(c.tp);
-  const double during_grads =
-      scatter_in_backward
-          ? std::min(grads, (h.head_bytes + tied + 2 * largest_block) * p.grad_bytes_per_param_byte)
-          : live_grads;
   // DDP's all-reduce buckets (ZeRO-0/1) are kept from step to step, as torch's DDP keeps
   // them: from the second step on they are there at every moment
   const double buckets = c.dp > 1 && c.zero <= 1 ? h.bucketed : 0.0;
-  // forward and backward: the gradients fill up in this rank's first backward while its
-  // micro-batch's saved tensors go, and are whole from then on. Where a forward follows a
-  // backward (1F1B's steady state) whole gradients meet every micro-batch in flight;
-  // else (GPipe, or one micro-batch) the fullest moments are the first backward's start
-  // (no gradients) and the second's (whole gradients, one micro-batch fewer). ZeRO-2/3
-  // without a pipeline: their gradients during backward (during_grads) meet all the saved
-  // tensors.
-  const bool whole_with_all = scatter_in_backward || h.forward_after_backward;
-  const double saved_with_grads = whole_with_all ? h.saved : h.saved - h.saved_one;
-  const bool grads_peak = saved_with_grads + during_grads > h.saved;
-  const double peak_saved = grads_peak ? saved_with_grads : h.saved;
-  const double peak_grads = grads_peak ? during_grads : 0.0;
-  const double during = peak_saved + peak_grads + h.rematerialized + h.transient + buckets + gathered_blocks;
+  // Forward and backward have two fullest moments. Early: the saved tensors at their
+  // fullest (ZeRO-2/3 without a pipeline: with the whole gradients of the head, whose
+  // backward runs first, of a tensor tied to the embedding, which the head's backward
+  // starts, and of two blocks, one filling and one in its bucket). Late: the most of the
+  // saved tensors that meet the gradients (eager.cpp walks a pipeline's schedule; without
+  // one, what the last block's backward still has), with the gradients whole, or under
+  // ZeRO-2/3 the slices, the tied tensor's and two blocks' whole.
+  const double tied = p.tied_param_bytes / static_cast<double>(c.tp);
+  const double g = p.grad_bytes_per_param_byte;
+  const double early_grads = scatter_in_backward ? std::min(grads, (h.head_bytes + tied + 2 * largest_block) * g) : 0.0;
+  const double late_grads = scatter_in_backward ? std::min(grads, (tied + 2 * largest_block) * g + grads / dpd) : grads;
+  const double early = h.saved + early_grads + h.transient;
+  // the loss rank's temporaries meet the gradients where its forwards follow backwards
+  const double late = h.saved_with_grads + late_grads + (c.pp > 1 ? h.transient : 0.0);
+  const bool late_peak = late > early;
+  const double during = std::max(early, late) + h.rematerialized + buckets + gathered_blocks;
   // the gradients and their buckets (DDP's all-reduce); ZeRO-2/3's are in live_grads, or
   // after a pipeline: the whole gradients, the unit being copied into its bucket and the
   // one before, whose input the collective holds until it is waited for
@@ -82,8 +76,8 @@ Memory rank_memory(const Problem& p, const Config& c, const RankHoldings& h) {
   const double top = std::max({during, reduce, stepping, gathering});
   if (top == during) {
     mem.params += gathered_blocks;
-    mem.activations = peak_saved + h.rematerialized + h.transient;
-    mem.grads = peak_grads + buckets;
+    mem.activations = (late_peak ? late - late_grads : early - early_grads) + h.rematerialized;
+    mem.grads = (late_peak ? late_grads : early_grads) + buckets;
   } else {
     mem.activations = 0;
     mem.grads = top;  // gradients, their bucket, the step's temporaries or a gathered bucket with them

@@ -17,12 +17,11 @@ struct RankHoldings {
   std::vector<double> blocks;      // ZeRO's units: each block's parameter bytes
   double root_bytes = 0;           // ZeRO's root unit: everything outside the blocks
   double head_bytes = 0;           // the units after the blocks
-  double saved = 0;                // saved tensors of every micro-batch in flight
-  double saved_one = 0;            // the most one micro-batch saves
+  double saved = 0;                // the most kept for backward at once (saved tensors, a split backward's)
+  double saved_with_grads = 0;     // the most kept once this rank's gradients are there
   double rematerialized = 0;       // a recomputed block's saved tensors, alive during its backward
   double transient = 0;            // the loss rank's forward and backward temporaries
   double bucketed = 0;             // gradient bytes that go through DDP's buckets
-  bool forward_after_backward = false;  // the schedule runs a forward after a backward here
 };
 
 // DDP's buckets of `bytes` of gradients: as many as the cap asks, of equal size.

@@ -243,6 +243,10 @@ eager::Problem to_problem(const py::dict& d) {
       c.bwd_b = ud["bwd"].cast<py::tuple>()[1].cast<double>();
       c.saved_a = ud["saved"].cast<py::tuple>()[0].cast<double>();
       c.saved_b = ud["saved"].cast<py::tuple>()[1].cast<double>();
+      if (ud.contains("held")) {
+        c.held_a = ud["held"].cast<py::tuple>()[0].cast<double>();
+        c.held_b = ud["held"].cast<py::tuple>()[1].cast<double>();
+      }
       c.out_a = ud["out"].cast<py::tuple>()[0].cast<double>();
       c.out_b = ud["out"].cast<py::tuple>()[1].cast<double>();
       c.input_share = get_or<double>(ud, "input_share", 0.5);

@@ -46,6 +46,7 @@ from .profile import Profile, batch_size_of, profile_model
 from .scale import parse_bytes
 from .transfer import profile_like, scaled_sharded_lines
 from .trials import finalists, ranked_by_trials, run_trials
+from .split_backward import sharded_held_for_weights
 from .whatif import TPChoice, sharded_saved, sharded_times, tensor_parallel_plan, unit_collectives
 
 __all__ = ["generate_plan", "plan_eager", "EagerPlan", "EagerCandidate", "CONSTRAINTS", "plan_for"]
@@ -316,7 +317,7 @@ def _line(n1, y1, n2, y2):
 def _layout_tp1(profile: Profile) -> dict:
     units = []
     for u in profile.units:
-        units.append(dict(fwd=u.forward, bwd=u.backward, saved=u.saved, out=u.out_bytes,
+        units.append(dict(fwd=u.forward, bwd=u.backward, saved=u.saved, held=u.held_for_weights, out=u.out_bytes,
                           input_share=u.input_backward_share, split_cost=u.split_backward_cost, shadow=u.shadow_s,
                           param_bytes=float(u.param_bytes),
                           param_numel=float(u.param_numel), param_tensors=len(u.params), fwd_comm=[], bwd_comm=[]))
@@ -338,6 +339,7 @@ def _layout_sharded(profile: Profile, model, batch, tp: int, sp: bool, comm: Com
     at1 = unit_collectives(profile, model, slice_batch(batch, n1), plan, tp, sp)
     ev1, ev2 = at1.per_unit, unit_collectives(profile, model, slice_batch(batch, n2), plan, tp, sp).per_unit
     pb = at1.param_bytes
+    held = sharded_held_for_weights(profile, model, batch, plan, tp)
     if like is None:
         times = sharded_times(profile, model, batch, plan, tp, steps=steps)
         (f1, b1, s1), (f2, b2, s2) = times[n1], times[n2]
@@ -352,7 +354,7 @@ def _layout_sharded(profile: Profile, model, batch, tp: int, sp: bool, comm: Com
         local = pb[u.name] / max(u.param_bytes, 1)
         out = tuple(x / tp for x in u.out_bytes) if sp else u.out_bytes
         fwd, bwd, saved = lines[u.name]
-        units.append(dict(fwd=fwd, bwd=bwd, saved=saved, out=out,
+        units.append(dict(fwd=fwd, bwd=bwd, saved=saved, held=held.get(u.name, (0.0, 0.0)), out=out,
                           input_share=u.input_backward_share, split_cost=u.split_backward_cost,
                           shadow=u.shadow_s, param_bytes=float(pb[u.name]),
                           param_numel=float(u.param_numel * local), param_tensors=len(u.params),

@@ -81,6 +81,7 @@ class UnitProfile:
     split_backward_cost: float = 1.0   # (I + W) / a plain backward: what splitting the backward costs
     shadow_s: float = 0.0              # its forward on meta (a pipeline stage that does not own it runs that)
     saved: tuple = (0.0, 0.0)    # bytes saved for backward
+    held_for_weights: tuple = (0.0, 0.0)  # bytes a split backward keeps from I to W (split_backward.py)
     out_bytes: tuple = (0.0, 0.0)  # bytes of the outputs that need a gradient (what a pipeline sends on)
     flops: tuple = (0.0, 0.0)    # forward FLOPs
     ops: dict = field(default_factory=dict)  # aten op -> calls in its forward (one step)
@@ -501,6 +502,14 @@ def saved_per_unit(model: nn.Module, layout: Layout, batch, loss_fn=None) -> dic
     return dict(saved)
 
 
+def _held_for_weights(model, layout: Layout, batch, loss_fn) -> dict[str, int]:
+    from .split_backward import held_for_weights
+    try:
+        return held_for_weights(model, layout, batch, loss_fn)
+    except RuntimeError:  # a model torch's split backward cannot take apart: the schedules that split fail anyway
+        return {}
+
+
 def robust(values) -> float:
     """The mean of the faster half of some timings: on a shared machine, noise only ever
     adds time, and a single lucky run is not typical either."""
@@ -779,6 +788,7 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         small_batch = slice_batch(sample_batch, small)
         st = _structure(model, layout, sample_batch, loss_fn, linears)
         saved_small = saved_per_unit(model, layout, small_batch, loss_fn)
+        held_small = _held_for_weights(model, layout, small_batch, loss_fn)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # the ranks time together, as they will train
         f2, b2, tf2, tb2, out2 = _median_times(model, layout, sample_batch, loss_fn, steps)
@@ -828,7 +838,7 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         shadows = dict(zip(names, v[4 * k + 7 + 2 * ns:]))
 
     units = assemble_units(model, layout, st, (small, B), (f1, f2), (b1, b2), (saved_small, st["saved"]),
-                           (out1, out2), shares, split_costs, shadows)
+                           (out1, out2), shares, split_costs, shadows, (small, held_small))
     return Profile(
         units=units, **structure_fields(model, layout, st, linears), batch=B, measured_at=(small, B),
         step=dict(forward_s=tf2, backward_s=tb2, forward_small_s=tf1, backward_small_s=tb1),
@@ -853,10 +863,13 @@ def structure_fields(model: nn.Module, layout: Layout, st: dict, linears: list[L
 
 
 def assemble_units(model: nn.Module, layout: Layout, st: dict, sizes: tuple, forward: tuple, backward: tuple,
-                   saved: tuple, out: tuple, shares: dict, split_costs: dict, shadows: dict) -> list[UnitProfile]:
+                   saved: tuple, out: tuple, shares: dict, split_costs: dict, shadows: dict,
+                   held: tuple = (1, {})) -> list[UnitProfile]:
     """The units' profiles from what was measured at the two batch sizes ``sizes``
     (``forward``, ``backward``, ``saved``, ``out``: a {unit: value} per size), the
-    structure run ``st`` and the per-cluster backward split (keyed by block signature)."""
+    structure run ``st``, the per-cluster backward split (keyed by block signature) and
+    ``held`` (samples, {unit: bytes a split backward keeps for W}), proportional to the
+    samples."""
     small, B = sizes
     units = []
     counted: set = set()  # a tensor under two names (tied weights) counts with the first unit that holds it
@@ -875,6 +888,7 @@ def assemble_units(model: nn.Module, layout: Layout, st: dict, sizes: tuple, for
             input_backward_share=shares.get(sig, 0.5) if kind == "block" else 0.5,
             split_backward_cost=split_costs.get(sig, 1.0) if kind == "block" else 1.0,
             shadow_s=shadows.get(u.name, 0.0), saved=line(saved), out_bytes=line(out),
+            held_for_weights=(0.0, held[1].get(u.name, 0) / held[0]),
             flops=(0.0, st["flops"].get(u.name, 0.0) / B), ops=st["ops"].get(u.name, {}),
             side_inputs=st["side"].get(u.block, []) if u.block is not None else []))
     return units

@@ -33,8 +33,8 @@ from torch.utils._pytree import tree_map
 
 from ..parallel.pipeline.split import find_layout
 from ..plan import PlanError
-from .profile import (Profile, UnitProfile, _line, _linears, _signature, _structure, _Timer, assemble_units,
-                      batch_size_of, second_batch_size, saved_per_unit, slice_batch, structure_fields, unit_kind)
+from .profile import (Profile, UnitProfile, _held_for_weights, _line, _linears, _signature, _structure, _Timer,
+                      assemble_units, batch_size_of, second_batch_size, saved_per_unit, slice_batch, structure_fields, unit_kind)
 from .scalars import replaying
 from .whatif import _meta, meta_copy, what_if
 
@@ -102,6 +102,7 @@ def profile_like(source: Profile, model: nn.Module, sample_batch, *, loss_fn=Non
     with replaying(source.scalars), what_if():
         st = _structure(meta, layout, full, loss_fn, linears)
         saved_small = saved_per_unit(meta, layout, part, loss_fn)
+        held_small = _held_for_weights(meta, layout, part, loss_fn)
         out = [_output_bytes(meta, layout, b, loss_fn) for b in (part, full)]
     match: dict = {}
     for u in layout.units:
@@ -120,7 +121,7 @@ def profile_like(source: Profile, model: nn.Module, sample_batch, *, loss_fn=Non
         split_costs.setdefault(sig, same[0].split_backward_cost)
     shadows = {n: statistics.median(a.shadow_s for a in same) for n, (same, _) in match.items()}
     units = assemble_units(meta, layout, st, (small, B), at["forward"], at["backward"], (saved_small, st["saved"]),
-                           tuple(out), shares, split_costs, shadows)
+                           tuple(out), shares, split_costs, shadows, (small, held_small))
 
     # the profile's working memory is the peak of a forward + backward less the gradients;
     # the peak comes at the forward's end: all that is saved, plus transients (the logits and
