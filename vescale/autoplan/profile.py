@@ -117,6 +117,7 @@ class Profile:
     optimizer_temp: float = 0.0    # bytes the optimizer step adds at its peak, per parameter element
     copy_per_byte: float = 0.0     # seconds per byte of a tensor copy (DDP buckets, ZeRO slices)
     action_s: float = 0.0          # processor seconds of the pipeline runtime per schedule action
+    wall_per_cpu: float = 1.0      # wall seconds per processor second of the profiled steps (the ranks' contention)
     # values the model read out of its tensors, per place in its code (vescale.autoplan.scalars)
     scalars: dict = field(default_factory=dict)
     # set by vescale.autoplan.transfer.profile_like: not measured on this model but scaled
@@ -388,8 +389,12 @@ class _Timer:
     which unit it went to (read off wall clocks, a block's per-call cost came out 0-1.2 ms
     in one profile where its processor time says 1.3)."""
 
-    def __init__(self, layout: Layout):
+    def __init__(self, layout: Layout, wall_per_cpu: float | None = None):
         self.units = layout.units
+        # None: each phase's wall time shared among the units; else their processor
+        # time at this rate (a run timed while other ranks sit idle, put on the profile's footing)
+        self.wall_per_cpu = wall_per_cpu
+        self.ratios: list[float] = []  # wall per processor second of each phase
         self.fwd_events: list[tuple] = []
         self.grad_events: dict[str, float] = {}
         self.out_bytes: dict[str, int] = {}
@@ -448,7 +453,13 @@ class _Timer:
             bwd[name] += end - t
             if i == 0:
                 bwd[name] += t - t1
-        return _to_wall(fwd, w1 - w0, t1 - t0), _to_wall(bwd, w2 - w1, t2 - t1), w1 - w0, w2 - w1
+        self.ratios += [(w1 - w0) / max(t1 - t0, 1e-9), (w2 - w1) / max(t2 - t1, 1e-9)]
+        return self._to_wall(fwd, w1 - w0, t1 - t0), self._to_wall(bwd, w2 - w1, t2 - t1), w1 - w0, w2 - w1
+
+    def _to_wall(self, spans: dict, wall: float, cpu: float) -> dict:
+        if self.wall_per_cpu is not None:
+            return {k: v * self.wall_per_cpu for k, v in spans.items()}
+        return _to_wall(spans, wall, cpu)
 
 
 def _to_wall(spans: dict, wall: float, cpu: float) -> dict:
@@ -518,8 +529,12 @@ def robust(values) -> float:
     return sum(half) / len(half)
 
 
-def _median_times(model, layout, batch, loss_fn, steps: int) -> tuple[dict, dict, float, float, dict]:
-    timer = _Timer(layout)
+def _median_times(model, layout, batch, loss_fn, steps: int, wall_per_cpu: float | None = None,
+                  ratios: list | None = None) -> tuple[dict, dict, float, float, dict]:
+    """Median forward and backward seconds per unit (and in all) over ``steps`` after a
+    warm-up; ``wall_per_cpu`` as in ``_Timer``; ``ratios`` collects each phase's wall per
+    processor second."""
+    timer = _Timer(layout, wall_per_cpu)
     fwds, bwds, tf, tb = defaultdict(list), defaultdict(list), [], []
     try:
         for i in range(steps + 1):
@@ -534,6 +549,8 @@ def _median_times(model, layout, batch, loss_fn, steps: int) -> tuple[dict, dict
             tb.append(c)
     finally:
         timer.remove()
+    if ratios is not None:
+        ratios += timer.ratios[2:]  # not the warm-up's
     med = robust
     return ({k: med(v) for k, v in fwds.items()}, {k: med(v) for k, v in bwds.items()}, med(tf), med(tb),
             dict(timer.out_bytes))
@@ -669,39 +686,6 @@ def _optimizer_times(model: nn.Module, steps: int = 3) -> tuple[float, float]:
     return a, b
 
 
-def _burst(seconds: float) -> float:
-    """Seconds a fixed piece of compute takes (small matmuls, about ``seconds`` on a free core)."""
-    x = torch.randn(96, 96)
-    y = x
-    t = time.perf_counter()
-    for _ in range(max(1, int(seconds / 40e-6))):
-        y = torch.tanh(y @ x * 0.01)
-    return time.perf_counter() - t
-
-
-def effective_cores(reps: int = 3) -> float:
-    """How many processors the ranks share, in effect: a piece of compute timed on each rank
-    alone (the others waiting) and on all at once; k ranks on c cores slow by k / c.
-    Collective; 0 without torch.distributed."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return 0.0
-    k, me = dist.get_world_size(), dist.get_rank()
-    _burst(0.002)
-    alone = []
-    for r in range(k):
-        dist.barrier()
-        if r == me:
-            alone = [_burst(0.01) for _ in range(reps)]
-        dist.barrier()
-    together = [_burst(0.01) for _ in range(reps)]
-    out = [None] * k
-    dist.all_gather_object(out, (statistics.median(alone), statistics.median(together)))
-    t_alone = statistics.median(a for a, _ in out)
-    t_all = statistics.median(b for _, b in out)
-    slow = t_all / t_alone if t_alone > 0 else 1.0
-    return float(k) if slow <= 1.0 else k / slow
-
-
 def copy_seconds_per_byte(nbytes: int = 8 << 20, reps: int = 5) -> float:
     """Seconds per byte of a large tensor copy (what DDP's buckets and ZeRO's slices cost
     around their collectives)."""
@@ -777,7 +761,6 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
     batch size timed (default: ``second_batch_size``)."""
     start = time.perf_counter()
     layout = find_layout(model, blocks)
-    cores = effective_cores() if average_over_ranks else 0.0
     B = batch_size_of(sample_batch)
     small = small or second_batch_size(B)
     was_training = model.training
@@ -791,8 +774,10 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         held_small = _held_for_weights(model, layout, small_batch, loss_fn)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # the ranks time together, as they will train
-        f2, b2, tf2, tb2, out2 = _median_times(model, layout, sample_batch, loss_fn, steps)
-        f1, b1, tf1, tb1, out1 = _median_times(model, layout, small_batch, loss_fn, steps)
+        ratios: list[float] = []
+        f2, b2, tf2, tb2, out2 = _median_times(model, layout, sample_batch, loss_fn, steps, ratios=ratios)
+        f1, b1, tf1, tb1, out1 = _median_times(model, layout, small_batch, loss_fn, steps, ratios=ratios)
+        wall_per_cpu = statistics.median(ratios)
         # the input-gradient share of each block cluster's backward, and the split's cost
         shares: dict = {}
         split_costs: dict = {}
@@ -822,7 +807,7 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         vec = [f1.get(n, 0.0) for n in names] + [f2.get(n, 0.0) for n in names] + \
               [b1.get(n, 0.0) for n in names] + [b2.get(n, 0.0) for n in names] + \
               [tf1, tf2, tb1, tb2, opt[0], opt[1], copy_s] + list(shares.values()) + list(split_costs.values()) + \
-              [shadows.get(n, 0.0) for n in names]
+              [shadows.get(n, 0.0) for n in names] + [wall_per_cpu]
         gathered = [None] * ranks  # the median over ranks: one rank descheduled for a while does not count
         dist.all_gather_object(gathered, vec)
         v = [statistics.median(col) for col in zip(*gathered)]
@@ -835,7 +820,13 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         ns = len(shares)
         shares = dict(zip(shares.keys(), v[4 * k + 7:4 * k + 7 + ns]))
         split_costs = dict(zip(split_costs.keys(), v[4 * k + 7 + ns:4 * k + 7 + 2 * ns]))
-        shadows = dict(zip(names, v[4 * k + 7 + 2 * ns:]))
+        shadows = dict(zip(names, v[4 * k + 7 + 2 * ns:-1]))
+        wall_per_cpu = v[-1]
+    # how many processors the ranks share, in effect: k ranks busy at once on c cores run at
+    # c / k of a processor each, which the profiled steps' wall per processor second says
+    # (steadier than timing a piece of compute alone and together: 1.5-2.1 cores on one
+    # machine from run to run, against 1.98-2.0 from the steps)
+    cores = ranks / max(1.0, wall_per_cpu) if ranks > 1 else 0.0
 
     units = assemble_units(model, layout, st, (small, B), (f1, f2), (b1, b2), (saved_small, st["saved"]),
                            (out1, out2), shares, split_costs, shadows, (small, held_small))
@@ -844,7 +835,7 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         step=dict(forward_s=tf2, backward_s=tb2, forward_small_s=tf1, backward_small_s=tb1),
         optimizer=opt, seconds=time.perf_counter() - start, ranks=ranks, cores=cores,
         working=_line(small, working[small], B, working[B]), optimizer_temp=opt_temp, copy_per_byte=copy_s,
-        action_s=action_s, scalars=tape.values)
+        action_s=action_s, wall_per_cpu=wall_per_cpu, scalars=tape.values)
 
 
 def unit_kind(u) -> str:

@@ -710,7 +710,10 @@ def sharded_times(profile: Profile, model: nn.Module, batch, plan: dict, tp: int
             parallelize_module(real, mesh, plan)
             layout = find_layout(real, profile.blocks)
             for n in batch_sizes:
-                f, b, _, _, _ = _median_times(real, layout, slice_batch(batch, n), None, steps)
+                # processor time at the profile's contention: the ranks time different
+                # layouts at once, and one that finishes first leaves the cores to the others
+                f, b, _, _, _ = _median_times(real, layout, slice_batch(batch, n), None, steps,
+                                              wall_per_cpu=profile.wall_per_cpu)
                 out[n] = (f, b, saved_per_unit(real, layout, slice_batch(batch, n)))
     finally:
         torch.set_flush_denormal(False)
