@@ -594,13 +594,16 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
     held.saved_with_grads = kept.with_grads;
     held.rematerialized = rremat;
     held.bucketed = bucketed;
-    if (r == last_rank) {  // the forward's and backward's temporaries (logits, gradients of activations), split like the activations under TP
+    if (r == last_rank) {
+      // the forward's and backward's temporaries (logits, gradients of activations): the
+      // peak of a forward + backward beyond what the units save, as measured at this
+      // layout's shards, or the unsharded one's split over TP (the loss may gather the
+      // logits whole: measured, TP4 GPT's are 3.7 MiB more than a quarter)
+      const Layout& at = l.has_working ? l : p.layouts.front();
       double all_saved = 0;
-      for (size_t i = 0; i < p.units.size(); ++i) {
-        const auto& u0 = p.layouts.front().units[i];
-        all_saved += u0.saved_a + u0.saved_b * n;
-      }
-      held.transient = std::max(0.0, p.working_a + p.working_b * n - all_saved) / static_cast<double>(c.tp);
+      for (const auto& u : at.units) all_saved += u.saved_a + u.saved_b * n;
+      const double working = l.has_working ? l.working_a + l.working_b * n : p.working_a + p.working_b * n;
+      held.transient = std::max(0.0, working - all_saved) / (l.has_working ? 1.0 : static_cast<double>(c.tp));
     }
     const Memory mem = rank_memory(p, c, held);
     e.rank_memory[static_cast<size_t>(r)] = mem;

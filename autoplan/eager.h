@@ -98,6 +98,10 @@ struct Layout {
   int64_t tp = 1;
   bool sp = false;
   std::vector<UnitCost> units;  // in the order of Problem::units
+  // a forward + backward's peak beyond the gradients on one TP rank, a + b * samples,
+  // where measured at sharded shapes (else the problem's, split over TP)
+  bool has_working = false;
+  double working_a = 0, working_b = 0;
 };
 
 struct Unit {

@@ -234,6 +234,11 @@ eager::Problem to_problem(const py::dict& d) {
     eager::Layout x;
     x.tp = ld["tp"].cast<int64_t>();
     x.sp = ld["sp"].cast<bool>();
+    if (ld.contains("working")) {
+      x.has_working = true;
+      x.working_a = ld["working"].cast<py::tuple>()[0].cast<double>();
+      x.working_b = ld["working"].cast<py::tuple>()[1].cast<double>();
+    }
     for (const auto& u : ld["units"]) {
       const auto ud = u.cast<py::dict>();
       eager::UnitCost c;

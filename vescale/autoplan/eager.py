@@ -339,10 +339,13 @@ def _layout_sharded(profile: Profile, model, batch, tp: int, sp: bool, comm: Com
     at1 = unit_collectives(profile, model, slice_batch(batch, n1), plan, tp, sp)
     ev1, ev2 = at1.per_unit, unit_collectives(profile, model, slice_batch(batch, n2), plan, tp, sp).per_unit
     pb = at1.param_bytes
+    working = None  # measured at the shards where they run here
     held = sharded_held_for_weights(profile, model, batch, plan, tp)
     if like is None:
         times = sharded_times(profile, model, batch, plan, tp, steps=steps)
-        (f1, b1, s1), (f2, b2, s2) = times[n1], times[n2]
+        (f1, b1, s1, w1), (f2, b2, s2, w2) = times[n1], times[n2]
+        if w1 is not None and w2 is not None:
+            working = _line(n1, w1, n2, w2)
         lines = {u.name: (_line(n1, f1.get(u.name, 0.0), n2, f2.get(u.name, 0.0)),
                           _line(n1, b1.get(u.name, 0.0), n2, b2.get(u.name, 0.0)),
                           _line(n1, s1.get(u.name, 0), n2, s2.get(u.name, 0))) for u in profile.units}
@@ -361,7 +364,10 @@ def _layout_sharded(profile: Profile, model, batch, tp: int, sp: bool, comm: Com
                           partial_grad_bytes=float(at1.partial_bytes[u.name]),
                           fwd_comm=_comms(ev1[u.name]["forward"], ev2[u.name]["forward"], n1, n2),
                           bwd_comm=_comms(ev1[u.name]["backward"], ev2[u.name]["backward"], n1, n2)))
-    return choice, {"tp": tp, "sp": sp, "units": units}
+    layout = {"tp": tp, "sp": sp, "units": units}
+    if working is not None:
+        layout["working"] = working
+    return choice, layout
 
 
 def _collect(local: dict, world: int) -> dict:

@@ -113,7 +113,9 @@ class Profile:
     seconds: float = 0.0           # how long profiling took
     ranks: int = 1                 # how many ranks profiled at once (and averaged their timings)
     cores: float = 0.0             # processors the ranks effectively share (0: one each)
-    working: tuple = (0.0, 0.0)    # bytes a forward + backward adds at its peak beyond the gradients (a + b n)
+    # bytes a forward + backward adds at its peak (a + b n): at the forward's end all of it,
+    # in the backward beyond the gradients it makes
+    working: tuple = (0.0, 0.0)
     optimizer_temp: float = 0.0    # bytes the optimizer step adds at its peak, per parameter element
     copy_per_byte: float = 0.0     # seconds per byte of a tensor copy (DDP buckets, ZeRO slices)
     action_s: float = 0.0          # processor seconds of the pipeline runtime per schedule action
@@ -395,6 +397,7 @@ class _Timer:
         # time at this rate (a run timed while other ranks sit idle, put on the profile's footing)
         self.wall_per_cpu = wall_per_cpu
         self.ratios: list[float] = []  # wall per processor second of each phase
+        self.on_forward_end = None     # called between a step's forward and backward
         self.fwd_events: list[tuple] = []
         self.grad_events: dict[str, float] = {}
         self.out_bytes: dict[str, int] = {}
@@ -429,6 +432,8 @@ class _Timer:
         w0, t0 = time.perf_counter(), time.process_time()
         loss = loss_of(call_model(model, batch), loss_fn)
         w1, t1 = time.perf_counter(), time.process_time()
+        if self.on_forward_end is not None:
+            self.on_forward_end()
         loss.backward()
         w2, t2 = time.perf_counter(), time.process_time()
         fwd: dict[str, float] = defaultdict(float)
@@ -529,16 +534,33 @@ def robust(values) -> float:
     return sum(half) / len(half)
 
 
+def _local_bytes(t: torch.Tensor) -> int:
+    """Bytes of this rank's part of a tensor (a DTensor's local shard)."""
+    from ..dtensor import DTensor
+    from .. import _C
+    local = _C.local_tensor(t) if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
 def _median_times(model, layout, batch, loss_fn, steps: int, wall_per_cpu: float | None = None,
-                  ratios: list | None = None) -> tuple[dict, dict, float, float, dict]:
+                  ratios: list | None = None, working: dict | None = None) -> tuple[dict, dict, float, float, dict]:
     """Median forward and backward seconds per unit (and in all) over ``steps`` after a
     warm-up; ``wall_per_cpu`` as in ``_Timer``; ``ratios`` collects each phase's wall per
-    processor second."""
+    processor second; ``working[batch size]``: the bytes the warm-up's forward + backward
+    added at its peak (``in_use``), less the gradients."""
     timer = _Timer(layout, wall_per_cpu)
     fwds, bwds, tf, tb = defaultdict(list), defaultdict(list), [], []
+    grads = sum(_local_bytes(p) for p in model.parameters() if p.requires_grad)
     try:
         for i in range(steps + 1):
+            watch = PeakInUse().watch(model) if working is not None and i == 0 and malloc_counted() else None
+            base = in_use()
+            at_forward_end = []
+            timer.on_forward_end = (lambda: at_forward_end.append(watch.peak)) if watch is not None else None
             f, b, a, c = timer.step(model, batch, loss_fn)
+            if watch is not None:  # the forward's peak, or the backward's less the gradients it made
+                whole = watch.close()
+                working[batch_size_of(batch)] = max(0.0, float(at_forward_end[0] - base), float(whole - base - grads))
             model.zero_grad(set_to_none=True)
             if i == 0:
                 continue  # warm-up
@@ -656,34 +678,40 @@ def meta_forward_times(model: nn.Module, layout: Layout, batch, loss_fn=None, st
     return {n: robust(v) for n, v in out.items()}
 
 
-def _optimizer_times(model: nn.Module, steps: int = 3) -> tuple[float, float]:
+def _optimizer_times(model: nn.Module, steps: int = 3) -> tuple[tuple[float, float], float]:
     """AdamW step seconds as a * tensors + b * elements, from steps on copies of the
-    parameters and on quarter-size slices of them (ZeRO's flat slices)."""
+    parameters and on quarter-size slices of them (ZeRO's flat slices); and the bytes per
+    element a step (its state there) leaves in use beyond the state."""
     params = [p for p in model.parameters() if p.requires_grad]
+    added = [0]
 
-    def timed(tensors):
+    def timed(tensors, memory=False):
         copies = [t.detach().float().clone().requires_grad_() for t in tensors]
         for c in copies:
             c.grad = torch.zeros_like(c)
         opt = torch.optim.AdamW(copies, lr=1e-4)
         runs = []
         for i in range(steps + 2):
+            base = in_use()
             t0 = time.perf_counter()
             opt.step()
             if i > 1:
                 runs.append(time.perf_counter() - t0)
+            if memory and i == 1:
+                added[0] = max(0, in_use() - base)
         return robust(runs)
 
-    full = timed(params)
+    full = timed(params, memory=malloc_counted())
     small = timed([p.detach().reshape(-1)[: max(1, p.numel() // 8)] for p in params])
     n = sum(p.numel() for p in params)
     if not n:
-        return 0.0, 0.0
+        return (0.0, 0.0), 0.0
+    temp = added[0] / n
     b = (full - small) / (0.875 * n)
     if b <= 0:  # noise: all of it per element
-        return 0.0, full / n
+        return (0.0, full / n), temp
     a = max(0.0, (full - b * n) / max(len(params), 1))
-    return a, b
+    return (a, b), temp
 
 
 def copy_seconds_per_byte(nbytes: int = 8 << 20, reps: int = 5) -> float:
@@ -698,34 +726,6 @@ def copy_seconds_per_byte(nbytes: int = 8 << 20, reps: int = 5) -> float:
         if i:
             runs.append(time.perf_counter() - t)
     return robust(runs) / nbytes
-
-
-def _step_memory(model: nn.Module, batch, loss_fn, sizes) -> tuple[dict, float]:
-    """Peak bytes a forward + backward adds (in use, ``in_use``) at each batch size, less
-    the gradients; and what an AdamW step adds beyond its state, per element. Measured on
-    a copy of the model (zeros where glibc's counters are not there)."""
-    if not malloc_counted():
-        return {n: 0.0 for n in sizes}, 0.0
-    mod = copy.deepcopy(model)
-    params = [p for p in mod.parameters() if p.requires_grad]
-    grads = sum(p.numel() * p.element_size() for p in params)
-    opt = torch.optim.AdamW(params, lr=1e-6)
-    loss_of(call_model(mod, slice_batch(batch, min(sizes))), loss_fn).backward()
-    opt.step()  # the state exists from here on
-    out = {}
-    for n in sizes:
-        opt.zero_grad(set_to_none=True)
-        sub = slice_batch(batch, n)
-        base = in_use()
-        watch = PeakInUse().watch(mod)
-        loss_of(call_model(mod, sub), loss_fn).backward()
-        out[n] = max(0.0, float(watch.close() - base - grads))
-    base = in_use()
-    watch = PeakInUse().watch(mod)
-    opt.step()
-    temp = max(0.0, float(watch.close() - base)) / max(sum(p.numel() for p in params), 1)
-    del mod, opt
-    return out, temp
 
 
 def _line(x1: float, y1: float, x2: float, y2: float) -> tuple[float, float]:
@@ -775,8 +775,11 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # the ranks time together, as they will train
         ratios: list[float] = []
-        f2, b2, tf2, tb2, out2 = _median_times(model, layout, sample_batch, loss_fn, steps, ratios=ratios)
-        f1, b1, tf1, tb1, out1 = _median_times(model, layout, small_batch, loss_fn, steps, ratios=ratios)
+        working: dict = {}
+        f2, b2, tf2, tb2, out2 = _median_times(model, layout, sample_batch, loss_fn, steps, ratios=ratios,
+                                               working=working)
+        f1, b1, tf1, tb1, out1 = _median_times(model, layout, small_batch, loss_fn, steps, ratios=ratios,
+                                               working=working)
         wall_per_cpu = statistics.median(ratios)
         # the input-gradient share of each block cluster's backward, and the split's cost
         shares: dict = {}
@@ -790,11 +793,10 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
                     shares[sig], split_costs[sig] = _input_share(u.module, block_inputs[u.block])
                 except RuntimeError:  # a block torch's split backward cannot take apart: half and half
                     shares[sig], split_costs[sig] = 0.5, 1.0
-        opt = _optimizer_times(model)
+        opt, opt_temp = _optimizer_times(model)
         copy_s = copy_seconds_per_byte()
         action_s = action_seconds() if average_over_ranks else 0.0
         shadows = meta_forward_times(model, layout, small_batch, loss_fn)
-        working, opt_temp = _step_memory(model, sample_batch, loss_fn, (small, B))
     finally:
         for p in model.parameters():
             p.grad = saved_grads.get(id(p))
@@ -834,7 +836,7 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         units=units, **structure_fields(model, layout, st, linears), batch=B, measured_at=(small, B),
         step=dict(forward_s=tf2, backward_s=tb2, forward_small_s=tf1, backward_small_s=tb1),
         optimizer=opt, seconds=time.perf_counter() - start, ranks=ranks, cores=cores,
-        working=_line(small, working[small], B, working[B]), optimizer_temp=opt_temp, copy_per_byte=copy_s,
+        working=_line(small, working.get(small, 0.0), B, working.get(B, 0.0)), optimizer_temp=opt_temp, copy_per_byte=copy_s,
         action_s=action_s, wall_per_cpu=wall_per_cpu, scalars=tape.values)
 
 

@@ -123,21 +123,19 @@ def profile_like(source: Profile, model: nn.Module, sample_batch, *, loss_fn=Non
     units = assemble_units(meta, layout, st, (small, B), at["forward"], at["backward"], (saved_small, st["saved"]),
                            tuple(out), shares, split_costs, shadows, (small, held_small))
 
-    # the profile's working memory is the peak of a forward + backward less the gradients;
-    # the peak comes at the forward's end: all that is saved, plus transients (the logits and
-    # their gradient): A's transients, scaled like the head's saved bytes
+    # the profile's working memory is the peak of a forward + backward (the backward's less
+    # the gradients), which comes at the forward's end: all that is saved, plus transients
+    # (the logits and their gradient): A's transients, scaled like the head's saved bytes
     fields = structure_fields(meta, layout, st, linears)
-    grads = sum(p.numel() * p.element_size() for p in meta.parameters() if p.requires_grad)
 
     def saved_total(p_units, n, kinds=("pre", "block", "post")):
         return sum(u.at("saved", n) for u in p_units if u.kind in kinds)
     working = []
     for n in (small, B):
-        peak_a = source.working[0] + source.working[1] * n + source.param_bytes
-        transient = max(0.0, peak_a - saved_total(source.units, n))
+        transient = max(0.0, source.working[0] + source.working[1] * n - saved_total(source.units, n))
         head_a, head_b = saved_total(source.units, n, ("post",)), saved_total(units, n, ("post",))
         transient *= head_b / head_a if head_a > 0 else 1.0
-        working.append(max(0.0, saved_total(units, n) + transient - grads))
+        working.append(saved_total(units, n) + transient)
     totals = {what: [sum(u.at(what, n) for u in units) for n in (small, B)] for what in ("forward", "backward")}
     return Profile(
         units=units, **fields, batch=B, measured_at=(small, B),

@@ -696,7 +696,7 @@ def sharded_times(profile: Profile, model: nn.Module, batch, plan: dict, tp: int
     sharded by ``plan`` on real local tensors over a virtual mesh: the compute at sharded
     shapes and the dispatcher's work, without the collectives' time, and the bytes each
     unit saves for backward on that rank. Returns {batch size: (forward per unit, backward
-    per unit, saved bytes per unit)}."""
+    per unit, saved bytes per unit, the forward + backward's peak beyond the gradients)}."""
     from .profile import _median_times, saved_per_unit
     from ..parallel.pipeline.split import find_layout
 
@@ -712,9 +712,10 @@ def sharded_times(profile: Profile, model: nn.Module, batch, plan: dict, tp: int
             for n in batch_sizes:
                 # processor time at the profile's contention: the ranks time different
                 # layouts at once, and one that finishes first leaves the cores to the others
+                working: dict = {}
                 f, b, _, _, _ = _median_times(real, layout, slice_batch(batch, n), None, steps,
-                                              wall_per_cpu=profile.wall_per_cpu)
-                out[n] = (f, b, saved_per_unit(real, layout, slice_batch(batch, n)))
+                                              wall_per_cpu=profile.wall_per_cpu, working=working)
+                out[n] = (f, b, saved_per_unit(real, layout, slice_batch(batch, n)), working.get(n))
     finally:
         torch.set_flush_denormal(False)
     return out
