@@ -509,6 +509,14 @@ MEMORY_PLANS = {  # one of each way the gradients and parameters live
     "dp4-zero2": {"mesh.DP": 4, "data_parallel.zero_stage": 2},
     "dp2-tp2-sp-zero3": {"mesh.DP": 2, "mesh.TP": 2, "tensor_parallel.sequence_parallel": True,
                          "data_parallel.zero_stage": 3},
+    # the split backward keeps, from I to W, the gradients W needs (11 MiB more on the last stage)
+    "pp2-tp2-zb_h1": {"mesh.PP": 2, "mesh.TP": 2, "pipeline_parallel.schedule": "zb_h1",
+                      "pipeline_parallel.microbatches": 1},
+    "tp4": {"mesh.TP": 4, "tensor_parallel.sequence_parallel": False},  # the loss gathers the logits whole
+    # recomputation (the only way under the limit) peaks in the first block's backward, the
+    # gradients' slices all there
+    "dp2-tp2-sp-zero2-recompute": {"mesh.DP": 2, "mesh.TP": 2, "tensor_parallel.sequence_parallel": True,
+                                   "data_parallel.zero_stage": 2, "memory_per_device": 25 * 2**20},
 }
 
 
@@ -555,10 +563,12 @@ def test_predicted_peak_memory_is_within_a_tenth_of_the_measured(pool4):
     10% for plain data parallelism in a pipeline, ZeRO-2 in a pipeline (its gradients
     accumulate whole over the schedule and are reduce-scattered after it), ZeRO-1 (the
     updated parameters gathered whole, gloo holding a copy of its own while it gathers),
-    ZeRO-2 without a pipeline (reduce-scattered as backward produces them) and ZeRO-3 with
-    TP and SP."""
+    ZeRO-2 without a pipeline (reduce-scattered as backward produces them), ZeRO-3 with
+    TP and SP, a zero-bubble schedule with TP, TP4 and ZeRO-2 with TP, SP and
+    recomputation."""
     found = pool4.run(_case_memory, list(MEMORY_PLANS))[0]
     assert set(found) == set(MEMORY_PLANS)
     for name, (predicted, measured, label) in found.items():
         print(f"{label}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
+        assert ("recompute" in label) == ("recompute" in name), (name, label)
         assert abs(predicted - measured) <= 0.10 * measured, (name, label, predicted / 2**20, measured / 2**20)
