@@ -5,6 +5,59 @@
 
 namespace vescale::autoplan::eager {
 
+std::vector<double> in_flight(const Schedule& s, int64_t stages) {
+  std::vector<double> peak(static_cast<size_t>(stages), 1.0);
+  if (s.orders.empty()) return peak;
+  bool split = false;
+  for (const auto& o : s.orders)
+    for (const auto& a : o) split |= a.kind == 'I';
+  for (const auto& order : s.orders) {
+    std::vector<double> held(static_cast<size_t>(stages), 0.0);
+    for (const auto& a : order) {
+      auto& h = held[static_cast<size_t>(a.stage)];
+      if (a.kind == 'F') {
+        h += 1;
+        peak[static_cast<size_t>(a.stage)] = std::max(peak[static_cast<size_t>(a.stage)], h);
+      } else if (a.kind == 'B' || (split && a.kind == 'W')) {
+        h -= 1;
+      }
+    }
+  }
+  return peak;
+}
+
+// The most bytes one rank's order keeps for backward at once, and the most once the
+// rank's gradients are there (after its first B, W, or the first stage's I): a stage's
+// saved tensors from a micro-batch's F to its backward (to W where the backward is split,
+// except on the first stage, which runs its whole backward in I), and from I to W what
+// the split keeps for W (`held`). Stages sharing a rank (virtual stages) count together.
+Kept peak_kept(const std::vector<Action>& order, const std::vector<double>& saved, const std::vector<double>& held) {
+  std::vector<double> halves(saved.size(), 0.0);
+  double now = 0;
+  bool grads = false;
+  Kept k;
+  for (const auto& a : order) {
+    const auto s = static_cast<size_t>(a.stage);
+    const bool whole_in_i = a.kind == 'I' && a.stage == 0;
+    if (a.kind == 'F') {
+      now += saved[s];
+    } else if (a.kind == 'B' || whole_in_i || (a.kind == 'W' && halves[s] > 0)) {
+      now -= saved[s];
+      if (a.kind == 'W') {
+        halves[s] -= 1;
+        now -= held[s];
+      }
+    } else if (a.kind == 'I') {
+      halves[s] += 1;
+      now += held[s];
+    }
+    grads |= a.kind == 'B' || a.kind == 'W' || whole_in_i;
+    k.peak = std::max(k.peak, now);
+    if (grads) k.with_grads = std::max(k.with_grads, now);
+  }
+  return k;
+}
+
 std::vector<double> buckets_of(double bytes, double cap) {
   if (bytes <= 0) return {};
   const double nb = std::max(1.0, std::ceil(bytes / cap));

@@ -24,6 +24,17 @@ struct RankHoldings {
   double bucketed = 0;             // gradient bytes that go through DDP's buckets
 };
 
+// Per stage: the most micro-batches whose forward ran and whose backward (B, or W when
+// split) has not, at any point of its rank's order (what the split search budgets).
+std::vector<double> in_flight(const Schedule& s, int64_t stages);
+
+// What one rank's schedule order keeps for backward (eager_memory.cpp says how).
+struct Kept {
+  double peak = 0;        // the most at once
+  double with_grads = 0;  // the most once the rank's gradients are there
+};
+Kept peak_kept(const std::vector<Action>& order, const std::vector<double>& saved, const std::vector<double>& held);
+
 // DDP's buckets of `bytes` of gradients: as many as the cap asks, of equal size.
 std::vector<double> buckets_of(double bytes, double cap);
 

@@ -3,6 +3,7 @@
 // search's constraints.
 
 #include "autoplan/eager.h"
+#include "autoplan/eager_memory.h"
 #include "autoplan/pipeline_sim.h"
 
 #include <c10/util/Exception.h>
@@ -340,6 +341,30 @@ TEST(EagerSearch, CollectiveCostsScaleToUnmeasuredGroups) {
   EXPECT_DOUBLE_EQ(cost.time("all_reduce", 2, 1e6), 1e-3 + 1e-3);
   EXPECT_DOUBLE_EQ(cost.time("all_reduce", 4, 1e6), 3 * (1e-3 + 1e-3));  // 3 ring steps for 1
   EXPECT_DOUBLE_EQ(cost.time("all_gather", 2, 1e6), 2e-3);              // no entry: as an all-reduce
+}
+
+TEST(EagerMemory, ScheduleOrdersKeepSavedTensorsAndTheSplitsGradients) {
+  // saved bytes per micro-batch of stages 0 and 1, and what a split backward keeps from I to W
+  const std::vector<double> saved{7, 10}, held{3, 4};
+  // 1F1B on the last stage: F0 B0 F1 B1, one micro-batch at a time; the gradients meet the second
+  auto k = eager::peak_kept({{'F', 1, 0}, {'B', 1, 0}, {'F', 1, 1}, {'B', 1, 1}}, saved, held);
+  EXPECT_DOUBLE_EQ(k.peak, 10);
+  EXPECT_DOUBLE_EQ(k.with_grads, 10);
+  // zero bubble on the last stage: F0 I0 F1 W0 I1 W1; the split keeps its 4 bytes until W
+  k = eager::peak_kept({{'F', 1, 0}, {'I', 1, 0}, {'F', 1, 1}, {'W', 1, 0}, {'I', 1, 1}, {'W', 1, 1}}, saved, held);
+  EXPECT_DOUBLE_EQ(k.peak, 10 + 4 + 10);   // after F1: both saved, micro-batch 0's gradients for W
+  EXPECT_DOUBLE_EQ(k.with_grads, 10 + 4);  // after I1
+  // the first stage runs its whole backward in I and keeps nothing for its W
+  k = eager::peak_kept({{'F', 0, 0}, {'F', 0, 1}, {'I', 0, 0}, {'W', 0, 0}, {'I', 0, 1}, {'W', 0, 1}}, saved, held);
+  EXPECT_DOUBLE_EQ(k.peak, 14);
+  EXPECT_DOUBLE_EQ(k.with_grads, 7);
+  // two stages on one rank (a V schedule) count at the same moment: 17, where each stage's
+  // own most (14 + 10) would say 24
+  k = eager::peak_kept({{'F', 0, 0}, {'F', 1, 0}, {'B', 1, 0}, {'F', 0, 1}, {'B', 0, 0}, {'F', 1, 1},
+                        {'B', 1, 1}, {'B', 0, 1}},
+                       saved, held);
+  EXPECT_DOUBLE_EQ(k.peak, 17);
+  EXPECT_DOUBLE_EQ(k.with_grads, 17);  // after F1.1: stage 0's micro-batch 1 and stage 1's
 }
 
 }  // namespace
