@@ -546,8 +546,8 @@ def _median_times(model, layout, batch, loss_fn, steps: int, wall_per_cpu: float
                   ratios: list | None = None, working: dict | None = None) -> tuple[dict, dict, float, float, dict]:
     """Median forward and backward seconds per unit (and in all) over ``steps`` after a
     warm-up; ``wall_per_cpu`` as in ``_Timer``; ``ratios`` collects each phase's wall per
-    processor second; ``working[batch size]``: the bytes the warm-up's forward + backward
-    added at its peak (``in_use``), less the gradients."""
+    processor second; ``working[batch size]``: the most bytes the warm-up added (``in_use``),
+    at the forward's end, or in the backward less the gradients it made."""
     timer = _Timer(layout, wall_per_cpu)
     fwds, bwds, tf, tb = defaultdict(list), defaultdict(list), [], []
     grads = sum(_local_bytes(p) for p in model.parameters() if p.requires_grad)
