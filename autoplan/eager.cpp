@@ -435,7 +435,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
   Breakdown worst;
   e.rank_memory.assign(static_cast<size_t>(c.pp), Memory{});
   for (int64_t r = 0; r < c.pp; ++r) {
-    double rb = 0, rn = 0, rt = 0, rsaved = 0, rf = 0, rbk = 0, rtp = 0, rz = 0, rpg = 0, rremat = 0;
+    double rb = 0, rn = 0, rt = 0, rf = 0, rbk = 0, rtp = 0, rz = 0, rpg = 0, rremat = 0;
     // ZeRO's units on this rank (vescale/parallel/ddp.py shard_gradients reduce-scatters
     // one unit's gradients per bucket): each block, then the root (everything outside them)
     std::vector<double> zero_units;
@@ -451,7 +451,6 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       rb += pbytes[us];
       rn += pnumel[us];
       rt += ptensors[us];
-      if (c.pp == 1) rsaved += saved[us];
       rremat = std::max(rremat, rematerialized[us]);
       rf += compute_f[us] * static_cast<double>(m) * (c.pp == 1 ? all_busy : 1.0);
       rbk += compute_b[us] * static_cast<double>(m) * (c.pp == 1 ? all_busy : 1.0);
@@ -459,10 +458,10 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       rz += zero_s[us] * static_cast<double>(m);
       rpg += pgrad[us];
     }
-    // without a pipeline the gradients come as the saved tensors go: whole, they meet what
-    // the first block's backward still has
-    Kept kept{rsaved, saved_at_end[0]};
-    if (c.pp > 1) kept = peak_kept(sched->orders[static_cast<size_t>(r)], saved, held_for_w);
+    // without a pipeline (one stage) the gradients come as the saved tensors go: whole,
+    // they meet what the first block's backward still has
+    const Kept kept = c.pp > 1 ? peak_kept(sched->orders[static_cast<size_t>(r)], saved, held_for_w)
+                               : Kept{saved[0], saved_at_end[0]};
     rb += p.glue_param_bytes / static_cast<double>(c.tp);
     root_unit_bytes += p.glue_param_bytes / static_cast<double>(c.tp);
     if (c.pp > 1 && r == last_rank && first_rank != last_rank) {  // its own copy of a tensor tied to the first stage
@@ -541,10 +540,10 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
       // layout's shards, or the unsharded one's split over TP (the loss may gather the
       // logits whole: measured, TP4 GPT's are 3.7 MiB more than a quarter)
       const Layout& at = l.has_working ? l : p.layouts.front();
+      const double working = l.has_working ? l.working_a + l.working_b * n : p.working_a + p.working_b * n;
       double all_saved = 0;
       for (const auto& u : at.units) all_saved += u.saved_a + u.saved_b * n;
-      const double working = l.has_working ? l.working_a + l.working_b * n : p.working_a + p.working_b * n;
-      held.transient = std::max(0.0, working - all_saved) / (l.has_working ? 1.0 : static_cast<double>(c.tp));
+      held.transient = std::max(0.0, working - all_saved) / static_cast<double>(l.has_working ? 1 : c.tp);
     }
     const Memory mem = rank_memory(p, c, held);
     e.rank_memory[static_cast<size_t>(r)] = mem;

@@ -31,13 +31,13 @@
 // gathered), optimizer state (two fp32 moments; under ZeRO an fp32 master copy too where
 // the parameters are not fp32, both 1/dp) and DDP's all-reduce buckets (ZeRO-0/1: kept
 // from step to step, as big as the gradients) all the time, plus the largest of four
-// moments: the forward and backward (the bytes each micro-batch's forward saves, times the
-// micro-batches the schedule keeps in flight on that rank at its worst moment, the
-// transient buffers measured on the whole model, and the gradients: whole ones only once a
-// backward has run, so with one micro-batch fewer unless a forward follows a backward;
-// under ZeRO-2/3 their slices and two units' whole gradients, from the start), the end of
-// the backward (the gradients), the optimizer step (the gradients it keeps and its
-// temporaries, measured per element), and ZeRO-1/2's gather of the updated parameters
+// moments: the forward and backward (what the micro-batches keep for backward at the
+// fullest moment of the rank's schedule order, with a zero-bubble split's gradients kept
+// from I to W, the loss rank's temporaries measured at the layout's shards, and the
+// gradients: whole ones only from the rank's first backward on, meeting what is kept
+// then; under ZeRO-2/3 without a pipeline their slices and two units' whole gradients),
+// the end of the backward (the gradients), the optimizer step (the gradients it keeps and
+// its temporaries, measured per element), and ZeRO-1/2's gather of the updated parameters
 // (one bucket's, whole; ZeRO-1 gathers into DDP's kept bucket).
 //
 // Recomputation (activation checkpointing of every block): a block keeps only its input

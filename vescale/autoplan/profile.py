@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
+from .._local import local_of
 from ..parallel.pipeline.engine import loss_in
 from ..parallel.pipeline.split import Layout, find_layout
 from .host_memory import PeakInUse, in_use, malloc_counted
@@ -477,11 +478,8 @@ def saved_per_unit(model: nn.Module, layout: Layout, batch, loss_fn=None) -> dic
     """Bytes saved for backward during one forward, per unit (storages counted once, the
     parameters' not; a DTensor counts its local shard; glue counts with the unit before it,
     or the first unit)."""
-    from ..dtensor import DTensor
-    from .. import _C
-
     def storage(t):
-        return (_C.local_tensor(t) if isinstance(t, DTensor) else t).untyped_storage()
+        return local_of(t).untyped_storage()
 
     params = set()
     for t in list(model.parameters()) + list(model.buffers()):
@@ -534,14 +532,6 @@ def robust(values) -> float:
     return sum(half) / len(half)
 
 
-def _local_bytes(t: torch.Tensor) -> int:
-    """Bytes of this rank's part of a tensor (a DTensor's local shard)."""
-    from ..dtensor import DTensor
-    from .. import _C
-    local = _C.local_tensor(t) if isinstance(t, DTensor) else t
-    return local.numel() * local.element_size()
-
-
 def _median_times(model, layout, batch, loss_fn, steps: int, wall_per_cpu: float | None = None,
                   ratios: list | None = None, working: dict | None = None) -> tuple[dict, dict, float, float, dict]:
     """Median forward and backward seconds per unit (and in all) over ``steps`` after a
@@ -550,7 +540,7 @@ def _median_times(model, layout, batch, loss_fn, steps: int, wall_per_cpu: float
     at the forward's end, or in the backward less the gradients it made."""
     timer = _Timer(layout, wall_per_cpu)
     fwds, bwds, tf, tb = defaultdict(list), defaultdict(list), [], []
-    grads = sum(_local_bytes(p) for p in model.parameters() if p.requires_grad)
+    grads = sum(local_of(p).numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     try:
         for i in range(steps + 1):
             watch = PeakInUse().watch(model) if working is not None and i == 0 and malloc_counted() else None
@@ -836,8 +826,8 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
         units=units, **structure_fields(model, layout, st, linears), batch=B, measured_at=(small, B),
         step=dict(forward_s=tf2, backward_s=tb2, forward_small_s=tf1, backward_small_s=tb1),
         optimizer=opt, seconds=time.perf_counter() - start, ranks=ranks, cores=cores,
-        working=_line(small, working.get(small, 0.0), B, working.get(B, 0.0)), optimizer_temp=opt_temp, copy_per_byte=copy_s,
-        action_s=action_s, wall_per_cpu=wall_per_cpu, scalars=tape.values)
+        working=_line(small, working.get(small, 0.0), B, working.get(B, 0.0)), optimizer_temp=opt_temp,
+        copy_per_byte=copy_s, action_s=action_s, wall_per_cpu=wall_per_cpu, scalars=tape.values)
 
 
 def unit_kind(u) -> str:

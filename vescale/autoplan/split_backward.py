@@ -5,7 +5,7 @@ gradients of the stage's input, and later W, the parameters' gradients. torch's 
 (``torch.distributed.pipelining._backward``, which vescale's pipeline engine runs) keeps,
 from I to W, the gradient arriving at every autograd node where a parameter's path meets
 the input's (the output of each linear layer, norm, embedding lookup): for a GPT block
-about half as many bytes again as its saved activations, held on top of them. The
+about 0.7x its saved activations, held on top of them. The
 planner reads the bytes from one such I on the model as it will run (this rank's shards).
 """
 
@@ -17,15 +17,10 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .._local import local_of
 from ..parallel.pipeline.split import Layout
 
-__all__ = ["held_for_weights"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from .. import _C
-    from ..dtensor import DTensor
-    return _C.local_tensor(t) if isinstance(t, DTensor) else t
+__all__ = ["held_for_weights", "sharded_held_for_weights"]
 
 
 def held_for_weights(model: nn.Module, layout: Layout, batch, loss_fn=None) -> dict[str, int]:
@@ -73,7 +68,7 @@ def held_for_weights(model: nn.Module, layout: Layout, batch, loss_fn=None) -> d
         for t in tree_flatten(g.get("grads") or [])[0]:
             if unit is None or not isinstance(t, torch.Tensor):
                 continue
-            st = _local(t).untyped_storage()
+            st = local_of(t).untyped_storage()
             if storage_key(st) not in seen:
                 seen.add(storage_key(st))
                 held[unit] += st.nbytes()
@@ -83,7 +78,7 @@ def held_for_weights(model: nn.Module, layout: Layout, batch, loss_fn=None) -> d
     return dict(held)
 
 
-def sharded_held_for_weights(profile, model: nn.Module, batch, plan: dict, tp: int) -> tuple:
+def sharded_held_for_weights(profile, model: nn.Module, batch, plan: dict, tp: int) -> dict:
     """``held_for_weights`` on one TP rank under ``plan``: a what-if run on meta over a
     virtual TP mesh at the profile's smaller batch size. Returns its per-sample line per
     unit, {unit: (0, bytes per sample)} ({} where torch's split cannot take the model

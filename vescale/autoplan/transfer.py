@@ -34,7 +34,8 @@ from torch.utils._pytree import tree_map
 from ..parallel.pipeline.split import find_layout
 from ..plan import PlanError
 from .profile import (Profile, UnitProfile, _held_for_weights, _line, _linears, _signature, _structure, _Timer,
-                      assemble_units, batch_size_of, second_batch_size, saved_per_unit, slice_batch, structure_fields, unit_kind)
+                      assemble_units, batch_size_of, second_batch_size, saved_per_unit, slice_batch,
+                      structure_fields, unit_kind)
 from .scalars import replaying
 from .whatif import _meta, meta_copy, what_if
 
