@@ -8,13 +8,11 @@ the candidate needs."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import pytest

@@ -10,7 +10,6 @@ import collections
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import vescale
 from vescale.parallel import DDP, DistributedOptimizer, parallelize_module

@@ -42,12 +42,14 @@ from .. import _C
 from ..parallel.pipeline.schedules import SCHEDULES, make_schedule
 from ..plan import SCHEMA, Plan, PlanError
 from .commfit import CommModel, measure_comm
-from .profile import Profile, batch_size_of, profile_model
+from .calling import batch_size_of, slice_batch
+from .profile import Profile, profile_model
 from .scale import parse_bytes
 from .transfer import profile_like, scaled_sharded_lines
 from .trials import finalists, ranked_by_trials, run_trials
 from .split_backward import sharded_held_for_weights
-from .whatif import TPChoice, sharded_saved, sharded_times, tensor_parallel_plan, unit_collectives
+from .timing import line_through
+from .whatif import sharded_saved, sharded_times, tensor_parallel_plan, unit_collectives
 
 __all__ = ["generate_plan", "plan_eager", "EagerPlan", "EagerCandidate", "CONSTRAINTS", "plan_for"]
 
@@ -309,11 +311,6 @@ def _comms(per_small: list, per_full: list, n1: int, n2: int) -> list:
     return out
 
 
-def _line(n1, y1, n2, y2):
-    from .profile import _line as line
-    return line(n1, y1, n2, y2)
-
-
 def _layout_tp1(profile: Profile) -> dict:
     units = []
     for u in profile.units:
@@ -329,8 +326,6 @@ def _layout_sharded(profile: Profile, model, batch, tp: int, sp: bool, comm: Com
     """The layout of (tp, sp): sharding found by what-if runs, each unit's collectives at the
     two profiled batch sizes, its local compute timed at sharded shapes (or, for a profile
     derived from ``like``'s model, ``like``'s timings scaled; saved bytes from meta)."""
-    from .profile import slice_batch
-
     choice = tensor_parallel_plan(profile, model, batch, tp, comm, sequence_parallel=sp)
     if not choice.feasible:
         return choice, None
@@ -345,10 +340,10 @@ def _layout_sharded(profile: Profile, model, batch, tp: int, sp: bool, comm: Com
         times = sharded_times(profile, model, batch, plan, tp, steps=steps)
         (f1, b1, s1, w1), (f2, b2, s2, w2) = times[n1], times[n2]
         if w1 is not None and w2 is not None:
-            working = _line(n1, w1, n2, w2)
-        lines = {u.name: (_line(n1, f1.get(u.name, 0.0), n2, f2.get(u.name, 0.0)),
-                          _line(n1, b1.get(u.name, 0.0), n2, b2.get(u.name, 0.0)),
-                          _line(n1, s1.get(u.name, 0), n2, s2.get(u.name, 0))) for u in profile.units}
+            working = line_through(n1, w1, n2, w2)
+        lines = {u.name: (line_through(n1, f1.get(u.name, 0.0), n2, f2.get(u.name, 0.0)),
+                          line_through(n1, b1.get(u.name, 0.0), n2, b2.get(u.name, 0.0)),
+                          line_through(n1, s1.get(u.name, 0), n2, s2.get(u.name, 0))) for u in profile.units}
     else:
         lines = scaled_sharded_lines(like.problem["layouts"], like.profile, profile, tp, sp,
                                      sharded_saved(profile, model, batch, plan, tp))

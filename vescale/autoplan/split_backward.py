@@ -19,6 +19,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .._local import local_of
 from ..parallel.pipeline.split import Layout
+from .calling import call_model, loss_of, slice_batch
+from .structure import storage_key
 
 __all__ = ["held_for_weights", "sharded_held_for_weights"]
 
@@ -31,7 +33,6 @@ def held_for_weights(model: nn.Module, layout: Layout, batch, loss_fn=None) -> d
     stage does) and keep nothing. The parameters' gradients are left as they were."""
     from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
 
-    from .profile import call_model, loss_of, storage_key
 
     leaves: list[torch.Tensor] = []
 
@@ -85,7 +86,6 @@ def sharded_held_for_weights(profile, model: nn.Module, batch, plan: dict, tp: i
     apart)."""
     from ..parallel.parallelize import parallelize_module
     from ..parallel.pipeline.split import find_layout
-    from .profile import slice_batch
     from .scalars import replaying
     from .whatif import VirtualMesh, _meta, meta_copy, what_if
 

@@ -33,9 +33,10 @@ from torch.utils._pytree import tree_map
 
 from ..parallel.pipeline.split import find_layout
 from ..plan import PlanError
-from .profile import (Profile, UnitProfile, _held_for_weights, _line, _linears, _signature, _structure, _Timer,
-                      assemble_units, batch_size_of, second_batch_size, saved_per_unit, slice_batch,
-                      structure_fields, unit_kind)
+from .calling import batch_size_of, slice_batch
+from .profile import Profile, UnitProfile, assemble_units, second_batch_size, structure_fields, unit_kind
+from .structure import linears_of, signature, untimed_step
+from .timing import Timer, held_for_weights_if_splittable, line_through, saved_per_unit
 from .scalars import replaying
 from .whatif import _meta, meta_copy, what_if
 
@@ -73,7 +74,7 @@ def _ratio(flops: float, out: float, a: UnitProfile) -> float:
 
 
 def _output_bytes(model: nn.Module, layout, batch, loss_fn) -> dict:
-    timer = _Timer(layout)
+    timer = Timer(layout)
     try:
         timer.step(model, batch, loss_fn)
     finally:
@@ -99,16 +100,16 @@ def profile_like(source: Profile, model: nn.Module, sample_batch, *, loss_fn=Non
     small = second_batch_size(B)
     full = tree_map(_meta, sample_batch)
     part = slice_batch(full, small)
-    linears = _linears(meta)
+    linears = linears_of(meta)
     with replaying(source.scalars), what_if():
-        st = _structure(meta, layout, full, loss_fn, linears)
+        st = untimed_step(meta, layout, full, loss_fn, linears)
         saved_small = saved_per_unit(meta, layout, part, loss_fn)
-        held_small = _held_for_weights(meta, layout, part, loss_fn)
+        held_small = held_for_weights_if_splittable(meta, layout, part, loss_fn)
         out = [_output_bytes(meta, layout, b, loss_fn) for b in (part, full)]
     match: dict = {}
     for u in layout.units:
         same = _counterparts(u.name, unit_kind(u), type(u.module).__name__, source)
-        per_sample_out = _line(small, out[0].get(u.name, 0), B, out[1].get(u.name, 0))[1]
+        per_sample_out = line_through(small, out[0].get(u.name, 0), B, out[1].get(u.name, 0))[1]
         match[u.name] = (same, _ratio(st["flops"].get(u.name, 0.0) / B, per_sample_out, same[0]))
     at = {}
     for what in ("forward", "backward"):
@@ -117,7 +118,7 @@ def profile_like(source: Profile, model: nn.Module, sample_batch, *, loss_fn=Non
     shares, split_costs = {}, {}
     for u in layout.blocks:
         same, _ = match[u.name]
-        sig = _signature(u.module)
+        sig = signature(u.module)
         shares.setdefault(sig, same[0].input_backward_share)
         split_costs.setdefault(sig, same[0].split_backward_cost)
     shadows = {n: statistics.median(a.shadow_s for a in same) for n, (same, _) in match.items()}
@@ -143,7 +144,7 @@ def profile_like(source: Profile, model: nn.Module, sample_batch, *, loss_fn=Non
         step=dict(forward_s=totals["forward"][1], backward_s=totals["backward"][1],
                   forward_small_s=totals["forward"][0], backward_small_s=totals["backward"][0]),
         optimizer=source.optimizer, seconds=time.perf_counter() - start, ranks=source.ranks, cores=source.cores,
-        working=_line(small, working[0], B, working[1]), optimizer_temp=source.optimizer_temp,
+        working=line_through(small, working[0], B, working[1]), optimizer_temp=source.optimizer_temp,
         copy_per_byte=source.copy_per_byte, action_s=source.action_s, scalars=source.scalars,
         derived={"from": source.model_class,
                  "units": {n: ([a.name for a in same], r) for n, (same, r) in match.items()}})
@@ -167,5 +168,5 @@ def scaled_sharded_lines(source_layouts: list, source: Profile, profile: Profile
         las = [layout["units"][index[n]] for n in names]
         out[u.name] = (_scaled(_median_line([la["fwd"] for la in las]), r),
                        _scaled(_median_line([la["bwd"] for la in las]), r),
-                       _line(n1, saved[n1].get(u.name, 0), n2, saved[n2].get(u.name, 0)))
+                       line_through(n1, saved[n1].get(u.name, 0), n2, saved[n2].get(u.name, 0)))
     return out

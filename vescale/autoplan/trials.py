@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from .host_memory import PeakInUse, in_use, malloc_counted
-from .profile import batch_size_of, loss_of
+from .calling import batch_size_of, loss_of
 
 __all__ = ["finalists", "run_trials", "ranked_by_trials", "Trial"]
 

@@ -49,7 +49,9 @@ from ..parallel.parallelize import parallelize_module
 from ..parallel.tp_grads import partial_gradients_of
 from ..placement_types import InterleavedShard, Placement, Replicate, Shard, to_c
 from .commfit import CommModel
-from .profile import Linear, Profile, call_model, loss_of, slice_batch, without_cache
+from .calling import call_model, loss_of, slice_batch, without_cache
+from .profile import Profile
+from .structure import Linear
 from .scalars import replay_mode, replays_profile
 
 __all__ = ["VirtualMesh", "what_if", "meta_copy", "tensor_parallel_plan", "unit_collectives", "TPChoice",
@@ -428,7 +430,7 @@ def tensor_parallel_plan(profile: Profile, model: nn.Module, batch, tp: int, com
                 try:
                     events = _run_region(region_mod, inputs[region.name], assignment, mesh, sequence_parallel,
                                          lambda n, p=prefix: n[len(p):])
-                except Exception as e:  # noqa: BLE001  (a layout the rules cannot run: not a candidate)
+                except Exception:  # noqa: BLE001  (a layout the rules cannot run: not a candidate)
                     failed += 1
                     if _DEBUG:
                         import traceback
@@ -697,7 +699,7 @@ def sharded_times(profile: Profile, model: nn.Module, batch, plan: dict, tp: int
     shapes and the dispatcher's work, without the collectives' time, and the bytes each
     unit saves for backward on that rank. Returns {batch size: (forward per unit, backward
     per unit, saved bytes per unit, the forward + backward's peak beyond the gradients)}."""
-    from .profile import _median_times, saved_per_unit
+    from .timing import median_times, saved_per_unit
     from ..parallel.pipeline.split import find_layout
 
     real = copy.deepcopy(model)
@@ -713,7 +715,7 @@ def sharded_times(profile: Profile, model: nn.Module, batch, plan: dict, tp: int
                 # processor time at the profile's contention: the ranks time different
                 # layouts at once, and one that finishes first leaves the cores to the others
                 working: dict = {}
-                f, b, _, _, _ = _median_times(real, layout, slice_batch(batch, n), None, steps,
+                f, b, _, _, _ = median_times(real, layout, slice_batch(batch, n), None, steps,
                                               wall_per_cpu=profile.wall_per_cpu, working=working)
                 out[n] = (f, b, saved_per_unit(real, layout, slice_batch(batch, n)), working.get(n))
     finally:
@@ -725,7 +727,7 @@ def sharded_times(profile: Profile, model: nn.Module, batch, plan: dict, tp: int
 def sharded_saved(profile: Profile, model: nn.Module, batch, plan: dict, tp: int, batch_sizes=None) -> dict:
     """The bytes each unit saves for backward on one TP rank under ``plan``, from a what-if
     run on meta (no data, no compute): {batch size: saved bytes per unit}."""
-    from .profile import saved_per_unit
+    from .timing import saved_per_unit
     from ..parallel.pipeline.split import find_layout
 
     meta = meta_copy(model)
