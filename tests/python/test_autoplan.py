@@ -182,6 +182,34 @@ def test_megatron_pairs_are_found(name, tp):
     assert blocks_cost(ours) <= blocks_cost(theirs) * (1 + 1e-9), (ours, theirs)
 
 
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "qwen2-no-cache"])
+@pytest.mark.parametrize("sp", [False, True])
+def test_what_ifs_are_the_same_on_meta_and_on_real_tensors(name, sp):
+    """The planner runs its what-ifs on real local tensors where that is cheaper than on
+    meta: the same plan, each region's layouts tried with the same collectives and the
+    same runner-up; per unit of the whole model the same collectives (kind, group size,
+    bytes), parameter bytes, Partial gradient bytes and bytes a split backward keeps."""
+    from vescale.autoplan.split_backward import sharded_held_for_weights
+    make, _, kind = CASES[name]
+    model = make()
+    batch = _batch(kind)
+    prof = profile_model(model, batch, steps=1)
+    choices = [tensor_parallel_plan(prof, model, batch, 2, COMM, sequence_parallel=sp, real=real)
+               for real in (False, True)]
+    assert choices[0].plan() == choices[1].plan()
+    for on_meta, on_real in zip(*(c.regions for c in choices)):
+        assert (on_real.events, on_real.tried, on_real.failed) == (on_meta.events, on_meta.tried, on_meta.failed)
+        assert on_real.runner_up == on_meta.runner_up
+    plan = choices[0].plan()
+    on_meta, on_real = (unit_collectives(prof, model, batch, plan, 2, sp, real=real) for real in (False, True))
+    assert on_real.per_unit == on_meta.per_unit
+    assert on_real.param_bytes == on_meta.param_bytes and on_real.partial_bytes == on_meta.partial_bytes
+    held = [sharded_held_for_weights(prof, model, batch, plan, 2, real=real) for real in (False, True)]
+    assert held[0] == held[1] and held[0]
+    # the model itself is left as it was: plain parameters, no gradients
+    assert all(type(p) is torch.nn.Parameter and p.grad is None for p in model.parameters())
+
 def test_fused_qkv_is_split_within_its_blocks():
     """nanoGPT's c_attn holds q, k and v: InterleavedShard(0, 3) beats a plain Shard(0),
     which would make the split gather them."""

@@ -50,6 +50,8 @@ class CommModel:
         if group_size <= 1:
             return 0.0
         kind = _canonical(kind)
+        if kind == "send":  # between two ranks, whatever group they are in
+            group_size = 2
         ab = self.table.get((kind, group_size))
         if ab is None:
             ab = self._nearest(kind, group_size)
@@ -216,6 +218,8 @@ def measure_comm(world: int | None = None, *, group_sizes=None, sizes=SIZES, rep
     for g in group_sizes:
         pg, ranks = _groups(world, g)
         for kind in kinds:
+            if kind == "send" and g != min(group_sizes):
+                continue  # the same pairs of ranks at every group size (ping-pong between neighbours)
             todo = [(nbytes, reps) for nbytes in (_FEW.get(kind, sizes) if sizes is SIZES else sizes)]
             big = largest // g if kind == "all_gather" else largest
             if kind in _BULK and big > max(nbytes for nbytes, _ in todo):
@@ -227,7 +231,7 @@ def measure_comm(world: int | None = None, *, group_sizes=None, sizes=SIZES, rep
                     t = _one(kind, pg, ranks, nbytes, gap_s)
                     if i:
                         runs.append(t)
-                keys.append((kind, g, nbytes))
+                keys.append((kind, 2 if kind == "send" else g, nbytes))
                 values.append(statistics.median(runs))
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)

@@ -331,11 +331,14 @@ def _layout_sharded(profile: Profile, model, batch, tp: int, sp: bool, comm: Com
         return choice, None
     plan = choice.plan()
     n1, n2 = profile.measured_at
-    at1 = unit_collectives(profile, model, slice_batch(batch, n1), plan, tp, sp)
-    ev1, ev2 = at1.per_unit, unit_collectives(profile, model, slice_batch(batch, n2), plan, tp, sp).per_unit
+    real = choice.real_what_ifs
+    at1 = choice.small_batch_collectives or unit_collectives(profile, model, slice_batch(batch, n1), plan, tp, sp,
+                                                             real=real)
+    choice.small_batch_collectives = None  # (not gathered with the choice)
+    ev1, ev2 = at1.per_unit, unit_collectives(profile, model, slice_batch(batch, n2), plan, tp, sp, real=real).per_unit
     pb = at1.param_bytes
     working = None  # measured at the shards where they run here
-    held = sharded_held_for_weights(profile, model, batch, plan, tp)
+    held = sharded_held_for_weights(profile, model, batch, plan, tp, real=real)
     if like is None:
         times = sharded_times(profile, model, batch, plan, tp, steps=steps)
         (f1, b1, s1, w1), (f2, b2, s2, w2) = times[n1], times[n2]

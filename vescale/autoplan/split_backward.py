@@ -11,6 +11,7 @@ planner reads the bytes from one such I on the model as it will run (this rank's
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 
 import torch
@@ -32,7 +33,6 @@ def held_for_weights(model: nn.Module, layout: Layout, batch, loss_fn=None) -> d
     received input is; the units before it run their whole backward in I (vescale's first
     stage does) and keep nothing. The parameters' gradients are left as they were."""
     from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
-
 
     leaves: list[torch.Tensor] = []
 
@@ -79,22 +79,23 @@ def held_for_weights(model: nn.Module, layout: Layout, batch, loss_fn=None) -> d
     return dict(held)
 
 
-def sharded_held_for_weights(profile, model: nn.Module, batch, plan: dict, tp: int) -> dict:
-    """``held_for_weights`` on one TP rank under ``plan``: a what-if run on meta over a
-    virtual TP mesh at the profile's smaller batch size. Returns its per-sample line per
-    unit, {unit: (0, bytes per sample)} ({} where torch's split cannot take the model
-    apart)."""
+def sharded_held_for_weights(profile, model: nn.Module, batch, plan: dict, tp: int, *, real: bool = False) -> dict:
+    """``held_for_weights`` on one TP rank under ``plan``: a what-if run over a virtual TP
+    mesh (on meta, or on real local tensors: ``real``) at the profile's smaller batch size.
+    Returns its per-sample line per unit, {unit: (0, bytes per sample)} ({} where torch's
+    split cannot take the model apart)."""
     from ..parallel.parallelize import parallelize_module
     from ..parallel.pipeline.split import find_layout
     from .scalars import replaying
-    from .whatif import VirtualMesh, _meta, meta_copy, what_if
+    from .whatif import VirtualMesh, _meta, meta_copy, what_if_run
 
     n = profile.measured_at[0]
-    meta = meta_copy(model)
+    copied = copy.deepcopy(model) if real else meta_copy(model)
+    small = slice_batch(batch, n)
     try:
-        with replaying(profile.scalars), what_if():
-            parallelize_module(meta, VirtualMesh([tp], ["TP"]), plan)
-            held = held_for_weights(meta, find_layout(meta, profile.blocks), tree_map(_meta, slice_batch(batch, n)))
+        with replaying(profile.scalars), what_if_run(real):
+            parallelize_module(copied, VirtualMesh([tp], ["TP"]), plan)
+            held = held_for_weights(copied, find_layout(copied, profile.blocks), small if real else tree_map(_meta, small))
     except RuntimeError:
         return {}
     return {name: (0.0, b / n) for name, b in held.items()}

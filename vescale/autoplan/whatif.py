@@ -15,6 +15,14 @@ On meta, device-dependent choices are made as on the mesh's device: scaled dot-p
 attention takes the kernel the CPU would (the meta device has none but the math one,
 which would issue different ops).
 
+Whole-model what-ifs (the ends' choice, the collectives per unit, what a split backward
+keeps) run on real local tensors instead where that is cheaper: meta tensors take torch's
+Python meta kernels, op by op, whatever the shapes, so for a small model a real step at
+the sharded shapes (the fake collectives leave their outputs unwritten; nothing reads
+them) costs less than the same step on meta. ``tensor_parallel_plan`` decides once
+(``TPChoice.real_what_ifs``), from the model's forward on meta against its profiled real
+step; both give the same collectives (tests/python/test_autoplan.py).
+
 Tensor-parallel sharding is chosen here (``tensor_parallel_plan``): per cluster of
 identical blocks, per sub-module that holds linear layers (a *region*: attention, MLP),
 every assignment of ``Shard(out)``, ``Shard(in)`` (and ``InterleavedShard`` for outputs
@@ -46,13 +54,15 @@ from ..device_mesh import DeviceMesh
 from ..dtensor import DTensor
 from ..parallel import parallelize as _parallelize
 from ..parallel.parallelize import parallelize_module
+from ..parallel.pipeline.split import find_layout
 from ..parallel.tp_grads import partial_gradients_of
 from ..placement_types import InterleavedShard, Placement, Replicate, Shard, to_c
-from .commfit import CommModel
 from .calling import call_model, loss_of, slice_batch, without_cache
+from .commfit import CommModel
 from .profile import Profile
-from .structure import Linear
 from .scalars import replay_mode, replays_profile
+from .structure import Linear
+from .timing import median_times, saved_per_unit
 
 __all__ = ["VirtualMesh", "what_if", "meta_copy", "tensor_parallel_plan", "unit_collectives", "TPChoice",
            "sharded_times", "sharded_saved", "placement_cost"]
@@ -162,13 +172,33 @@ class _PlainMetaAsReplicated(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat, spec = tree_flatten((args, kwargs))
-        mesh = next((t.device_mesh for t in flat if isinstance(t, DTensor)), None)
-        if mesh is not None and any(_plain_meta(t) for t in flat):
+        leaves = _shallow_leaves(args, kwargs)
+        if leaves is None:
+            leaves = tree_flatten((args, kwargs))[0]
+        mesh = next((t.device_mesh for t in leaves if isinstance(t, DTensor)), None)
+        if mesh is not None and any(_plain_meta(t) for t in leaves):
+            flat, spec = tree_flatten((args, kwargs))
             reps = [R] * mesh.ndim
             flat = [DTensor.from_local(t, mesh, reps) if _plain_meta(t) else t for t in flat]
             args, kwargs = tree_unflatten(flat, spec)
         return func(*args, **kwargs)
+
+
+def _shallow_leaves(args, kwargs) -> list | None:
+    """The arguments, lists and tuples among them opened once; None where they nest
+    deeper (pytree then). Most calls pass tensors and scalars: flattening every call with
+    pytree was a sixth of a what-if run."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            if any(isinstance(b, (list, tuple, dict)) for b in a):
+                return None
+            out.extend(a)
+        elif isinstance(a, dict):
+            return None
+        else:
+            out.append(a)
+    return out
 
 
 def _plain_meta(t) -> bool:
@@ -191,6 +221,32 @@ def what_if(meta: bool = True):
     finally:
         F.scaled_dot_product_attention = _sdpa
         _parallelize._WHAT_IF[0] = old
+
+
+@contextlib.contextmanager
+def what_if_run(real: bool):
+    """A what-if run on meta, or on real local tensors (denormals flushed: what the fake
+    collectives leave in their outputs is arbitrary, and denormal arithmetic is slow)."""
+    if not real:
+        with what_if():
+            yield
+        return
+    torch.set_flush_denormal(True)
+    try:
+        with what_if(meta=False):
+            yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def _cheaper_on_real_tensors(profile: Profile, model: nn.Module, meta_forward_s: float) -> bool:
+    """Whether a whole-model what-if costs less on real tensors: the profiled real step at
+    the smaller batch (forward and backward, unsharded: an upper bound) against the same
+    step on meta, about three times its forward there (``meta_forward_s``, timed)."""
+    if any(p.device.type != "cpu" for p in model.parameters()):  # (meta: no data; the virtual mesh is the CPU's)
+        return False
+    step = profile.step
+    return step.get("forward_small_s", 0.0) + step.get("backward_small_s", 0.0) < 3 * meta_forward_s
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
@@ -306,31 +362,42 @@ def _stream(sp: bool) -> Placement:
     return Shard(1) if sp else R
 
 
-def _as_stream(x: torch.Tensor, mesh, placement: Placement) -> DTensor:
-    """A meta DTensor of x's shape and dtype, laid out as ``placement``."""
+def _as_stream(x: torch.Tensor, mesh, placement: Placement, real: bool = False) -> DTensor:
+    """A DTensor of x's shape and dtype (meta, or zeros on the CPU: ``real``), laid out as
+    ``placement``."""
     shape = list(x.shape)
     local, _ = _C.local_shape(shape, to_c([placement]), list(mesh.shape), list(mesh.get_coordinate()))
-    t = torch.empty(local, dtype=x.dtype, device="meta")
+    t = torch.zeros(local, dtype=x.dtype) if real else torch.empty(local, dtype=x.dtype, device="meta")
     return DTensor.from_local(t, mesh, [placement], shape=shape, stride=list(x.stride())).requires_grad_(
         x.requires_grad)
 
 
-def _capture_inputs(model: nn.Module, batch, names: set[str]) -> dict[str, tuple]:
-    """(args, kwargs) each named module receives first, on a meta copy of the model."""
+def _capture_inputs(model: nn.Module, batch, names: set[str], real: bool = False) -> dict[str, tuple]:
+    """(args, kwargs) each named module receives first, on a meta copy of the model (or on
+    the model itself: ``real``; values detached)."""
     got: dict[str, tuple] = {}
     handles = []
     for n, m in model.named_modules():
         if n in names:
             def pre(mod, args, kwargs, n=n):
-                got.setdefault(n, tuple(without_cache(list(args), dict(kwargs))))
+                if n not in got:
+                    args, kwargs = tree_map(_detached, (list(args), dict(kwargs)))
+                    got[n] = tuple(without_cache(args, kwargs))
             handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
     try:
-        with what_if():
-            call_model(model, tree_map(_meta, batch))
+        with what_if_run(real):
+            call_model(model, batch if real else tree_map(_meta, batch))
     finally:
         for h in handles:
             h.remove()
     return got
+
+
+def _detached(x):
+    """A captured input cut from the run's graph (still saying whether it needed a gradient)."""
+    if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.grad_fn is not None:
+        return x.detach().requires_grad_(x.requires_grad)
+    return x
 
 
 @dataclass
@@ -364,7 +431,7 @@ def _input_spec(where, placement):
     return [None] * where + [[placement]]
 
 
-def _run_region(region_mod: nn.Module, inputs: tuple, assignment, mesh, sp: bool, rel_name) -> list:
+def _run_region(region_mod: nn.Module, inputs: tuple, assignment, mesh, sp: bool, rel_name, real: bool) -> list:
     """Events of one region's forward and backward under ``assignment`` [(Linear, placement)]."""
     holder = nn.ModuleDict({"r": copy.deepcopy(region_mod)})
     stream = _stream(sp)
@@ -373,19 +440,19 @@ def _run_region(region_mod: nn.Module, inputs: tuple, assignment, mesh, sp: bool
     # the stream enters replicated (gathered once there under SP); in the backward this is
     # where its gradient is summed, once for the region (Megatron's f and g operators)
     plan["forward"][r"r\.input"] = _input_spec(_stream_argument(inputs), R)
-    with what_if():
+    with what_if_run(real):
         parallelize_module(holder, mesh, plan)
         args, kwargs = inputs
 
         def lay_out(x):
             if isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point():
-                return _as_stream(x, mesh, stream)
+                return _as_stream(x, mesh, stream, real)
             return x
         args, kwargs = tree_map(lay_out, args), tree_map(lay_out, kwargs)
         with _Recorder() as rec:
             out = holder["r"](*args, **kwargs)
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, DTensor) and t.requires_grad]
-            grads = [_as_stream(torch.empty(o.shape, dtype=o.dtype, device="meta"), mesh, o.placements[0])
+            grads = [_as_stream(torch.empty(o.shape, dtype=o.dtype, device="meta"), mesh, o.placements[0], real)
                      for o in outs]
             torch.autograd.backward(outs, grads)
     return rec.events
@@ -393,9 +460,10 @@ def _run_region(region_mod: nn.Module, inputs: tuple, assignment, mesh, sp: bool
 
 @replays_profile
 def tensor_parallel_plan(profile: Profile, model: nn.Module, batch, tp: int, comm: CommModel, *,
-                         sequence_parallel: bool = False) -> "TPChoice":
+                         sequence_parallel: bool = False, real: bool | None = None) -> "TPChoice":
     """The tensor-parallel sharding plan of least communication for ``tp`` ranks, found by
-    what-if runs (see the module docstring)."""
+    what-if runs (see the module docstring). ``real``: run them on real local tensors
+    (True) or on meta (False); by default, whichever is cheaper for this model."""
     start = time.perf_counter()
     meta = meta_copy(model)
     mesh = VirtualMesh([tp], ["TP"])
@@ -408,7 +476,13 @@ def tensor_parallel_plan(profile: Profile, model: nn.Module, batch, tp: int, com
         block_regions.append((cluster, regions))
         wanted |= {r.name for r in regions}
     small = slice_batch(batch, profile.measured_at[0])
+    captured = time.perf_counter()
     inputs = _capture_inputs(meta, small, wanted)
+    if real is None:
+        real = _cheaper_on_real_tensors(profile, model, time.perf_counter() - captured)
+    if real:  # the regions' inputs with values
+        inputs = _capture_inputs(model, small, wanted, real=True)
+    source = model if real else meta
     results: list[RegionResult] = []
     problems: list[str] = []
     for cluster, regions in block_regions:
@@ -421,7 +495,7 @@ def tensor_parallel_plan(profile: Profile, model: nn.Module, batch, tp: int, com
                 bad = [lin.name for lin, o in zip(region.linears, options) if not o]
                 problems.append(f"{region.name}: {bad} cannot be split {tp} ways")
                 continue
-            region_mod = meta.get_submodule(region.name)
+            region_mod = source.get_submodule(region.name)
             prefix = region.name + "."
             scored = []
             failed = 0
@@ -429,7 +503,7 @@ def tensor_parallel_plan(profile: Profile, model: nn.Module, batch, tp: int, com
                 assignment = list(zip(region.linears, combo))
                 try:
                     events = _run_region(region_mod, inputs[region.name], assignment, mesh, sequence_parallel,
-                                         lambda n, p=prefix: n[len(p):])
+                                         lambda n, p=prefix: n[len(p):], real)
                 except Exception:  # noqa: BLE001  (a layout the rules cannot run: not a candidate)
                     failed += 1
                     if _DEBUG:
@@ -451,9 +525,9 @@ def tensor_parallel_plan(profile: Profile, model: nn.Module, batch, tp: int, com
                 res.runner_up = ({lin.name: p for lin, p in zip(region.linears, scored[1][4])}, scored[1][0])
             results.append(res)
     choice = TPChoice(tp=tp, sequence_parallel=sequence_parallel, blocks=profile.blocks, regions=results,
-                      problems=problems)
+                      problems=problems, real_what_ifs=real)
     choice.clusters = [[u.name for u in cluster] for cluster, _ in block_regions]
-    _choose_ends(choice, profile, meta, small, mesh, comm)
+    _choose_ends(choice, profile, source, small, comm)
     choice.seconds = time.perf_counter() - start
     return choice
 
@@ -478,7 +552,7 @@ def _token_embeddings(profile: Profile) -> tuple[list[Linear], list[Linear]]:
     return tokens, heads
 
 
-def _choose_ends(choice: "TPChoice", profile: Profile, meta: nn.Module, batch, mesh, comm: CommModel) -> None:
+def _choose_ends(choice: "TPChoice", profile: Profile, model: nn.Module, batch, comm: CommModel) -> None:
     """The token embeddings' and the head's split (rows or columns), by the whole model's
     collectives: how the head is split changes how every block's backward runs."""
     tokens, heads = _token_embeddings(profile)
@@ -502,15 +576,16 @@ def _choose_ends(choice: "TPChoice", profile: Profile, meta: nn.Module, batch, m
     for combo in itertools.product(*per_group):
         assignment = {x.weight: Shard(d) for g, d in zip(groups, combo) for x in g}
         try:
-            events = unit_collectives(profile, meta, batch, choice.plan(ends=assignment), tp,
-                                      choice.sequence_parallel, comm=None, meta_model=True).events
+            collectives = unit_collectives(profile, model, batch, choice.plan(ends=assignment), tp,
+                                           choice.sequence_parallel, real=choice.real_what_ifs)
         except Exception as e:  # noqa: BLE001
             choice.problems.append(f"ends {assignment}: {type(e).__name__}: {str(e).splitlines()[0]}")
             continue
-        cost = placement_cost(events, comm)
+        cost = placement_cost(collectives.events, comm)
         if best is None or cost < best[0]:
-            best = (cost, assignment)
+            best = (cost, assignment, collectives)
     choice.ends = best[1] if best else {}
+    choice.small_batch_collectives = best[2] if best else None
 
 
 @dataclass
@@ -526,6 +601,9 @@ class TPChoice:
     ends: dict = field(default_factory=dict)          # weight FQN -> placement (token embeddings, head)
     end_modules: dict = field(default_factory=dict)
     seconds: float = 0.0
+    real_what_ifs: bool = False  # whole-model what-ifs on real local tensors (cheaper here than on meta)
+    # unit_collectives of plan() at the profile's smaller batch size (the ends' choice ran it)
+    small_batch_collectives: "UnitCollectives | None" = None
 
     @property
     def feasible(self) -> bool:
@@ -652,20 +730,20 @@ class UnitCollectives:
 
 @replays_profile
 def unit_collectives(profile: Profile, model: nn.Module, batch, plan: dict, tp: int, sequence_parallel: bool, *,
-                     comm: CommModel | None = None, meta_model: bool = False):
-    """Runs the whole model on meta with ``plan`` over a virtual TP mesh: per unit, the
-    collectives of its forward and backward [(kind, group size, bytes)], and the bytes of
-    its parameters one TP rank holds, and of those whose gradients are Partial sums."""
-    meta = model if meta_model else meta_copy(model)
-    meta = meta_copy(meta)  # parallelize_module changes it
+                     real: bool = False):
+    """Runs the whole model with ``plan`` over a virtual TP mesh (on meta, or on real local
+    tensors: ``real``): per unit, the collectives of its forward and backward [(kind, group
+    size, bytes)], and the bytes of its parameters one TP rank holds, and of those whose
+    gradients are Partial sums."""
+    meta = copy.deepcopy(model) if real else meta_copy(model)  # parallelize_module changes it
     mesh = VirtualMesh([tp], ["TP"])
-    with what_if():
+    with what_if_run(real):
         parallelize_module(meta, mesh, plan)
         marks = {"fwd": [], "grad": {}}
         with _Recorder() as rec:
             handles = _unit_hooks(meta, profile, rec, marks)
             try:
-                loss = loss_of(call_model(meta, tree_map(_meta, batch)))
+                loss = loss_of(call_model(meta, batch if real else tree_map(_meta, batch)))
                 forward_end = rec.count()
                 loss.backward()
             finally:
@@ -699,27 +777,21 @@ def sharded_times(profile: Profile, model: nn.Module, batch, plan: dict, tp: int
     shapes and the dispatcher's work, without the collectives' time, and the bytes each
     unit saves for backward on that rank. Returns {batch size: (forward per unit, backward
     per unit, saved bytes per unit, the forward + backward's peak beyond the gradients)}."""
-    from .timing import median_times, saved_per_unit
-    from ..parallel.pipeline.split import find_layout
 
     real = copy.deepcopy(model)
     mesh = VirtualMesh([tp], ["TP"])
     batch_sizes = batch_sizes or profile.measured_at
     out = {}
-    torch.set_flush_denormal(True)  # what the fake collectives leave in buffers is arbitrary
-    try:
-        with what_if(meta=False):
-            parallelize_module(real, mesh, plan)
-            layout = find_layout(real, profile.blocks)
-            for n in batch_sizes:
-                # processor time at the profile's contention: the ranks time different
-                # layouts at once, and one that finishes first leaves the cores to the others
-                working: dict = {}
-                f, b, _, _, _ = median_times(real, layout, slice_batch(batch, n), None, steps,
-                                              wall_per_cpu=profile.wall_per_cpu, working=working)
-                out[n] = (f, b, saved_per_unit(real, layout, slice_batch(batch, n)), working.get(n))
-    finally:
-        torch.set_flush_denormal(False)
+    with what_if_run(real=True):
+        parallelize_module(real, mesh, plan)
+        layout = find_layout(real, profile.blocks)
+        for n in batch_sizes:
+            # processor time at the profile's contention: the ranks time different
+            # layouts at once, and one that finishes first leaves the cores to the others
+            working: dict = {}
+            f, b, _, _, _ = median_times(real, layout, slice_batch(batch, n), None, steps,
+                                          wall_per_cpu=profile.wall_per_cpu, working=working)
+            out[n] = (f, b, saved_per_unit(real, layout, slice_batch(batch, n)), working.get(n))
     return out
 
 
@@ -727,8 +799,6 @@ def sharded_times(profile: Profile, model: nn.Module, batch, plan: dict, tp: int
 def sharded_saved(profile: Profile, model: nn.Module, batch, plan: dict, tp: int, batch_sizes=None) -> dict:
     """The bytes each unit saves for backward on one TP rank under ``plan``, from a what-if
     run on meta (no data, no compute): {batch size: saved bytes per unit}."""
-    from .timing import saved_per_unit
-    from ..parallel.pipeline.split import find_layout
 
     meta = meta_copy(model)
     mesh = VirtualMesh([tp], ["TP"])
