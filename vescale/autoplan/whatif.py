@@ -186,8 +186,8 @@ class _PlainMetaAsReplicated(TorchFunctionMode):
 
 def _shallow_leaves(args, kwargs) -> list | None:
     """The arguments, lists and tuples among them opened once; None where they nest
-    deeper (pytree then). Most calls pass tensors and scalars: flattening every call with
-    pytree was a sixth of a what-if run."""
+    deeper (pytree then). Most calls pass tensors and scalars, and pytree's flattening of
+    every call showed among a meta what-if's largest Python costs in cProfile."""
     out = []
     for a in (*args, *kwargs.values()):
         if isinstance(a, (list, tuple)):
