@@ -11,7 +11,6 @@ planner reads the bytes from one such I on the model as it will run (this rank's
 
 from __future__ import annotations
 
-import copy
 from collections import defaultdict
 
 import torch
@@ -87,15 +86,15 @@ def sharded_held_for_weights(profile, model: nn.Module, batch, plan: dict, tp: i
     from ..parallel.parallelize import parallelize_module
     from ..parallel.pipeline.split import find_layout
     from .scalars import replaying
-    from .whatif import VirtualMesh, _meta, meta_copy, what_if_run
+    from .whatif import VirtualMesh, what_if_batch, what_if_copy, what_if_run
 
     n = profile.measured_at[0]
-    copied = copy.deepcopy(model) if real else meta_copy(model)
-    small = slice_batch(batch, n)
+    copied = what_if_copy(model, real)
     try:
         with replaying(profile.scalars), what_if_run(real):
             parallelize_module(copied, VirtualMesh([tp], ["TP"]), plan)
-            held = held_for_weights(copied, find_layout(copied, profile.blocks), small if real else tree_map(_meta, small))
+            held = held_for_weights(copied, find_layout(copied, profile.blocks),
+                                    what_if_batch(slice_batch(batch, n), real))
     except RuntimeError:
         return {}
     return {name: (0.0, b / n) for name, b in held.items()}

@@ -15,8 +15,8 @@ On meta, device-dependent choices are made as on the mesh's device: scaled dot-p
 attention takes the kernel the CPU would (the meta device has none but the math one,
 which would issue different ops).
 
-Whole-model what-ifs (the ends' choice, the collectives per unit, what a split backward
-keeps) run on real local tensors instead where that is cheaper: meta tensors take torch's
+What-ifs (the regions' layouts, the ends' choice, the collectives per unit, what a split
+backward keeps) run on real local tensors instead where that is cheaper: meta tensors take torch's
 Python meta kernels, op by op, whatever the shapes, so for a small model a real step at
 the sharded shapes (the fake collectives leave their outputs unwritten; nothing reads
 them) costs less than the same step on meta. ``tensor_parallel_plan`` decides once
@@ -239,6 +239,16 @@ def what_if_run(real: bool):
         torch.set_flush_denormal(False)
 
 
+def what_if_copy(model: nn.Module, real: bool) -> nn.Module:
+    """The copy a what-if run parallelizes: real (``real``) or on meta."""
+    return copy.deepcopy(model) if real else meta_copy(model)
+
+
+def what_if_batch(batch, real: bool):
+    """The batch a what-if run takes: as it is (``real``) or as meta tensors."""
+    return batch if real else tree_map(_meta, batch)
+
+
 def _cheaper_on_real_tensors(profile: Profile, model: nn.Module, meta_forward_s: float) -> bool:
     """Whether a whole-model what-if costs less on real tensors: the profiled real step at
     the smaller batch (forward and backward, unsharded: an upper bound) against the same
@@ -386,7 +396,7 @@ def _capture_inputs(model: nn.Module, batch, names: set[str], real: bool = False
             handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
     try:
         with what_if_run(real):
-            call_model(model, batch if real else tree_map(_meta, batch))
+            call_model(model, what_if_batch(batch, real))
     finally:
         for h in handles:
             h.remove()
@@ -601,7 +611,7 @@ class TPChoice:
     ends: dict = field(default_factory=dict)          # weight FQN -> placement (token embeddings, head)
     end_modules: dict = field(default_factory=dict)
     seconds: float = 0.0
-    real_what_ifs: bool = False  # whole-model what-ifs on real local tensors (cheaper here than on meta)
+    real_what_ifs: bool = False  # what-ifs on real local tensors (cheaper here than on meta)
     # unit_collectives of plan() at the profile's smaller batch size (the ends' choice ran it)
     small_batch_collectives: "UnitCollectives | None" = None
 
@@ -735,7 +745,7 @@ def unit_collectives(profile: Profile, model: nn.Module, batch, plan: dict, tp: 
     tensors: ``real``): per unit, the collectives of its forward and backward [(kind, group
     size, bytes)], and the bytes of its parameters one TP rank holds, and of those whose
     gradients are Partial sums."""
-    meta = copy.deepcopy(model) if real else meta_copy(model)  # parallelize_module changes it
+    meta = what_if_copy(model, real)  # parallelize_module changes it
     mesh = VirtualMesh([tp], ["TP"])
     with what_if_run(real):
         parallelize_module(meta, mesh, plan)
@@ -743,7 +753,7 @@ def unit_collectives(profile: Profile, model: nn.Module, batch, plan: dict, tp: 
         with _Recorder() as rec:
             handles = _unit_hooks(meta, profile, rec, marks)
             try:
-                loss = loss_of(call_model(meta, batch if real else tree_map(_meta, batch)))
+                loss = loss_of(call_model(meta, what_if_batch(batch, real)))
                 forward_end = rec.count()
                 loss.backward()
             finally:
