@@ -6,6 +6,8 @@
 #include <ATen/ThreadLocalPythonObjects.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <atomic>
 #include <functional>
@@ -104,10 +106,33 @@ at::Tensor finish(InFlight f) {
   return f.then ? f.then(out) : out;
 }
 
+// On gloo, through the `_out` form, which gloo runs as its plain all-gather. The other
+// form takes gloo's coalesced all-gather, and in torch 2.13 two of those finishing at
+// once on one group's two worker threads corrupt the heap: ProcessGroupGloo::runLoop
+// stores the op's name (19 characters, so on the heap) into the group's status without
+// a lock, where names of 15 characters or fewer stay inside the string. Plain torch shows
+// it: two functional all-gathers in flight per step on 2 gloo ranks abort with
+// "malloc(): unaligned tcache chunk detected" within seconds (docs/engine.md, "Known
+// problems"). Elsewhere the other form: the `_out` form needs a backend object, which
+// process groups written in Python (vescale.debug.simulate's) do not have.
+bool runs_on_gloo(const std::string& group, c10::DeviceType device) {
+  auto pg = c10d::resolve_process_group(group);
+  return pg->hasBackendForDeviceType(device) && pg->getBackend(device)->getBackendName() == "gloo";
+}
+
 Issued issue_all_gather_dim0(const at::Tensor& x, const Mesh& mesh, int32_t mesh_dim) {
-  static const auto op = functional_op("_c10d_functional::all_gather_into_tensor");
+  TORCH_CHECK(x.dim() > 0, "vescale: all-gather along dim 0 of a 0-d tensor");
   const auto m = static_cast<size_t>(mesh_dim);
-  return issue(op, {x, mesh.shape[m], mesh.group_names[m]}, count(kAllGather, x, mesh, mesh_dim));
+  const auto& group = mesh.group_names[m];
+  auto timed = count(kAllGather, x, mesh, mesh_dim);
+  if (runs_on_gloo(group, x.device().type())) {
+    static const auto op = functional_op("_c10d_functional::all_gather_into_tensor_out");
+    auto shape = x.sizes().vec();
+    shape[0] *= mesh.shape[m];
+    return issue(op, {x, mesh.shape[m], group, at::empty(shape, x.options())}, std::move(timed));
+  }
+  static const auto op = functional_op("_c10d_functional::all_gather_into_tensor");
+  return issue(op, {x, mesh.shape[m], group}, std::move(timed));
 }
 
 Issued issue_all_reduce(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_t mesh_dim) {

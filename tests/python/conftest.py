@@ -17,9 +17,9 @@ def _pool(world_size: int) -> RankPool:
 
 
 # Each test module gets ranks of its own (started on first use, closed after the module):
-# a module's cases share their ranks' history, not the whole session's. Ranks that had
-# run every earlier module crashed intermittently in test_ops (the open heap-corruption
-# problem in docs/engine.md, "Known problems"); per-module ranks bound that history.
+# a module's cases share their ranks' history, not the whole session's, so what one
+# module leaves behind (a restarted pool, state in torch's or vescale's caches) cannot
+# decide another's result.
 @pytest.fixture(scope="module")
 def pool2():
     yield _pool(2)

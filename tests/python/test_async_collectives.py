@@ -150,3 +150,25 @@ def _case_writes_to_the_source_do_not_reach_the_result(layout: str):
 @pytest.mark.parametrize("layout", ["shard", "partial"])
 def test_writes_to_the_source_do_not_reach_the_result(pool4, layout):
     assert pool4.run(_case_writes_to_the_source_do_not_reach_the_result, layout) == [[]] * 4
+
+
+def _case_all_gathers_in_flight_together(rounds: int):
+    """Two all-gathers in flight at once on one gloo group, finishing together on its two
+    worker threads. torch 2.13's functional all-gather takes gloo's coalesced path, whose
+    long op name both threads store into the group's status without a lock: a double free
+    that aborted a rank (`malloc(): unaligned tcache chunk detected`) in 2 of 3 runs of
+    5,000 rounds. The engine's all-gathers avoid that path (collectives.cpp)."""
+    m = mesh("1d2")
+    a, b = rand((4, 3), seed=1), rand((6, 2), seed=2)
+    x, y = make_dtensor(a, m, [Shard(0)]), make_dtensor(b, m, [Shard(0)])
+    failures = []
+    for i in range(rounds):
+        gathered = [t.redistribute(m, [Replicate()], async_op=True) for t in (x, y, x, y)]
+        if not all(torch.equal(g.to_local(), want) for g, want in zip(gathered, (a, b, a, b))):
+            failures.append(f"round {i}: wrong values")
+            break
+    return failures
+
+
+def test_all_gathers_in_flight_together_keep_the_heap_whole(pool2):
+    assert pool2.run(_case_all_gathers_in_flight_together, 8000) == [[], []]
