@@ -15,7 +15,8 @@ import vescale
 from vescale import InterleavedShard, Plan, PlanError, Replicate, Shard
 from vescale.autoplan import CommModel, plan_eager, profile_model, tensor_parallel_plan
 from vescale.autoplan.eager import CONSTRAINTS
-from vescale.autoplan.whatif import placement_cost, unit_collectives
+from vescale.autoplan.virtual import placement_cost
+from vescale.autoplan.whatif import unit_collectives
 from vescale.parallel.plans import gpt2_plan, gpt_plan, hf_plan, llama_plan
 
 from dist_utils import mismatch

@@ -8,7 +8,8 @@ from .eager import CONSTRAINTS, EagerCandidate, EagerPlan, generate_plan, plan_e
 from .profile import Profile, profile_model
 from .scale import (LLAMA3_70B_RECIPES, SELENE_RUNS, Candidate, PublishedRun, ScalePlan, Workload,
                     fit_gemm_efficiency, matches_recipe, parse_bytes, plan_at_scale, simulate_step, validate_selene)
-from .whatif import VirtualMesh, tensor_parallel_plan
+from .tp_search import tensor_parallel_plan
+from .virtual import VirtualMesh
 
 __all__ = ["Workload", "PublishedRun", "SELENE_RUNS", "LLAMA3_70B_RECIPES", "Candidate", "ScalePlan", "plan_at_scale",
            "simulate_step", "validate_selene", "fit_gemm_efficiency", "matches_recipe", "parse_bytes",

@@ -17,7 +17,7 @@ What happens (every rank calls it when torch.distributed runs; all return the sa
    on meta tensors over a virtual mesh choose the layers' sharding (Megatron's pairs
    come out of the rules' costs) and read off each unit's collectives; the same plan on
    real local shards over the virtual mesh times each unit's local compute
-   (``whatif``); the ranks share this work;
+   (``virtual``, ``tp_search``, ``whatif``); the ranks share this work;
 4. the C++ search (``autoplan/eager.h``) prices every mesh factorisation, ZeRO stage,
    sequence parallelism, schedule, micro-batch count and split on the pipeline timeline,
    under the memory limit, and ranks them;
@@ -49,7 +49,8 @@ from .transfer import profile_like, scaled_sharded_lines
 from .trials import finalists, ranked_by_trials, run_trials
 from .split_backward import sharded_held_for_weights
 from .timing import line_through
-from .whatif import sharded_saved, sharded_times, tensor_parallel_plan, unit_collectives
+from .tp_search import tensor_parallel_plan
+from .whatif import sharded_saved, sharded_times, unit_collectives
 
 __all__ = ["generate_plan", "plan_eager", "EagerPlan", "EagerCandidate", "CONSTRAINTS", "plan_for"]
 

@@ -82,7 +82,7 @@ class ScalarTape(TorchDispatchMode):
         return seen[i]
 
 
-_TAPE: list[dict | None] = [None]  # the values what_if() replays (vescale.autoplan.whatif)
+_TAPE: list[dict | None] = [None]  # the values what_if() replays (vescale.autoplan.virtual)
 
 
 @contextlib.contextmanager

@@ -86,7 +86,7 @@ def sharded_held_for_weights(profile, model: nn.Module, batch, plan: dict, tp: i
     from ..parallel.parallelize import parallelize_module
     from ..parallel.pipeline.split import find_layout
     from .scalars import replaying
-    from .whatif import VirtualMesh, what_if_batch, what_if_copy, what_if_run
+    from .virtual import VirtualMesh, what_if_batch, what_if_copy, what_if_run
 
     n = profile.measured_at[0]
     copied = what_if_copy(model, real)

@@ -263,7 +263,7 @@ def meta_forward_times(model: nn.Module, layout: Layout, batch, loss_fn=None, st
     returns its remembered outputs without running (``ShadowCache``): the times are those
     of such warm steps."""
     from ..parallel.pipeline.stage import ShadowCache
-    from .whatif import meta_copy  # (whatif imports this module)
+    from .virtual import meta_copy  # (virtual imports profile, which imports this module)
 
     meta = meta_copy(model)
     mlayout = find_layout(meta, layout.blocks_name)

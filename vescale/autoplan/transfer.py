@@ -38,7 +38,7 @@ from .profile import Profile, UnitProfile, assemble_units, second_batch_size, st
 from .structure import linears_of, signature, untimed_step
 from .timing import Timer, held_for_weights_if_splittable, line_through, saved_per_unit
 from .scalars import replaying
-from .whatif import _meta, meta_copy, what_if
+from .virtual import as_meta, meta_copy, what_if
 
 __all__ = ["profile_like", "scaled_sharded_lines"]
 
@@ -98,7 +98,7 @@ def profile_like(source: Profile, model: nn.Module, sample_batch, *, loss_fn=Non
     layout = find_layout(meta, blocks)
     B = batch_size_of(sample_batch)
     small = second_batch_size(B)
-    full = tree_map(_meta, sample_batch)
+    full = tree_map(as_meta, sample_batch)
     part = slice_batch(full, small)
     linears = linears_of(meta)
     with replaying(source.scalars), what_if():
