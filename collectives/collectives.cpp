@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -389,6 +390,20 @@ at::Tensor with_layout_of(const at::Tensor& local, c10::ArrayRef<int64_t> global
   auto out = at::empty_strided(local.sizes(), want, local.options());
   out.copy_(local);
   return out;
+}
+
+bool keeps_order_of(const at::Tensor& local, c10::ArrayRef<int64_t> global_stride) {
+  const auto dense = strides_like(local.sizes(), global_stride);
+  std::vector<int64_t> dims;  // dims that take more than one step, innermost first
+  for (int64_t d = 0; d < local.dim(); ++d)
+    if (local.size(d) > 1) dims.push_back(d);
+  std::sort(dims.begin(), dims.end(), [&](int64_t a, int64_t b) { return dense[static_cast<size_t>(a)] < dense[static_cast<size_t>(b)]; });
+  int64_t inner_extent = 1;  // each dim's steps must clear everything inside it
+  for (int64_t d : dims) {
+    if (local.stride(d) < inner_extent) return false;
+    inner_extent = local.stride(d) * local.size(d);
+  }
+  return true;
 }
 
 at::Tensor execute_redistribution(

@@ -98,10 +98,12 @@ at::Tensor from_local(const at::Tensor& local, SpecPtr spec) {
                     spec->str(), " on ", spec->mesh->str(), " gives this rank a shard of shape ",
                     c10::IntArrayRef(spec->local.sizes),
                     "; pass the global `shape` (and `stride`) that the shards come from");
-  auto local_laid_out = collectives::with_layout_of(local, spec->stride);
-  if (local_laid_out.unsafeGetTensorImpl() != local.unsafeGetTensorImpl())
-    return FromLocal::apply(local_laid_out, capsule(std::move(spec)));
-  return FromLocal::apply(local, capsule(std::move(spec)));
+  // The DTensor wraps the user's tensor itself (writes to either show in the other, as
+  // with torch's from_local) unless its dim order is not the global one: then a copy in
+  // the global order, which memory-order ops (dropout's draws) need to match one device.
+  const auto laid_out = collectives::keeps_order_of(local, spec->stride) ? local
+                                                                        : collectives::with_layout_of(local, spec->stride);
+  return FromLocal::apply(laid_out, capsule(std::move(spec)));
 }
 
 at::Tensor to_local(const at::Tensor& dtensor, std::optional<Placements> grad_placements) {

@@ -88,6 +88,15 @@ FINDINGS = {
                                                [["linear", [0], {"fresh": True, "n": 4, "seed": 745808}],
                                                 ["local_round_trip", [1], {"seed": 269699}],
                                                 ["mul_scalar_", [2], {"s": 3.0}], ["masked_fill", [1], {}]]],
+    # from_local copied a local that was a view into a larger buffer (not densely packed),
+    # so a write into the round trip's result never reached the source
+    "round_trip_of_a_view_shares_its_data": ["1d4", [[[6, 3, 6, 4], 842560, ["R"], True]],
+                                             [["narrow", [0], {"dim": 3, "start": 2, "length": 1}],
+                                              ["local_round_trip", [1], {"seed": 96457}], ["masked_fill_", [2], {}]]],
+    "round_trip_of_a_view_of_a_shard_shares_its_data": ["2d", [[[6, 3, 6, 4], 842560, ["S2", "S0"], True]],
+                                                        [["narrow", [0], {"dim": 3, "start": 1, "length": 2}],
+                                                         ["local_round_trip", [1], {"seed": 96457}],
+                                                         ["masked_fill_", [2], {}]]],
 }
 
 
