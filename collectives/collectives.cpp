@@ -127,13 +127,13 @@ Issued issue_all_gather_dim0(const at::Tensor& x, const Mesh& mesh, int32_t mesh
   const auto& group = mesh.group_names[m];
   auto timed = count(kAllGather, x, mesh, mesh_dim);
   if (runs_on_gloo(group, x.device().type())) {
-    static const auto op = functional_op("_c10d_functional::all_gather_into_tensor_out");
+    static const auto into_out = functional_op("_c10d_functional::all_gather_into_tensor_out");
     auto shape = x.sizes().vec();
     shape[0] *= mesh.shape[m];
-    return issue(op, {x, mesh.shape[m], group, at::empty(shape, x.options())}, std::move(timed));
+    return issue(into_out, {x, mesh.shape[m], group, at::empty(shape, x.options())}, std::move(timed));
   }
-  static const auto op = functional_op("_c10d_functional::all_gather_into_tensor");
-  return issue(op, {x, mesh.shape[m], group}, std::move(timed));
+  static const auto into_new = functional_op("_c10d_functional::all_gather_into_tensor");
+  return issue(into_new, {x, mesh.shape[m], group}, std::move(timed));
 }
 
 Issued issue_all_reduce(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_t mesh_dim) {
@@ -397,7 +397,8 @@ bool keeps_order_of(const at::Tensor& local, c10::ArrayRef<int64_t> global_strid
   std::vector<int64_t> dims;  // dims that take more than one step, innermost first
   for (int64_t d = 0; d < local.dim(); ++d)
     if (local.size(d) > 1) dims.push_back(d);
-  std::sort(dims.begin(), dims.end(), [&](int64_t a, int64_t b) { return dense[static_cast<size_t>(a)] < dense[static_cast<size_t>(b)]; });
+  std::sort(dims.begin(), dims.end(),
+            [&](int64_t a, int64_t b) { return dense[static_cast<size_t>(a)] < dense[static_cast<size_t>(b)]; });
   int64_t inner_extent = 1;  // each dim's steps must clear everything inside it
   for (int64_t d : dims) {
     if (local.stride(d) < inner_extent) return false;

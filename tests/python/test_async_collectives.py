@@ -153,8 +153,8 @@ def test_writes_to_the_source_do_not_reach_the_result(pool4, layout):
 
 
 def _case_all_gathers_in_flight_together(rounds: int):
-    """Two all-gathers in flight at once on one gloo group, finishing together on its two
-    worker threads. torch 2.13's functional all-gather takes gloo's coalesced path, whose
+    """All-gathers in flight together on one gloo group (four per round), finishing at
+    once on its two worker threads. torch 2.13's functional all-gather takes gloo's coalesced path, whose
     long op name both threads store into the group's status without a lock: a double free
     that aborted a rank (`malloc(): unaligned tcache chunk detected`) in 2 of 3 runs of
     5,000 rounds. The engine's all-gathers avoid that path (collectives.cpp)."""
