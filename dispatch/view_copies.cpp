@@ -45,15 +45,17 @@ at::Tensor snapshot(const at::Tensor& base) {
   return taken;
 }
 
-// Refreshes the live copies taken from tensors sharing `written`'s shard storage, except
-// the one whose shard is `skip` (it was just pushed back, so it is current).
-void refresh_copies(DTensorImpl& written, const void* skip) {
+// Refreshes the live copies taken from tensors sharing the shard storage of `written`
+// (a shard on `mesh`), except the one whose shard is `skip` (it was just pushed back, so
+// it is current), and, in turn, the copies taken from each refreshed copy: a view of a
+// view of a copy is a copy of a copy, and a write into the first base reaches it too.
+void refresh_copies(const at::Tensor& written, const Mesh& mesh, const void* skip) {
   auto& r = registry();
-  if (!written.local().has_storage()) return;
+  if (!written.has_storage()) return;
   std::vector<std::shared_ptr<const Record>> live;
   {
     std::lock_guard<std::mutex> lock(r.mutex);
-    Copies* copies = r.find(written.local());
+    Copies* copies = r.find(written);
     if (copies == nullptr) return;
     for (auto& weak : *copies) live.push_back(weak.lock());  // null where gone on this rank
   }
@@ -61,13 +63,13 @@ void refresh_copies(DTensorImpl& written, const void* skip) {
   // same copy everywhere. A copy gone on any rank is unreachable: dropped everywhere.
   std::vector<bool> here(live.size());
   for (size_t k = 0; k < live.size(); ++k) here[k] = live[k] != nullptr;
-  const auto everywhere = collectives::all_ranks(*written.spec()->mesh, here);
+  const auto everywhere = collectives::all_ranks(mesh, here);
   {
     std::lock_guard<std::mutex> lock(r.mutex);
-    if (Copies* copies = r.find(written.local())) {
+    if (Copies* copies = r.find(written)) {
       size_t k = 0;
       std::erase_if(*copies, [&](const auto&) { return k < everywhere.size() && !everywhere[k++]; });
-      if (copies->empty()) r.erase(written.local());
+      if (copies->empty()) r.erase(written);
     }
   }
   // Each copy is refreshed from the tensor it was taken from (the write may have come
@@ -76,6 +78,7 @@ void refresh_copies(DTensorImpl& written, const void* skip) {
     if (!everywhere[k] || storage_key(live[k]->copy_local) == skip) continue;
     const auto* source = dtensor_impl(live[k]->base);
     copy_laid_out(source->local(), *source->spec(), live[k]->copy_local, live[k]->copy_spec);
+    refresh_copies(live[k]->copy_local, *live[k]->copy_spec->mesh, nullptr);
   }
 }
 
@@ -93,7 +96,7 @@ void record_view_of_copy(const at::Tensor& view, const at::Tensor& base, at::Ten
 
 void after_write(const at::Tensor& written, const void* skip) {
   auto* impl = dtensor_impl(written);
-  if (registry().size() != 0) refresh_copies(*impl, skip);
+  if (registry().size() != 0) refresh_copies(impl->local(), *impl->spec()->mesh, skip);
   if (const auto record = impl->copy_of) {
     // The write went into the copy (the view's shard is part of it): the base takes
     // the whole copy back in its own layout, and what aliases the base follows.

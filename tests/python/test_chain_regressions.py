@@ -97,6 +97,16 @@ FINDINGS = {
                                                         [["narrow", [0], {"dim": 3, "start": 1, "length": 2}],
                                                          ["local_round_trip", [1], {"seed": 96457}],
                                                          ["masked_fill_", [2], {}]]],
+    # a view of a view of a copy is a copy of a copy: a write into the first base
+    # refreshed the first copy only (seed 20002446, then variants)
+    "write_into_base_reaches_a_copy_of_a_copy": ["2d", [[[3, 9], 1, ["S0", "S1"], False]],
+                                                 [["reshape", [0], {"shape": [3, -1, 3]}],
+                                                  ["diagonal", [1], {"d0": 0, "d1": 1, "offset": 0}],
+                                                  ["copy_", [0], {"seed": 5, "fresh": True}]]],
+    "scaling_the_base_reaches_a_select_of_a_copy": ["2d", [[[3, 9], 1, ["S0", "S1"], False]],
+                                                    [["reshape", [0], {"shape": [3, -1, 3]}],
+                                                     ["select", [1], {"dim": 0, "index": 1}],
+                                                     ["mul_scalar_", [0], {"s": 3.0}]]],
 }
 
 
