@@ -84,6 +84,53 @@ def test_dtensor_identity_and_params(pool4):
         assert failures == {}
 
 
+def _case_python_tensor_methods():
+    """Tensor methods written in Python or C++ outside the dispatcher: the ones that take
+    a device from the tensor's dispatch key (new_tensor, new) and deepcopy, which copies
+    storage. A torchtitan-style init (nn.init.trunc_normal_ calls new_tensor) of a
+    sharded parameter must give the single-device values."""
+    import copy
+
+    m = mesh("2d")
+    checks = {}
+    x = make_dtensor(rand((5, 6), seed=1), m, [Shard(0), Shard(1)])
+    t = x.new_tensor([1.0, 2.0])
+    checks["new_tensor"] = (not isinstance(t, vescale.DTensor) and t.dtype == x.dtype and t.tolist() == [1.0, 2.0])
+    checks["new"] = tuple(x.new(3).shape) == (3,) and not isinstance(x.new(3), vescale.DTensor)
+
+    w = torch.nn.Parameter(make_dtensor(torch.zeros(9, 7, dtype=torch.float64), m, [Shard(0), Shard(1)]))
+    torch.manual_seed(5)
+    torch.nn.init.trunc_normal_(w, std=0.02, a=-0.03, b=0.03)  # rejection rounds (bounds at 1.5 std)
+    ref = torch.zeros(9, 7, dtype=torch.float64)
+    torch.manual_seed(5)
+    torch.nn.init.trunc_normal_(ref, std=0.02, a=-0.03, b=0.03)
+    checks["trunc_normal_"] = w.placements == (Shard(0), Shard(1)) and mismatch(w.full_tensor(), ref) is None
+
+    y = make_dtensor(rand((5, 6), seed=2), m, [Shard(1), Replicate()]).requires_grad_()
+    (y * 3).sum().backward()
+    y.tag = {"note": [1]}
+    z = copy.deepcopy(y)
+    checks["deepcopy"] = (z is not y and z.placements == y.placements and z.requires_grad and z.is_leaf
+                          and mismatch(z.full_tensor(), y.full_tensor()) is None
+                          and mismatch(z.grad.full_tensor(), y.grad.full_tensor()) is None
+                          and z.tag == y.tag and z.tag is not y.tag)
+    with torch.no_grad():
+        z.add_(1)
+    checks["deepcopy owns its data"] = mismatch(y.full_tensor(), rand((5, 6), seed=2)) is None
+    model = torch.nn.Linear(6, 4).double()
+    model.weight = torch.nn.Parameter(make_dtensor(rand((4, 6), seed=3), m, [Shard(0), Replicate()]))
+    twin = copy.deepcopy(model)
+    inp = make_dtensor(rand((3, 6), seed=4), m, [Replicate(), Replicate()])
+    checks["deepcopy of a module"] = (twin.weight is not model.weight and twin.weight.placements == (Shard(0), Replicate())
+                                      and mismatch(twin(inp).full_tensor(), model(inp).full_tensor()) is None)
+    return {k: v for k, v in checks.items() if v is not True}
+
+
+def test_python_tensor_methods(pool4):
+    for failures in pool4.run(_case_python_tensor_methods):
+        assert failures == {}
+
+
 def _case_inplace_views_and_plain():
     m = mesh("2d")
     a, b = rand((4, 6), seed=1), rand((4, 6), seed=2)

@@ -71,6 +71,9 @@ def _case_errors():
         "mesh ranks outside the world": _raises(lambda: vescale.DeviceMesh("cpu", [0, 7]), ValueError, "[7]"),
         "unknown mesh dim name": _raises(lambda: m2.get_strategy_size("PP"), KeyError, "'PP'", "DP"),
         "data_ptr": _raises(lambda: x.data_ptr(), RuntimeError, "data_ptr()", "to_local()"),
+        "tolist": _raises(lambda: x.tolist(), RuntimeError, "tolist()", "full_tensor().tolist()"),
+        "numpy": _raises(lambda: x.numpy(), RuntimeError, "numpy()", "to_local().numpy()"),
+        "__array__": _raises(lambda: x.__array__(), RuntimeError, "full_tensor()", "to_local()"),
         "storage": _raises(lambda: x.untyped_storage(), RuntimeError, "DTensorImpl", "to_local()"),
         "local shape does not fit the global shape": _raises(
             lambda: vescale.DTensor.from_local(torch.ones(3, 6), m1, [Shard(0)], shape=(4, 6)), ValueError,
