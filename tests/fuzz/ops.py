@@ -213,6 +213,71 @@ def inplace(draw):
     return draw_mutable
 
 
+# ---- draws of the second table: shifts, masks, scatters, pads, optimizer updates ------------
+
+def with_dim_shift(rng, values):
+    drawn = with_dim(rng, values)
+    return None if drawn is None else (drawn[0], {**drawn[1], "shift": rng.choice([-3, -1, 1, 2, 5])})
+
+
+def with_offset(rng, values):
+    """A value of 2+ dims and a diagonal offset (tril / triu act on the last two dims)."""
+    i = _pick(rng, [j for j in _floats(values) if values[j].dim() >= 2])
+    return None if i is None else ((i,), {"k": rng.choice([-2, -1, 0, 0, 1, 3])})
+
+
+def diagonal_draw(rng, values):
+    drawn = two_dims(rng, values)
+    return None if drawn is None else (drawn[0], {**drawn[1], "offset": rng.choice([-1, 0, 0, 1, 2])})
+
+
+def repeats_draw(rng, values):
+    i = _pick(rng, [j for j in _floats(values) if values[j].dim() > 0])
+    if i is None:
+        return None
+    return (i,), {"reps": tuple(rng.choice([1, 1, 2, 3]) for _ in range(values[i].dim() + rng.choice([0, 0, 1])))}
+
+
+def pad_draw(rng, values):
+    i = _pick(rng, [j for j in _floats(values) if values[j].dim() > 0])
+    if i is None:
+        return None
+    sides = rng.choice([1, 2]) if values[i].dim() >= 2 else 1
+    return (i,), {"pad": tuple(rng.choice([0, 1, 2, -1]) for _ in range(2 * sides)), "value": rng.choice([0.0, 1.5])}
+
+
+def sizes_draw(rng, values):
+    cands = [(j, d) for j in _floats(values) for d in range(values[j].dim()) if values[j].shape[d] >= 1]
+    if not cands:
+        return None
+    j, d = rng.choice(cands)
+    first = rng.randrange(values[j].shape[d] + 1)
+    return (j,), {"dim": d, "sizes": (first, values[j].shape[d] - first), "part": rng.randrange(2)}
+
+
+def unfold_draw(rng, values):
+    cands = [(j, d) for j in _floats(values) for d in range(values[j].dim()) if values[j].shape[d] >= 1]
+    if not cands:
+        return None
+    j, d = rng.choice(cands)
+    return (j,), {"dim": d, "size": rng.randint(1, min(3, values[j].shape[d])), "step": rng.choice([1, 2])}
+
+
+def random_draw(rng, values):
+    i = _pick(rng, _floats(values))
+    return None if i is None else ((i,), {"seed": rng.randrange(1 << 20)})
+
+
+def group_norm_draw(rng, values):
+    cands = [j for j in _floats(values) if values[j].dim() >= 2 and values[j].shape[1] > 0 and values[j].shape[0] > 0]
+    if not cands:
+        return None
+    j = rng.choice(cands)
+    c = values[j].shape[1]
+    return (j,), {"groups": rng.choice([g for g in (1, 2, 3) if c % g == 0]), "seed": rng.randrange(1 << 20),
+                  "fresh": "weight"}
+
+
 # ---- running: fresh tensors come through a factory the interpreter supplies -------------------
 
 def _matmul(x, *, n, seed, fresh, new):
@@ -313,6 +378,70 @@ def _redistribute(x, *, seed):
     codes = fresh_placements(seed, list(x.shape), name, partial=True)
     y = x.redistribute(mesh, placements_from_codes(codes), async_op=bool(seed & 1))
     return y.clone() if y is x else y  # to its own placements, redistribute hands back x itself
+
+
+def _einsum_dot(x, *, seed, fresh, new):
+    """A contraction of the last dim with a fresh operand (a sharded last dim gives a Partial)."""
+    return torch.einsum("...i,...i->...", x, new("weight", tuple(x.shape), seed))
+
+
+def _bmm(x, *, n, seed, fresh, new):
+    if x.dim() != 3:
+        raise ValueError("bmm takes a 3-d value")
+    return torch.bmm(x, new("weight", (x.shape[0], x.shape[2], n), seed))
+
+
+def _addmm(x, *, n, seed, fresh, new):
+    if x.dim() != 2:
+        raise ValueError("addmm takes a 2-d value")
+    return torch.addmm(new("weight", (n,), seed + 1), x, new("weight", (x.shape[1], n), seed), beta=0.5)
+
+
+def _scatter_add(x, *, dim, n, seed, fresh, new):
+    shape = list(x.shape)
+    shape[dim] = n
+    return x.scatter_add(dim, new("index", tuple(shape), seed, high=x.shape[dim]), new("weight", tuple(shape), seed + 1))
+
+
+def _index_add(x, *, dim, n, seed, fresh, new):
+    shape = list(x.shape)
+    shape[dim] = n
+    return x.index_add(dim, new("index", (n,), seed, high=x.shape[dim]), new("weight", tuple(shape), seed + 1), alpha=2.0)
+
+
+def _index_put_accumulate_(x, *, dim, n, seed, fresh, new):
+    """``x[idx] += values`` along dim 0, repeated indices summed (an embedding's backward)."""
+    idx = new("index", (n,), seed, high=x.shape[0])
+    return x.index_put_((idx,), new("weight", (n, *x.shape[1:]), seed + 1), accumulate=True)
+
+
+def _index_fill_(x, *, dim, n, seed, fresh, new):
+    return x.index_fill_(dim, new("index", (n,), seed, high=x.shape[dim]), -1.25)
+
+
+def _mse_loss(x, *, seed, fresh, new):
+    return F.mse_loss(x, new("weight", tuple(x.shape), seed))
+
+
+def _group_norm(x, *, groups, seed, fresh, new):
+    c = x.shape[1]
+    return F.group_norm(x, groups, new("weight", (c,), seed), new("weight", (c,), seed + 1))
+
+
+def _randn_like(x, *, seed):
+    torch.manual_seed(seed)  # the same state on every rank and in the reference
+    return x * torch.randn_like(x)
+
+
+def _normal_(x, *, seed):
+    torch.manual_seed(seed)
+    return x.normal_(0.0, 0.02)
+
+
+def _trunc_normal_(x, *, seed):
+    """torchtitan's weight init, in place on a (possibly sharded) tensor."""
+    torch.manual_seed(seed)
+    return torch.nn.init.trunc_normal_(x, std=0.02, a=-0.04, b=0.04)
 
 
 class _DataAlias(torch.autograd.Function):
@@ -437,6 +566,55 @@ OPS: list[Op] = [
     # the DTensor API inside a chain (identities on plain tensors)
     Op("redistribute", relayout_draw, _redistribute, 2),
     Op("local_round_trip", relayout_draw, _local_round_trip),
+
+    # the second table: what real models and optimizers add (masks, shifts, repeats,
+    # scatters, pads, contractions, random fills and in-place optimizer updates)
+    Op("sin", unary, torch.sin),
+    Op("cos", unary, torch.cos),
+    Op("log1p_abs", unary, lambda x: torch.log1p(x.abs())),
+    Op("sqrt_abs", unary, lambda x: (x.abs() + 0.1).sqrt()),
+    Op("softplus", unary, F.softplus),
+    Op("leaky_relu", unary, lambda x: F.leaky_relu(x, 0.1)),
+    Op("clamp_tensor", binary, lambda a, b: torch.clamp(a, min=b)),
+    Op("full_like", unary, lambda x: x + torch.full_like(x, 0.5)),
+    Op("flip", with_dim, lambda x, dim: x.flip(dim)),
+    Op("roll", with_dim_shift, lambda x, dim, shift: x.roll(shift, dim)),
+    Op("tril", with_offset, lambda x, k: x.tril(k)),
+    Op("triu", with_offset, lambda x, k: x.triu(k)),
+    Op("diagonal", diagonal_draw, lambda x, d0, d1, offset: x.diagonal(offset, d0, d1)),
+    Op("repeat", repeats_draw, lambda x, reps: x.repeat(*reps)),
+    Op("repeat_interleave", with_dim, lambda x, dim: x.repeat_interleave(2, dim)),
+    Op("pad", pad_draw, lambda x, pad, value: F.pad(x, pad, value=value)),
+    Op("split_sizes", sizes_draw, lambda x, dim, sizes, part: x.split(list(sizes), dim)[part]),
+    Op("tensor_split", with_dim, lambda x, dim: x.tensor_split(3, dim)[1]),
+    Op("unfold", unfold_draw, lambda x, dim, size, step: x.unfold(dim, size, step)),
+    Op("prod", with_dim, lambda x, dim: x.prod(dim)),
+    Op("cumprod", with_dim, lambda x, dim: x.cumprod(dim)),
+    Op("cummax", with_dim, lambda x, dim: x.cummax(dim).values),
+    Op("logcumsumexp", with_dim, lambda x, dim: x.logcumsumexp(dim)),
+    Op("std", with_dim_keepdim, lambda x, dim, keepdim: x.std(dim, keepdim=keepdim)),
+    Op("median", with_dim, lambda x, dim: x.median(dim).values),
+    Op("argmin", with_dim, lambda x, dim: x.argmin(dim).to(x.dtype)),
+    Op("any", with_dim, lambda x, dim: (x > 0.5).any(dim).to(x.dtype)),
+    Op("max_all", unary, torch.max),
+    Op("mean_all", unary, torch.mean),
+    Op("einsum_dot", fresh_same, _einsum_dot),
+    Op("bmm", matmul_draw, _bmm),
+    Op("addmm", matmul_draw, _addmm),
+    Op("scatter_add", index_draw, _scatter_add),
+    Op("index_add", index_draw, _index_add),
+    Op("mse_loss", fresh_same, _mse_loss),
+    Op("group_norm", group_norm_draw, _group_norm),
+    Op("randn_like", random_draw, _randn_like),
+    Op("index_put_acc_", inplace(index_draw), _index_put_accumulate_),
+    Op("index_fill_", inplace(index_draw), _index_fill_),
+    Op("sub_", inplace(binary), lambda a, b: a.sub_(b)),
+    Op("div_", inplace(binary), lambda a, b: a.div_(b.abs() + 0.5)),
+    Op("lerp_", inplace(binary), lambda a, b: a.lerp_(b, 0.1)),
+    Op("addcdiv_", inplace(binary), lambda a, b: a.addcdiv_(b, b.abs() + 1, value=-0.1)),
+    Op("clamp_min_", inplace(unary), lambda x: x.clamp_min_(-0.3)),
+    Op("normal_", inplace(random_draw), _normal_, 0.5),
+    Op("trunc_normal_", inplace(random_draw), _trunc_normal_, 0.5),
 ]
 
 OPS_BY_NAME = {op.name: op for op in OPS}
