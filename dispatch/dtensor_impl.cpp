@@ -2,6 +2,7 @@
 
 #include "collectives/collectives.h"
 
+#include <c10/core/InferenceMode.h>
 #include <c10/core/TensorOptions.h>
 #include <c10/util/Exception.h>
 
@@ -151,6 +152,22 @@ DTensorImpl* checked_dtensor_impl(const at::TensorBase& t, const char* what) {
 
 at::Tensor make_dtensor(at::Tensor local, SpecPtr spec) {
   return at::Tensor(c10::make_intrusive<DTensorImpl>(std::move(local), std::move(spec)));
+}
+
+at::Tensor make_dtensor_view(at::Tensor local, SpecPtr spec, const at::Tensor& base) {
+  if (C10_LIKELY(!c10::InferenceMode::is_enabled()) || base.is_inference()) return make_dtensor(std::move(local), std::move(spec));
+  // TensorImpl's constructor makes an inference tensor whenever inference mode is on:
+  // construct with it off, as torch constructs views of normal tensors.
+  struct InferenceModeOff {
+    const c10::AutogradState outside = c10::AutogradState::get_tls_state();
+    InferenceModeOff() {
+      auto state = outside;
+      state.set_inference_mode(false);
+      c10::AutogradState::set_tls_state(state);
+    }
+    ~InferenceModeOff() { c10::AutogradState::set_tls_state(outside); }
+  } off;
+  return make_dtensor(std::move(local), std::move(spec));
 }
 
 at::Tensor make_pending_dtensor(std::shared_ptr<collectives::PendingShard> pending, SpecPtr spec, c10::Device device) {

@@ -137,6 +137,10 @@ DTensorImpl* checked_dtensor_impl(const at::TensorBase& t, const char* what);
 
 // Wraps a local shard (which must not carry autograd history) with a spec.
 at::Tensor make_dtensor(at::Tensor local, SpecPtr spec);
+// A DTensor that is a view of `base`: as torch's views, a normal tensor when its base is
+// one, even in inference mode (which otherwise makes every new tensor an inference
+// tensor, and autograd's view tracking then fails on it).
+at::Tensor make_dtensor_view(at::Tensor local, SpecPtr spec, const at::Tensor& base);
 // Wraps a shard still in flight; `device` is where it will be.
 at::Tensor make_pending_dtensor(std::shared_ptr<collectives::PendingShard> pending, SpecPtr spec, c10::Device device);
 

@@ -163,6 +163,8 @@ void run_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     if (d.fallback_counter) {
       const Placements r(static_cast<size_t>(d.mesh->ndim()), Placement::replicate());
       out = make_dtensor(local, make_spec(d.mesh, r, local.sizes(), local.strides(), local.scalar_type()));
+    } else if (view_input >= 0) {
+      out = make_dtensor_view(local, checked_spec(info, d.outputs[slot], local), scan.tensors[view_input]);
     } else {
       out = make_dtensor(local, checked_spec(info, d.outputs[slot], local));
     }
@@ -251,6 +253,19 @@ TORCH_LIBRARY_IMPL(_, PrivateUse2, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&vescale::dtensor_kernel>());
 }
 
+namespace {
+
+// CompositeImplicitAutograd ops whose body, for a CPU tensor without grad that is not
+// "subclass-like" (at::isTensorSubclassLike: Python, functorch, meta... not our key),
+// reads the data pointer directly: they take the path torch takes for subclasses. Both
+// our keys get them (inference mode skips the autograd one).
+at::Tensor max_pool1d(const at::Tensor& self, c10::IntArrayRef kernel_size, c10::IntArrayRef stride,
+                      c10::IntArrayRef padding, c10::IntArrayRef dilation, bool ceil_mode) {
+  return std::get<0>(at::max_pool1d_with_indices(self, kernel_size, stride, padding, dilation, ceil_mode));
+}
+
+}  // namespace
+
 // Non-differentiable CompositeImplicitAutograd ops whose decomposition builds its result
 // with a factory (a plain tensor, filled in place from the DTensor): taken whole, so
 // the result is a DTensor. With a kernel for our backend key, our autograd key no
@@ -258,7 +273,9 @@ TORCH_LIBRARY_IMPL(_, PrivateUse2, m) {
 // no gradient.
 TORCH_LIBRARY_IMPL(aten, PrivateUse2, m) {
   m.impl("one_hot", torch::CppFunction::makeFromBoxedFunction<&vescale::dtensor_kernel>());
+  m.impl("max_pool1d", TORCH_FN(max_pool1d));
 }
 TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse2, m) {
   m.impl("one_hot", torch::CppFunction::makeFallthrough());
+  m.impl("max_pool1d", TORCH_FN(max_pool1d));
 }

@@ -276,3 +276,33 @@ def relayout_draw(rng, values):
     if i is None:
         return None
     return (i,), {"seed": rng.randrange(1 << 20)}
+
+
+# ---- draws of the third table: losses, convolutions, pools, data-dependent indices ------------
+
+def conv_draw(rng, values):
+    """A 3-d value as (batch, channels, length) and a fresh kernel of width 1-3."""
+    i = _pick(rng, [j for j in _floats(values) if values[j].dim() == 3 and values[j].shape[1] > 0])
+    if i is None:
+        return None
+    return (i,), {"n": rng.randint(1, 4), "k": rng.randint(1, 3), "pad": rng.randint(0, 1),
+                  "seed": rng.randrange(1 << 20), "fresh": "weight"}
+
+
+def pool_draw(rng, values):
+    i = _pick(rng, [j for j in _floats(values) if values[j].dim() == 3])
+    return None if i is None else ((i,), {"k": rng.choice([1, 2, 3]), "stride": rng.choice([1, 2])})
+
+
+def even_dim(rng, values):
+    cands = [(j, d) for j in _floats(values) for d in range(values[j].dim()) if values[j].shape[d] % 2 == 0]
+    if not cands:
+        return None
+    j, d = rng.choice(cands)
+    return (j,), {"dim": d}
+
+
+def last_dim_index_draw(rng, values):
+    """A value and a fresh index over its last dim, shaped like its leading dims."""
+    i = _pick(rng, [j for j in _floats(values) if values[j].dim() >= 1 and values[j].shape[-1] > 0])
+    return None if i is None else ((i,), {"seed": rng.randrange(1 << 20), "fresh": "index"})

@@ -13,7 +13,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .draws import (attention_draw, binary, cat_draw, cross_entropy_draw, diagonal_draw,
+from .draws import (attention_draw, binary, cat_draw, conv_draw, cross_entropy_draw, diagonal_draw, even_dim,
+                     last_dim_index_draw, pool_draw,
                      dropout_draw, expanding, fresh_same, group_norm_draw, index_draw, inplace,
                      matmul_draw, narrowing, new_dim, pad_draw, permuting, random_draw,
                      relayout_draw, repeats_draw, reshaping, scalar_draw, selecting, setitem_draw,
@@ -177,6 +178,46 @@ def _trunc_normal_(x, *, seed):
     """torchtitan's weight init, in place on a (possibly sharded) tensor."""
     torch.manual_seed(seed)
     return torch.nn.init.trunc_normal_(x, std=0.02, a=-0.04, b=0.04)
+
+
+def _cosine_similarity(x, *, seed, fresh, new):
+    return F.cosine_similarity(x, new("weight", tuple(x.shape), seed), dim=-1)
+
+
+def _bce_with_logits(x, *, seed, fresh, new):
+    return F.binary_cross_entropy_with_logits(x, torch.sigmoid(new("weight", tuple(x.shape), seed)))
+
+
+def _kl_div(x, *, seed, fresh, new):
+    return F.kl_div(x.log_softmax(-1), new("weight", tuple(x.shape), seed).softmax(-1), reduction="batchmean")
+
+
+def _smooth_l1(x, *, seed, fresh, new):
+    return F.smooth_l1_loss(x, new("weight", tuple(x.shape), seed), beta=0.5)
+
+
+def _conv1d(x, *, n, k, pad, seed, fresh, new):
+    return F.conv1d(x, new("weight", (n, x.shape[1], k), seed), new("weight", (n,), seed + 1), padding=pad)
+
+
+def _batch_norm(x, *, seed, fresh, new):
+    c = x.shape[1]
+    return F.batch_norm(x, None, None, new("weight", (c,), seed), new("weight", (c,), seed + 1), training=True)
+
+
+def _one_hot_add(x, *, seed, fresh, new):
+    """x plus a one-hot of a fresh index over its last dim (labels smoothed into logits)."""
+    idx = new("index", tuple(x.shape[:-1]), seed, high=x.shape[-1])
+    return x + F.one_hot(idx, x.shape[-1]).to(x.dtype)
+
+
+def _multinomial_gather(x, *, seed):
+    """Sample one column per row from softmax(x), then read the sampled logits (a policy's
+    log-probabilities of its own samples): the index comes from the data and the RNG."""
+    if x.dim() != 2 or x.shape[1] == 0:
+        raise ValueError("a 2-d value with columns")
+    torch.manual_seed(seed)
+    return x.gather(1, torch.multinomial(x.softmax(1), 1))
 
 
 class _DataAlias(torch.autograd.Function):
@@ -350,6 +391,31 @@ OPS: list[Op] = [
     Op("clamp_min_", inplace(unary), lambda x: x.clamp_min_(-0.3)),
     Op("normal_", inplace(random_draw), _normal_, 0.5),
     Op("trunc_normal_", inplace(random_draw), _trunc_normal_, 0.5),
+    # the third table: losses, convolutions, pools, normalizations and indices read from
+    # the data itself (argmax / argsort / samples feeding gather, scatter, take_along_dim)
+    Op("normalize", with_dim, lambda x, dim: F.normalize(x, dim=dim)),
+    Op("cosine_similarity", fresh_same, _cosine_similarity),
+    Op("bce_with_logits", fresh_same, _bce_with_logits),
+    Op("kl_div", fresh_same, _kl_div),
+    Op("smooth_l1", fresh_same, _smooth_l1),
+    Op("glu", even_dim, lambda x, dim: F.glu(x, dim)),
+    Op("logaddexp", binary, torch.logaddexp),
+    Op("atan2", binary, torch.atan2),
+    Op("pow_tensor", binary, lambda a, b: (a.abs() + 0.5).pow(b.clamp(-2, 2))),
+    Op("sign_round", unary, lambda x: torch.sign(x) * torch.round(x * 2)),
+    Op("where_scalar", unary, lambda x: torch.where(x > 0.2, x, 0.0)),
+    Op("conv1d", conv_draw, _conv1d),
+    Op("avg_pool1d", pool_draw, lambda x, k, stride: F.avg_pool1d(x, k, stride)),
+    Op("max_pool1d", pool_draw, lambda x, k, stride: F.max_pool1d(x, k, stride)),
+    Op("interpolate", pool_draw, lambda x, k, stride: F.interpolate(x, scale_factor=k, mode="linear" if stride == 2
+                                                                     else "nearest")),
+    Op("batch_norm", group_norm_draw, lambda x, groups, seed, fresh, new: _batch_norm(x, seed=seed, fresh=fresh,
+                                                                                      new=new)),
+    Op("one_hot_add", last_dim_index_draw, _one_hot_add),
+    Op("gather_argmax", with_dim, lambda x, dim: x.gather(dim, x.argmax(dim, keepdim=True))),
+    Op("take_along_argsort", with_dim, lambda x, dim: x.take_along_dim(x.argsort(dim), dim)),
+    Op("scatter_at_argmax", with_dim, lambda x, dim: x.scatter(dim, x.argmax(dim, keepdim=True), 0.0)),
+    Op("multinomial_gather", random_draw, _multinomial_gather, 0.5),
 ]
 
 OPS_BY_NAME = {op.name: op for op in OPS}

@@ -107,6 +107,9 @@ FINDINGS = {
                                                     [["reshape", [0], {"shape": [3, -1, 3]}],
                                                      ["select", [1], {"dim": 0, "index": 1}],
                                                      ["mul_scalar_", [0], {"s": 3.0}]]],
+    # max_pool1d's body reads the data pointer of a CPU tensor without grad (seed 22000865)
+    "max_pool1d_without_grad": ["1d4", [[[2, 3, 9], 1, ["S2"], False]],
+                                [["max_pool1d", [0], {"k": 2, "stride": 1}]]],
 }
 
 
