@@ -6,6 +6,8 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
 namespace vescale {
 
@@ -151,31 +153,58 @@ void keep_partial_sums(Placements& want, PlacementsRef grad) {
 }
 }  // namespace
 
+namespace {
+
+// The gradient in the leaf's own placements, or undefined when it already is.
+at::Tensor aligned_grad(const c10::weak_intrusive_ptr<c10::TensorImpl>& weak, const at::Tensor& grad) {
+  auto strong = weak.lock();
+  if (!strong || !grad.defined()) return {};
+  // The leaf's placements are read when the gradient arrives (`.data =` may have changed them).
+  const auto* leaf_impl = static_cast<DTensorImpl*>(strong.get());
+  const auto& spec = leaf_impl->spec();
+  auto want = partial_as_replicate(spec->placements);
+  if (leaf_impl->defer_partial_grads && is_dtensor(grad)) keep_partial_sums(want, dtensor_impl(grad)->spec()->placements);
+  // Backward formulas that build their result with a factory (zeros(...).scatter_)
+  // hand back a plain, whole gradient: it is the replicated value.
+  at::Tensor g = grad;
+  if (!is_dtensor(g)) {
+    const Placements replicated(want.size(), Placement::replicate());
+    g = make_dtensor(g, make_spec(spec->mesh, replicated, g.sizes(), g.strides(), g.scalar_type()));
+  } else if (PlacementsRef(dtensor_impl(g)->spec()->placements) == PlacementsRef(want)) {
+    return {};
+  }
+  return redistribute_no_grad(g, want);
+}
+
+// Runs first among the leaf's tensor hooks, so the user's hooks see the aligned gradient
+// too. It goes into the hook list directly, beside the one entry that Python's
+// `register_hook` (a dict) or C++'s (a list) keeps there: registering through either
+// API would replace the other's entry (torch: "using both is not defined behavior"), and
+// did, silently dropping the user's Python hooks. A weak reference keeps the hook from
+// holding the leaf alive.
+struct AlignGradPlacements final : torch::autograd::FunctionPreHook {
+  explicit AlignGradPlacements(c10::weak_intrusive_ptr<c10::TensorImpl> leaf) : leaf_(std::move(leaf)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    auto out = grads;
+    if (!out.empty())
+      if (auto g = aligned_grad(leaf_, out[0]); g.defined()) out[0] = std::move(g);
+    return out;
+  }
+
+ private:
+  c10::weak_intrusive_ptr<c10::TensorImpl> leaf_;
+};
+
+}  // namespace
+
 void align_grad_placements(const at::Tensor& leaf) {
-  auto* impl = checked_dtensor_impl(leaf, "align_grad_placements");
-  if (impl->grads_aligned) return;
-  impl->grads_aligned = true;
-  // The leaf's placements are read when the gradient arrives (`.data =` may have
-  // changed them); a weak reference keeps the hook from holding the leaf alive.
-  c10::weak_intrusive_ptr<c10::TensorImpl> weak(leaf.getIntrusivePtr());
-  leaf.register_hook([weak](const at::Tensor& grad) -> at::Tensor {
-    auto strong = weak.lock();
-    if (!strong || !grad.defined()) return {};
-    const auto* leaf_impl = static_cast<DTensorImpl*>(strong.get());
-    const auto& spec = leaf_impl->spec();
-    auto want = partial_as_replicate(spec->placements);
-    if (leaf_impl->defer_partial_grads && is_dtensor(grad)) keep_partial_sums(want, dtensor_impl(grad)->spec()->placements);
-    // Backward formulas that build their result with a factory (zeros(...).scatter_)
-    // hand back a plain, whole gradient: it is the replicated value.
-    at::Tensor g = grad;
-    if (!is_dtensor(g)) {
-      const Placements replicated(want.size(), Placement::replicate());
-      g = make_dtensor(g, make_spec(spec->mesh, replicated, g.sizes(), g.strides(), g.scalar_type()));
-    } else if (PlacementsRef(dtensor_impl(g)->spec()->placements) == PlacementsRef(want)) {
-      return {};
-    }
-    return redistribute_no_grad(g, want);
-  });
+  checked_dtensor_impl(leaf, "align_grad_placements");
+  // Re-inserted when gone: the first Python or C++ `register_hook` on the leaf clears
+  // the list before adding its own entry.
+  auto& hooks = torch::autograd::impl::hooks(leaf);
+  for (const auto& h : hooks)
+    if (dynamic_cast<const AlignGradPlacements*>(h.get()) != nullptr) return;
+  hooks.insert(hooks.begin(), std::make_unique<AlignGradPlacements>(c10::weak_intrusive_ptr<c10::TensorImpl>(leaf.getIntrusivePtr())));
 }
 
 void defer_partial_grads(const at::Tensor& param) {

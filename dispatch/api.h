@@ -30,8 +30,10 @@ at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placeme
 
 // Makes gradients accumulated into this leaf DTensor arrive in its own placements
 // (a hook redistributes each incoming gradient: a replicated gradient of a sharded
-// parameter is cut locally, a partial one is reduced). Idempotent. The dispatcher
-// calls it for every leaf that requires grad the first time the leaf meets an op.
+// parameter is cut locally, a partial one is reduced), ahead of the user's hooks.
+// Idempotent. The dispatcher calls it for every leaf that requires grad whenever the
+// leaf meets an op (a scan of its one or two hooks), since a first `register_hook` on the
+// leaf clears the hook list.
 void align_grad_placements(const at::Tensor& leaf);
 
 // Makes that hook leave Partial(sum) gradients Partial over the dims where `param` is

@@ -67,8 +67,6 @@ class DTensorImpl final : public c10::TensorImpl {
   void keep_reduced(at::Tensor local, SpecPtr spec);
   void drop_reduced();
 
-  // Set once a gradient-placement hook is attached (see align_grad_placements).
-  bool grads_aligned = false;
   // Set on a parameter whose Partial(sum) gradients over its replicated mesh dims are
   // reduced later, in buckets (vescale/parallel/tp_grads.py): the hook leaves them Partial.
   bool defer_partial_grads = false;

@@ -96,8 +96,8 @@ void run_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       locals[i] = t;
     } else {
       // A DTensor leaf that will receive a gradient gets it in its own placements;
-      // the hook goes on the first time the leaf takes part in an op.
-      if (C10_UNLIKELY(!impl->grads_aligned) && t.requires_grad() && t.is_leaf()) align_grad_placements(t);
+      // the hook goes on when the leaf takes part in an op (again if it was cleared).
+      if (t.requires_grad() && t.is_leaf()) align_grad_placements(t);
       locals[i] = impl->local();
     }
     if (impl != nullptr && static_cast<int>(scan.slots[i].arg) == info.view_of) view_input = static_cast<int>(i);
