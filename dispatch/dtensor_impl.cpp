@@ -68,7 +68,8 @@ int64_t DTensorImpl::live() { return g_live.load(std::memory_order_relaxed); }
 const char* DTensorImpl::tensorimpl_type_name() const {
   // Shown by torch in "Cannot access storage of <name>".
   return "vescale DTensorImpl (a distributed tensor owns no storage; call .to_local() for "
-         "this rank's shard)";
+         "this rank's shard, and save models and optimizers with vescale.save(path, state), which "
+         "every rank calls and which reshards on load)";
 }
 
 template <typename Version>

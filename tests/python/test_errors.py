@@ -1,6 +1,8 @@
 """Bad input raises a Python exception that names the problem and the fix; the
 process survives and keeps computing correctly afterwards."""
 
+import io
+
 import pytest
 import torch
 
@@ -75,6 +77,7 @@ def _case_errors():
         "numpy": _raises(lambda: x.numpy(), RuntimeError, "numpy()", "to_local().numpy()"),
         "__array__": _raises(lambda: x.__array__(), RuntimeError, "full_tensor()", "to_local()"),
         "storage": _raises(lambda: x.untyped_storage(), RuntimeError, "DTensorImpl", "to_local()"),
+        "torch.save": _raises(lambda: torch.save({"w": x}, io.BytesIO()), RuntimeError, "vescale.save(path, state)"),
         "local shape does not fit the global shape": _raises(
             lambda: vescale.DTensor.from_local(torch.ones(3, 6), m1, [Shard(0)], shape=(4, 6)), ValueError,
             "shape [3, 6]", "shard of shape"),
