@@ -17,7 +17,7 @@ from vescale.autoplan.transfer import profile_like
 
 from examples.models.gpt import GPT, GPTConfig
 from examples.models.llama import LlamaConfig, LlamaForCausalLM
-from test_autoplan import BATCH, COMM, SEQ, VOCAB, _tokens
+from autoplan_models import BATCH, COMM, SEQ, VOCAB, tokens
 
 
 def _gpt(layers: int, width: int):
@@ -42,11 +42,11 @@ def _qwen2(layers: int, width: int):
 
 
 def _hf_batch():
-    x, _ = _tokens()
+    x, _ = tokens()
     return {"input_ids": x, "labels": x}
 
 
-MODELS = {"gpt": (_gpt, _tokens), "llama": (_llama, _tokens), "qwen2": (_qwen2, _hf_batch)}
+MODELS = {"gpt": (_gpt, tokens), "llama": (_llama, tokens), "qwen2": (_qwen2, _hf_batch)}
 
 
 def _on_meta(make, *args):
@@ -104,10 +104,10 @@ def test_planning_a_model_on_meta_from_a_smaller_ones_timings():
     collectives and per-rank parameter bytes as its own what-if runs find, the saved bytes
     within 1% plus 256 bytes (a meta run counts a 128-byte position index once more than a
     real one), the times the smaller model's scaled."""
-    small = plan_eager(_gpt(2, 32), _tokens(), world=4, comm=COMM, steps=1)
+    small = plan_eager(_gpt(2, 32), tokens(), world=4, comm=COMM, steps=1)
     meta = _on_meta(_gpt, 4, 64)
-    derived = plan_eager(meta, _tokens(), world=4, comm=COMM, like=small)
-    own = plan_eager(_gpt(4, 64), _tokens(), world=4, comm=COMM, steps=1)
+    derived = plan_eager(meta, tokens(), world=4, comm=COMM, like=small)
+    own = plan_eager(_gpt(4, 64), tokens(), world=4, comm=COMM, steps=1)
     assert "not run here: times scaled from GPT's profile" in str(derived)
     assert derived.ranked and len(derived.ranked) == len(own.ranked)
     assert {k: ch.placements for k, ch in derived.tp_choices.items()} == \
@@ -133,17 +133,17 @@ def test_planning_a_model_on_meta_from_a_smaller_ones_timings():
 
 
 def test_a_model_unlike_the_profiled_one_is_refused():
-    small = plan_eager(_gpt(2, 32), _tokens(), world=4, comm=COMM, steps=1,
+    small = plan_eager(_gpt(2, 32), tokens(), world=4, comm=COMM, steps=1,
                        constraints={"tensor_parallel.size": 2})
     with pytest.raises(PlanError, match=r"class DecoderLayer.*\(GPT\) does not have.*same kinds of modules"):
-        plan_eager(_on_meta(_llama, 4, 64), _tokens(), world=4, comm=COMM, like=small)
+        plan_eager(_on_meta(_llama, 4, 64), tokens(), world=4, comm=COMM, like=small)
     with pytest.raises(PlanError, match="lives on meta.*like="):
-        plan_eager(_on_meta(_gpt, 4, 64), _tokens(), world=4, comm=COMM)
+        plan_eager(_on_meta(_gpt, 4, 64), tokens(), world=4, comm=COMM)
     with pytest.raises(PlanError, match="planned for 4 ranks, not 2"):
-        plan_eager(_on_meta(_gpt, 4, 64), _tokens(), world=2, comm=COMM, like=small)
+        plan_eager(_on_meta(_gpt, 4, 64), tokens(), world=2, comm=COMM, like=small)
     # a degree the profiled model was not planned at: refused with the reason, the rest planned
-    result = plan_eager(_on_meta(_gpt, 4, 64), _tokens(), world=4, comm=COMM, like=small)
+    result = plan_eager(_on_meta(_gpt, 4, 64), tokens(), world=4, comm=COMM, like=small)
     assert result.ranked and all(c.config["tp"] in (1, 2) for c in result.ranked)
     assert any("no timings at TP 4" in c.verdict for c in result.rejected)
-    assert isinstance(vescale.generate_plan({"mesh.TP": 2}, _on_meta(_gpt, 4, 64), sample_batch=_tokens(), world=4,
+    assert isinstance(vescale.generate_plan({"mesh.TP": 2}, _on_meta(_gpt, 4, 64), sample_batch=tokens(), world=4,
                                             comm=COMM, like=small), vescale.Plan)
