@@ -159,15 +159,15 @@ void run_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   auto wrap = [&](const at::Tensor& local) -> at::Tensor {
     const size_t slot = j++;
     if (!local.defined()) return local;
-    at::Tensor out;
+    SpecPtr spec;
     if (d.fallback_counter) {
       const Placements r(static_cast<size_t>(d.mesh->ndim()), Placement::replicate());
-      out = make_dtensor(local, make_spec(d.mesh, r, local.sizes(), local.strides(), local.scalar_type()));
-    } else if (view_input >= 0) {
-      out = make_dtensor_view(local, checked_spec(info, d.outputs[slot], local), scan.tensors[view_input]);
+      spec = make_spec(d.mesh, r, local.sizes(), local.strides(), local.scalar_type());
     } else {
-      out = make_dtensor(local, checked_spec(info, d.outputs[slot], local));
+      spec = checked_spec(info, d.outputs[slot], local);
     }
+    at::Tensor out = view_input >= 0 ? make_dtensor_view(local, std::move(spec), scan.tensors[view_input])
+                                     : make_dtensor(local, std::move(spec));
     dtensor_impl(out)->keeps_placements = false;
     if (C10_UNLIKELY(view_of_copy)) {
       record_view_of_copy(out, scan.tensors[view_input], locals[view_input], d.targets[view_input]);

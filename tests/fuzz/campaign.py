@@ -68,19 +68,19 @@ def _without_step(program: Program, drop: int) -> Program | None:
         if dropped_value in args:
             return None
         steps.append([name, tuple(a - (a > dropped_value) for a in args), params])
-    return Program(program.mesh, program.inputs, steps)
+    return Program(program.mesh, program.inputs, steps, program.mode)
 
 
 def _without_input(program: Program, drop: int) -> Program | None:
     if len(program.inputs) == 1 or any(drop in args for _, args, _ in program.steps):
         return None
     steps = [[name, tuple(a - (a > drop) for a in args), params] for name, args, params in program.steps]
-    return Program(program.mesh, [i for k, i in enumerate(program.inputs) if k != drop], steps)
+    return Program(program.mesh, [i for k, i in enumerate(program.inputs) if k != drop], steps, program.mode)
 
 
 def _candidates(program: Program):
     for k in range(1, len(program.steps)):  # shorter prefixes first
-        yield Program(program.mesh, program.inputs, program.steps[:k])
+        yield Program(program.mesh, program.inputs, program.steps[:k], program.mode)
     for k in range(len(program.steps) - 1, -1, -1):
         if (p := _without_step(program, k)) is not None:
             yield p
@@ -94,7 +94,7 @@ def _candidates(program: Program):
                 placements[j] = "R"
                 inputs = [list(i) for i in program.inputs]
                 inputs[k] = [spec[0], spec[1], placements, spec[3]]
-                yield Program(program.mesh, inputs, program.steps)
+                yield Program(program.mesh, inputs, program.steps, program.mode)
 
 
 def shrink(ranks: Ranks, program: Program, kind: str, budget: int = 60) -> Program:
@@ -116,7 +116,7 @@ def shrink(ranks: Ranks, program: Program, kind: str, budget: int = 60) -> Progr
 # ---- the campaign -------------------------------------------------------------------------------
 
 def campaign(chains: int, seed: int, batch: int = 25, shrink_findings: bool = True, log=print,
-             mesh: str | None = None) -> dict:
+             mesh: str | None = None, mode: str = "grad") -> dict:
     ranks = start_ranks()
     counts: collections.Counter = collections.Counter()
     findings = []
@@ -125,6 +125,8 @@ def campaign(chains: int, seed: int, batch: int = 25, shrink_findings: bool = Tr
         for first in range(0, chains, batch):
             seeds = list(range(seed + first, seed + min(first + batch, chains)))
             programs = [generate(random.Random(s), mesh) for s in seeds]
+            for p in programs:
+                p.mode = mode
             for s, program, (kind, detail) in zip(seeds, programs, run_batch(ranks, programs)):
                 counts[kind] += 1
                 if kind == "ok":
@@ -151,9 +153,12 @@ def main() -> None:
     world = 4  # start_ranks' default; a mesh over fewer ranks leaves ranks outside it
     parser.add_argument("--mesh", default=None, choices=sorted(n for n, s in MESHES.items() if math.prod(s) == world),
                         help="draw every program on this mesh (default: 1d4 or 2d at random)")
+    parser.add_argument("--inference", action="store_true",
+                        help="run the steps under torch.inference_mode() (values only, no backward)")
     args = parser.parse_args()
     result = campaign(args.chains, args.seed, args.batch, not args.no_shrink,
-                      log=lambda *a: print(*a, file=sys.stderr, flush=True), mesh=args.mesh)
+                      log=lambda *a: print(*a, file=sys.stderr, flush=True), mesh=args.mesh,
+                      mode="inference" if args.inference else "grad")
     print(json.dumps({k: v for k, v in result.items() if k != "findings"}))
     if args.out:
         with open(args.out, "w") as f:

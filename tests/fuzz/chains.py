@@ -29,17 +29,21 @@ class Program:
     mesh: str
     inputs: list = field(default_factory=list)   # (shape, seed, placements, requires_grad)
     steps: list = field(default_factory=list)    # (op name, value indices, params)
+    # "grad": forward and backward; "inference": the steps run under torch.inference_mode()
+    # (inputs made outside it), values compared, no backward
+    mode: str = "grad"
 
     def to_literal(self) -> tuple:
-        return (self.mesh, [tuple(i) for i in self.inputs], [tuple(s) for s in self.steps])
+        lit = (self.mesh, [tuple(i) for i in self.inputs], [tuple(s) for s in self.steps])
+        return lit if self.mode == "grad" else (*lit, self.mode)
 
     @staticmethod
     def from_literal(lit) -> "Program":
-        mesh, inputs, steps = lit
-        return Program(mesh, [list(i) for i in inputs], [list(s) for s in steps])
+        mesh, inputs, steps, *mode = lit
+        return Program(mesh, [list(i) for i in inputs], [list(s) for s in steps], *mode)
 
     def describe(self) -> str:
-        lines = [f"mesh {self.mesh}"]
+        lines = [f"mesh {self.mesh}" + (f", {self.mode} mode" if self.mode != "grad" else "")]
         for k, (shape, _, placements, grad) in enumerate(self.inputs):
             lines.append(f"v{k} = input{tuple(shape)} {placements}{' requires_grad' if grad else ''}")
         n = len(self.inputs)
@@ -123,8 +127,9 @@ def run_program(program: Program, factory) -> tuple[list, list]:
     """The inputs and every value the steps produce (forward only)."""
     inputs = [factory.input(*spec) for spec in program.inputs]
     values = list(inputs)
-    for name, args, params in program.steps:
-        values.append(run_step(values, factory, name, args, params))
+    with torch.inference_mode(program.mode == "inference"):
+        for name, args, params in program.steps:
+            values.append(run_step(values, factory, name, args, params))
     return inputs, values
 
 

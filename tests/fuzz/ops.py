@@ -369,7 +369,9 @@ OPS: list[Op] = [
     Op("cummax", with_dim, lambda x, dim: x.cummax(dim).values),
     Op("logcumsumexp", with_dim, lambda x, dim: x.logcumsumexp(dim)),
     Op("std", with_dim_keepdim, lambda x, dim, keepdim: x.std(dim, keepdim=keepdim)),
-    Op("median", with_dim, lambda x, dim: x.median(dim).values),
+    # contiguous first: torch 2.13's CPU median(dim) over a dim of stride 0 (an expanded
+    # tensor) returns uninitialized values on plain tensors too (docs/fuzzing.md)
+    Op("median", with_dim, lambda x, dim: x.contiguous().median(dim).values),
     Op("argmin", with_dim, lambda x, dim: x.argmin(dim).to(x.dtype)),
     Op("any", with_dim, lambda x, dim: (x > 0.5).any(dim).to(x.dtype)),
     Op("max_all", unary, torch.max),

@@ -110,6 +110,14 @@ FINDINGS = {
     # max_pool1d's body reads the data pointer of a CPU tensor without grad (seed 22000865)
     "max_pool1d_without_grad": ["1d4", [[[2, 3, 9], 1, ["S2"], False]],
                                 [["max_pool1d", [0], {"k": 2, "stride": 1}]]],
+    # in inference mode, a view op through the replicate fallback made an inference
+    # tensor of a normal tensor's view, and autograd's view tracking failed (seed 25001343)
+    "unfold_in_inference_mode": ["1d4", [[[1, 9], 1, ["R"], True]],
+                                 [["unfold", [0], {"dim": 1, "size": 2, "step": 2}]], "inference"],
+    "views_and_writes_in_inference_mode": ["2d", [[[4, 6], 3, ["S1", "S0"], False]],
+                                           [["transpose", [0], {"d0": 0, "d1": 1}],
+                                            ["narrow", [1], {"dim": 0, "start": 1, "length": 3}],
+                                            ["mul_scalar_", [2], {"s": 3.0}]], "inference"],
 }
 
 

@@ -4,7 +4,7 @@ size-1 dims, 1-d and 2-d meshes), forward and backward, against plain torch in f
 
 The seeds are fixed so that a failure reproduces; VESCALE_FUZZ_SEED and
 VESCALE_FUZZ_CHAINS pick others. The long campaign (docs/fuzzing.md) is
-``python -m tests.fuzz.campaign --chains 20000``."""
+``python -m tests.fuzz.campaign --chains 20000`` (``--inference`` for inference mode)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,17 @@ def test_random_chains_match_single_device():
     chains = int(os.environ.get("VESCALE_FUZZ_CHAINS", "400"))
     seed = int(os.environ.get("VESCALE_FUZZ_SEED", "7000000"))
     result = campaign(chains, seed, shrink_findings=True, log=lambda *a: None)
+    findings = "\n\n".join(f"seed {f['seed']}: {f['kind']}: {f['detail']}\n{f['text']}\nliteral: {f['program']}"
+                           for f in result["findings"])
+    assert result["counts"].get("ok", 0) == chains, f"{result['counts']}\n\n{findings}"
+
+
+def test_random_chains_in_inference_mode_match_single_device():
+    """The same generator's programs with their steps under torch.inference_mode()
+    (inputs made outside it, as a model's parameters are): values only."""
+    chains = int(os.environ.get("VESCALE_FUZZ_CHAINS", "400")) // 2
+    seed = int(os.environ.get("VESCALE_FUZZ_SEED", "7000000")) + 500000
+    result = campaign(chains, seed, shrink_findings=True, log=lambda *a: None, mode="inference")
     findings = "\n\n".join(f"seed {f['seed']}: {f['kind']}: {f['detail']}\n{f['text']}\nliteral: {f['program']}"
                            for f in result["findings"])
     assert result["counts"].get("ok", 0) == chains, f"{result['counts']}\n\n{findings}"
