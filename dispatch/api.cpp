@@ -151,9 +151,6 @@ void keep_partial_sums(Placements& want, PlacementsRef grad) {
   for (size_t m = 0; m < want.size(); ++m)
     if (want[m].is_replicate() && grad[m].is_partial(ReduceOp::Sum)) want[m] = grad[m];
 }
-}  // namespace
-
-namespace {
 
 // The gradient in the leaf's own placements, or undefined when it already is.
 at::Tensor aligned_grad(const c10::weak_intrusive_ptr<c10::TensorImpl>& weak, const at::Tensor& grad) {
@@ -199,11 +196,11 @@ struct AlignGradPlacements final : torch::autograd::FunctionPreHook {
 
 void align_grad_placements(const at::Tensor& leaf) {
   checked_dtensor_impl(leaf, "align_grad_placements");
-  // Re-inserted when gone: the first Python or C++ `register_hook` on the leaf clears
-  // the list before adding its own entry.
+  // Only this function inserts at the front, and torch only appends after clearing the
+  // list (the first Python or C++ `register_hook` on the leaf): when the front entry is
+  // not ours, ours is gone and goes back in.
   auto& hooks = torch::autograd::impl::hooks(leaf);
-  for (const auto& h : hooks)
-    if (dynamic_cast<const AlignGradPlacements*>(h.get()) != nullptr) return;
+  if (!hooks.empty() && dynamic_cast<const AlignGradPlacements*>(hooks.front().get()) != nullptr) return;
   hooks.insert(hooks.begin(), std::make_unique<AlignGradPlacements>(c10::weak_intrusive_ptr<c10::TensorImpl>(leaf.getIntrusivePtr())));
 }
 

@@ -32,7 +32,7 @@ at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placeme
 // (a hook redistributes each incoming gradient: a replicated gradient of a sharded
 // parameter is cut locally, a partial one is reduced), ahead of the user's hooks.
 // Idempotent. The dispatcher calls it for every leaf that requires grad whenever the
-// leaf meets an op (a scan of its one or two hooks), since a first `register_hook` on the
+// leaf meets an op (a look at its first hook), since a first `register_hook` on the
 // leaf clears the hook list.
 void align_grad_placements(const at::Tensor& leaf);
 

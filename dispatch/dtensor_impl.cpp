@@ -159,15 +159,7 @@ at::Tensor make_dtensor_view(at::Tensor local, SpecPtr spec, const at::Tensor& b
   if (C10_LIKELY(!c10::InferenceMode::is_enabled()) || base.is_inference()) return make_dtensor(std::move(local), std::move(spec));
   // TensorImpl's constructor makes an inference tensor whenever inference mode is on:
   // construct with it off, as torch constructs views of normal tensors.
-  struct InferenceModeOff {
-    const c10::AutogradState outside = c10::AutogradState::get_tls_state();
-    InferenceModeOff() {
-      auto state = outside;
-      state.set_inference_mode(false);
-      c10::AutogradState::set_tls_state(state);
-    }
-    ~InferenceModeOff() { c10::AutogradState::set_tls_state(outside); }
-  } off;
+  c10::InferenceMode off(/*enabled=*/false);
   return make_dtensor(std::move(local), std::move(spec));
 }
 

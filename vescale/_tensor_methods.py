@@ -2,7 +2,7 @@
 
 Op results are created in C++ below Python, so their Python class is plain
 ``torch.Tensor``; turning each into a ``DTensor`` object would put Python back on
-every op. Instead three narrow hooks go on ``torch.Tensor``:
+every op. Instead a few narrow hooks go on ``torch.Tensor``:
 
 * ``__getattr__`` (only consulted when normal lookup fails, so plain tensors pay
   nothing) resolves ``to_local``, ``placements``, ``device_mesh``... on DTensors;
@@ -55,18 +55,8 @@ def _install() -> None:
 
     torch.Tensor.__repr__ = __repr__
 
-    plain_data_ptr = torch.Tensor.data_ptr
-
-    def data_ptr(self):
-        if _C.is_dtensor(self):
-            raise RuntimeError(
-                f"data_ptr() is not defined for a DTensor ({self.placements} on {self.device_mesh}): it owns "
-                f"no storage of its own; use .to_local().data_ptr() for this rank's shard")
-        return plain_data_ptr(self)
-
-    torch.Tensor.data_ptr = data_ptr
-
-    for name, fix in (("tolist", ".full_tensor().tolist() (a collective: every rank must call it)"),
+    for name, fix in (("data_ptr", ".to_local().data_ptr() for this rank's shard"),
+                      ("tolist", ".full_tensor().tolist() (a collective: every rank must call it)"),
                       ("numpy", ".full_tensor().numpy() (a collective) or .to_local().numpy() for this rank's shard"),
                       ("__array__", "np.asarray(x.full_tensor()) (a collective) or np.asarray(x.to_local())")):
         setattr(torch.Tensor, name, _refused_on_dtensors(getattr(torch.Tensor, name), name, fix))
@@ -80,8 +70,8 @@ def _install() -> None:
 def _refused_on_dtensors(plain, name, fix):
     def method(self, *args, **kwargs):
         if _C.is_dtensor(self):
-            raise RuntimeError(f"{name}() reads the data of one tensor, and a DTensor ({self.placements} on "
-                               f"{self.device_mesh}) is spread over ranks; use {fix}")
+            raise RuntimeError(f"{name}() reads the storage of one tensor, and a DTensor ({self.placements} on "
+                               f"{self.device_mesh}) owns none: its data is spread over ranks; use {fix}")
         return plain(self, *args, **kwargs)
     method.__name__ = name
     method.__doc__ = plain.__doc__

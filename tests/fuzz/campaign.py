@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -68,19 +69,19 @@ def _without_step(program: Program, drop: int) -> Program | None:
         if dropped_value in args:
             return None
         steps.append([name, tuple(a - (a > dropped_value) for a in args), params])
-    return Program(program.mesh, program.inputs, steps, program.mode)
+    return dataclasses.replace(program, steps=steps)
 
 
 def _without_input(program: Program, drop: int) -> Program | None:
     if len(program.inputs) == 1 or any(drop in args for _, args, _ in program.steps):
         return None
     steps = [[name, tuple(a - (a > drop) for a in args), params] for name, args, params in program.steps]
-    return Program(program.mesh, [i for k, i in enumerate(program.inputs) if k != drop], steps, program.mode)
+    return dataclasses.replace(program, inputs=[i for k, i in enumerate(program.inputs) if k != drop], steps=steps)
 
 
 def _candidates(program: Program):
     for k in range(1, len(program.steps)):  # shorter prefixes first
-        yield Program(program.mesh, program.inputs, program.steps[:k], program.mode)
+        yield dataclasses.replace(program, steps=program.steps[:k])
     for k in range(len(program.steps) - 1, -1, -1):
         if (p := _without_step(program, k)) is not None:
             yield p
@@ -94,7 +95,7 @@ def _candidates(program: Program):
                 placements[j] = "R"
                 inputs = [list(i) for i in program.inputs]
                 inputs[k] = [spec[0], spec[1], placements, spec[3]]
-                yield Program(program.mesh, inputs, program.steps, program.mode)
+                yield dataclasses.replace(program, inputs=inputs)
 
 
 def shrink(ranks: Ranks, program: Program, kind: str, budget: int = 60) -> Program:
