@@ -3,6 +3,7 @@
 #include "collectives/collectives.h"
 #include "collectives/trace.h"
 #include "dispatch/dtensor_impl.h"
+#include "dispatch/view_copies.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -105,7 +106,9 @@ at::Tensor from_local(const at::Tensor& local, SpecPtr spec) {
   // the global order, which memory-order ops (dropout's draws) need to match one device.
   const auto laid_out = collectives::keeps_order_of(local, spec->stride) ? local
                                                                         : collectives::with_layout_of(local, spec->stride);
-  return FromLocal::apply(laid_out, capsule(std::move(spec)));
+  auto out = FromLocal::apply(laid_out, capsule(std::move(spec)));
+  adopt_copy_record(out);
+  return out;
 }
 
 at::Tensor to_local(const at::Tensor& dtensor, std::optional<Placements> grad_placements) {

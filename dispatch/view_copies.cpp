@@ -22,6 +22,13 @@ StorageMap<Copies>& registry() {
   return map;
 }
 
+// A copy's storage -> its record, for tensors that share a copy's data without having
+// been made by a view op on it (from_local of a view's to_local).
+StorageMap<std::weak_ptr<const Record>>& records_by_copy() {
+  static StorageMap<std::weak_ptr<const Record>> map;
+  return map;
+}
+
 const void* storage_key(const at::Tensor& local) {
   return local.has_storage() ? local.storage().unsafeGetStorageImpl() : nullptr;
 }
@@ -87,11 +94,35 @@ void refresh_copies(const at::Tensor& written, const Mesh& mesh, const void* ski
 void record_view_of_copy(const at::Tensor& view, const at::Tensor& base, at::Tensor copy_local, SpecPtr copy_spec) {
   auto record = std::make_shared<const Record>(Record{snapshot(base), copy_local, std::move(copy_spec)});
   dtensor_impl(view)->copy_of = record;
+  if (record->copy_local.has_storage()) {
+    auto& by_copy = records_by_copy();
+    std::lock_guard<std::mutex> lock(by_copy.mutex);
+    by_copy.get(record->copy_local) = record;
+  }
   const auto& local = dtensor_impl(base)->local();
   if (!local.has_storage()) return;
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   r.get(local).push_back(record);
+}
+
+void adopt_copy_record(const at::Tensor& dtensor) {
+  auto& by_copy = records_by_copy();
+  auto* impl = dtensor_impl(dtensor);
+  if (by_copy.size() == 0 || !impl->local().has_storage()) return;
+  std::shared_ptr<const Record> record;
+  {
+    std::lock_guard<std::mutex> lock(by_copy.mutex);
+    const auto* weak = by_copy.find(impl->local());
+    if (weak == nullptr) return;  // the same answer on every rank: the storage is alive
+    record = weak->lock();
+  }
+  // Whether the record is still alive is a per-rank fact (the views holding it may be
+  // gone on one rank only); a write would push back through a collective, so the ranks
+  // agree first. A copy on another mesh is left alone: its ranks are not all here.
+  const auto& mesh = *impl->spec()->mesh;
+  const bool same_mesh = record == nullptr || record->copy_spec->mesh.get() == &mesh;
+  if (collectives::all_ranks(mesh, record != nullptr && same_mesh)) impl->copy_of = std::move(record);
 }
 
 void after_write(const at::Tensor& written, const void* skip) {

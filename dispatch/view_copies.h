@@ -20,6 +20,10 @@ namespace vescale {
 // Records `view` as a view of `copy_local` (laid out as `copy_spec`), a copy of `base`.
 void record_view_of_copy(const at::Tensor& view, const at::Tensor& base, at::Tensor copy_local, SpecPtr copy_spec);
 
+// `dtensor` was made by from_local over (part of) a copy's storage: it takes the copy's
+// record, so that writes into it reach the copy's base as writes into the view do.
+void adopt_copy_record(const at::Tensor& dtensor);
+
 // After an op wrote into `written`'s shard: refresh the copies taken from what it
 // aliases (except the one whose shard is `skip`), and push a copy back into its base.
 // Costs one relaxed load when no copy is registered anywhere.

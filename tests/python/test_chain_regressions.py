@@ -107,6 +107,17 @@ FINDINGS = {
                                                     [["reshape", [0], {"shape": [3, -1, 3]}],
                                                      ["select", [1], {"dim": 0, "index": 1}],
                                                      ["mul_scalar_", [0], {"s": 3.0}]]],
+    # a round trip of a view taken from a copy shares the copy's data but not its record,
+    # so a write into it never reached the base (seed 26000215, then variants)
+    "write_into_round_trip_of_a_copy_reaches_the_base": ["2d", [[[5], 1, ["S0", "R"], True]],
+                                                         [["narrow", [0], {"dim": 0, "start": 2, "length": 2}],
+                                                          ["local_round_trip", [1], {"seed": 3}], ["neg_", [2], {}]]],
+    "write_into_two_round_trips_of_a_copy": ["1d4", [[[8], 1, ["S0"], False]],
+                                             [["narrow", [0], {"dim": 0, "start": 2, "length": 4}],
+                                              ["local_round_trip", [1], {"seed": 3}],
+                                              ["local_round_trip", [2], {"seed": 4}],
+                                              ["mul_scalar_", [3], {"s": 3.0}], ["mul_scalar_", [0], {"s": 2.0}],
+                                              ["add", [3, 1], {}]]],
     # max_pool1d's body reads the data pointer of a CPU tensor without grad (seed 22000865)
     "max_pool1d_without_grad": ["1d4", [[[2, 3, 9], 1, ["S2"], False]],
                                 [["max_pool1d", [0], {"k": 2, "stride": 1}]]],
