@@ -264,6 +264,12 @@ at::Tensor max_pool1d(const at::Tensor& self, c10::IntArrayRef kernel_size, c10:
   return std::get<0>(at::max_pool1d_with_indices(self, kernel_size, stride, padding, dilation, ceil_mode));
 }
 
+// A fact about this rank's memory, not about the global value: answered by the shard
+// (through the rules it would be a replicate fallback, gathering the tensor to ask).
+bool is_pinned(const at::Tensor& self, std::optional<at::Device> device) {
+  return vescale::dtensor_impl(self)->local().is_pinned(device);
+}
+
 }  // namespace
 
 // Non-differentiable CompositeImplicitAutograd ops whose decomposition builds its result
@@ -274,6 +280,7 @@ at::Tensor max_pool1d(const at::Tensor& self, c10::IntArrayRef kernel_size, c10:
 TORCH_LIBRARY_IMPL(aten, PrivateUse2, m) {
   m.impl("one_hot", torch::CppFunction::makeFromBoxedFunction<&vescale::dtensor_kernel>());
   m.impl("max_pool1d", TORCH_FN(max_pool1d));
+  m.impl("is_pinned", TORCH_FN(is_pinned));
 }
 TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse2, m) {
   m.impl("one_hot", torch::CppFunction::makeFallthrough());

@@ -27,6 +27,7 @@ for path in (ROOT, os.path.join(ROOT, "tests", "python")):
         sys.path.insert(0, path)
 
 from tests.fuzz.chains import MESHES, Program, generate  # noqa: E402
+from tests.fuzz.ops import OPS_BY_NAME  # noqa: E402
 from tests.opinfo.pool import Ranks  # noqa: E402
 
 HANDLER = "tests.fuzz.rank:handle"
@@ -117,7 +118,7 @@ def shrink(ranks: Ranks, program: Program, kind: str, budget: int = 60) -> Progr
 # ---- the campaign -------------------------------------------------------------------------------
 
 def campaign(chains: int, seed: int, batch: int = 25, shrink_findings: bool = True, log=print,
-             mesh: str | None = None, mode: str = "grad") -> dict:
+             mesh: str | None = None, mode: str = "grad", boost: tuple[str, ...] = ()) -> dict:
     ranks = start_ranks()
     counts: collections.Counter = collections.Counter()
     findings = []
@@ -125,7 +126,7 @@ def campaign(chains: int, seed: int, batch: int = 25, shrink_findings: bool = Tr
     try:
         for first in range(0, chains, batch):
             seeds = list(range(seed + first, seed + min(first + batch, chains)))
-            programs = [generate(random.Random(s), mesh) for s in seeds]
+            programs = [generate(random.Random(s), mesh, boost=boost) for s in seeds]
             for p in programs:
                 p.mode = mode
             for s, program, (kind, detail) in zip(seeds, programs, run_batch(ranks, programs)):
@@ -156,10 +157,15 @@ def main() -> None:
                         help="draw every program on this mesh (default: 1d4 or 2d at random)")
     parser.add_argument("--inference", action="store_true",
                         help="run the steps under torch.inference_mode() (values only, no backward)")
+    parser.add_argument("--boost", default="", help="comma-separated op names drawn 10 times as often")
     args = parser.parse_args()
+    boost = tuple(name for name in args.boost.split(",") if name)
+    unknown = [name for name in boost if name not in OPS_BY_NAME]
+    if unknown:
+        parser.error(f"--boost: no op named {', '.join(unknown)} in tests/fuzz/ops.py")
     result = campaign(args.chains, args.seed, args.batch, not args.no_shrink,
                       log=lambda *a: print(*a, file=sys.stderr, flush=True), mesh=args.mesh,
-                      mode="inference" if args.inference else "grad")
+                      mode="inference" if args.inference else "grad", boost=boost)
     print(json.dumps({k: v for k, v in result.items() if k != "findings"}))
     if args.out:
         with open(args.out, "w") as f:

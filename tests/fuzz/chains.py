@@ -149,8 +149,9 @@ def draw_shape(rng: random.Random) -> list[int]:
     return [rng.choice(SIZES) if rng.random() < 0.8 else rng.choice([1, 4, 6, 8, 12]) for _ in range(rng.choice([1, 2, 2, 3, 3, 4]))]
 
 
-def generate(rng: random.Random, mesh: str | None = None, max_steps: int = 6) -> Program:
-    """A program of 2..max_steps steps that plain torch runs without error."""
+def generate(rng: random.Random, mesh: str | None = None, max_steps: int = 6, boost: tuple[str, ...] = ()) -> Program:
+    """A program of 2..max_steps steps that plain torch runs without error; the ops named
+    in `boost` are drawn 10 times as often (to aim a campaign at new table rows)."""
     mesh = mesh or rng.choice(["1d4", "2d"])
     program = Program(mesh)
     factory = PlainFactory()
@@ -162,7 +163,7 @@ def generate(rng: random.Random, mesh: str | None = None, max_steps: int = 6) ->
         program.inputs.append(spec)
         values.append(factory.input(*spec))
     target = rng.randint(2, max_steps)
-    weights = [op.weight for op in OPS]
+    weights = [op.weight * (10 if op.name in boost else 1) for op in OPS]
     attempts = 0
     while len(program.steps) < target and attempts < 200:
         attempts += 1

@@ -244,6 +244,36 @@ def _local_round_trip(x, *, seed):
     return vescale.DTensor.from_local(x.to_local(), x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
 
 
+# ---- the fourth table: other dtypes inside a step ----------------------------------------------
+# Values come back as the chain's float64. Clamping and rounding to multiples of 1/64
+# first makes every cast and every sum below exact, so a shard's result must equal one
+# device's bit for bit (and no NaN or out-of-range value reaches an integer cast, whose
+# result C++ leaves undefined); rounding is nonlinear, so a Partial input is reduced
+# before the cast.
+
+def _grid(x, bound=100.0):
+    return torch.round(torch.nan_to_num(x, 0.0).clamp(-bound, bound) * 64) / 64
+
+
+def _ints(x):
+    return (_grid(x, 1e5) * 8).long()
+
+
+def _float32_matmul(x, *, n, seed, fresh, new):
+    w = new("weight", (x.shape[-1], n), seed)
+    return (_grid(x, 4.0).float() @ _grid(w, 4.0).float()).to(x.dtype)
+
+
+def _copy_from_float32_(a, b):
+    return a.copy_(_grid(b).float())
+
+
+def _int_inplace(x):
+    t = _ints(x)
+    t.add_(3).mul_(-2).clamp_(-9, 9)
+    return t.to(x.dtype)
+
+
 OPS: list[Op] = [
     # pointwise
     Op("neg", unary, lambda x: -x),
@@ -418,6 +448,26 @@ OPS: list[Op] = [
     Op("take_along_argsort", with_dim, lambda x, dim: x.take_along_dim(x.argsort(dim), dim)),
     Op("scatter_at_argmax", with_dim, lambda x, dim: x.scatter(dim, x.argmax(dim, keepdim=True), 0.0)),
     Op("multinomial_gather", random_draw, _multinomial_gather, 0.5),
+    # the fourth table: float32, bfloat16, integer and bool values inside a step
+    Op("float32_math", unary, lambda x: (_grid(x).float() * 1.5 - 0.25).to(x.dtype)),
+    Op("bfloat16_math", unary, lambda x: (_grid(x.clamp(-2, 2)).bfloat16() * 2 + 1).to(x.dtype)),
+    Op("float32_sum", with_dim, lambda x, dim: _grid(x).float().sum(dim).to(x.dtype)),
+    Op("float32_matmul", matmul_draw, _float32_matmul),
+    Op("promote_float32", unary, lambda x: _grid(x).float() + x),
+    Op("copy_from_float32_", inplace(binary), _copy_from_float32_),
+    Op("int_floor_divide", unary, lambda x: torch.div(_ints(x), 3, rounding_mode="floor").to(x.dtype)),
+    Op("int_remainder", unary, lambda x: (_ints(x) % 5).to(x.dtype)),
+    Op("int_bitwise", unary, lambda x: ((_ints(x) & 7) | (_ints(x) << 1) ^ 5).to(x.dtype)),
+    Op("int_sum", with_dim, lambda x, dim: _ints(x).sum(dim).to(x.dtype)),
+    Op("int_cumsum", with_dim, lambda x, dim: _ints(x).cumsum(dim).to(x.dtype)),
+    Op("int_amax", with_dim, lambda x, dim: _ints(x).amax(dim).to(x.dtype)),
+    Op("int_sort", with_dim, lambda x, dim: _ints(x).sort(stable=True, dim=dim).values.to(x.dtype)),
+    Op("int_inplace", unary, _int_inplace),
+    Op("bool_count", with_dim, lambda x, dim: (x > 0).sum(dim).to(x.dtype)),
+    Op("bool_logic", unary, lambda x: ((x > 0) ^ (x.abs() < 0.5) | (x > 1)).to(x.dtype)),
+    Op("bool_where", binary, lambda a, b: torch.where((a > 0) & (b < 0.3), a, b)),
+    Op("bool_roundtrip", unary, lambda x: x.bool().to(x.dtype) + x),
+    Op("int_gather", with_dim, lambda x, dim: x.gather(dim, _ints(x).abs() % x.shape[dim])),
 ]
 
 OPS_BY_NAME = {op.name: op for op in OPS}

@@ -123,6 +123,8 @@ def _case_python_tensor_methods():
     inp = make_dtensor(rand((3, 6), seed=4), m, [Replicate(), Replicate()])
     checks["deepcopy of a module"] = (twin.weight is not model.weight and twin.weight.placements == (Shard(0), Replicate())
                                       and mismatch(twin(inp).full_tensor(), model(inp).full_tensor()) is None)
+    vescale.reset_fallback_counts()
+    checks["is_pinned asks the shard"] = w.is_pinned() is False and vescale.fallback_counts() == {}
     return {k: v for k, v in checks.items() if v is not True}
 
 
