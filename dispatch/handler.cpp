@@ -261,7 +261,13 @@ namespace {
 // our keys get them (inference mode skips the autograd one).
 at::Tensor max_pool1d(const at::Tensor& self, c10::IntArrayRef kernel_size, c10::IntArrayRef stride,
                       c10::IntArrayRef padding, c10::IntArrayRef dilation, bool ceil_mode) {
-  return std::get<0>(at::max_pool1d_with_indices(self, kernel_size, stride, padding, dilation, ceil_mode));
+  auto out = std::get<0>(at::max_pool1d_with_indices(self, kernel_size, stride, padding, dilation, ceil_mode));
+  // Torch's body takes the same route when autograd needs the indices or the tensor is
+  // not on CPU; otherwise its own kernel returns a contiguous result. The layout must be
+  // torch's: ops that draw in memory order (dropout, randn_like) follow it.
+  const bool torch_routes_so = (self.requires_grad() && at::GradMode::is_enabled()) ||
+                               self._fw_grad(0).defined() || !self.device().is_cpu();
+  return torch_routes_so ? out : out.contiguous();
 }
 
 // A fact about this rank's memory, not about the global value: answered by the shard

@@ -52,7 +52,7 @@ class DeviceMesh:
         if _torch_mesh is None:  # every rank of the world is here: groups can be created
             _torch_mesh = _TorchDeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names,
                                            backend_override=_timeout_overrides(device_type, ranks.shape, timeout))
-            _flat_groups = _create_flat_groups(_torch_mesh, ranks, timeout)
+            _flat_groups = _create_flat_groups(ranks, timeout)
         self._torch = _torch_mesh
         # this rank's group over the ranks of several mesh dims at once, per set of dims
         self._flat_groups = _flat_groups if _flat_groups is not None else {}
@@ -181,18 +181,17 @@ class DeviceMesh:
         return f"DeviceMesh('{self._device_type}', {self._ranks.tolist()}{names})"
 
 
-def _create_flat_groups(torch_mesh: _TorchDeviceMesh, ranks: torch.Tensor,
-                        timeout) -> dict[frozenset, str]:
+def _create_flat_groups(ranks: torch.Tensor, timeout) -> dict[frozenset, str]:
     """This rank's group over each set of two or more mesh dims with more than one rank
     (every slice of the mesh along them), created with the mesh (creating a group takes
     every rank of the world, which a sub-mesh or a redistribution does not have at hand).
     The engine reduces a value Partial over all of a mesh's dims with one all-reduce
     through it instead of one per dim (the sub-mesh ``mesh["DP", "TP"]`` of a 3-d mesh
     gets its dims' group). Slices that span the world use the world group; none for the
-    planner's virtual meshes over fake groups."""
-    world_backend = dist.get_backend()
-    if ranks.dim() < 2 or world_backend == "fake" or any(
-            dist.get_backend(torch_mesh.get_group(d)) != world_backend for d in range(ranks.dim())):
+    planner's virtual meshes over fake groups. Ranks outside the mesh take part in
+    creating the groups too (every rank must) and keep none. The mesh dims' own groups use
+    the world's backend (`_timeout_overrides` names none), so the flat ones can too."""
+    if ranks.dim() < 2 or dist.get_backend() == "fake":
         return {}
     timeout = _as_timedelta(timeout) if timeout is not None else collective_timeout()
     real = [d for d in range(ranks.dim()) if ranks.shape[d] > 1]

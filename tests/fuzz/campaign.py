@@ -118,8 +118,8 @@ def shrink(ranks: Ranks, program: Program, kind: str, budget: int = 60) -> Progr
 # ---- the campaign -------------------------------------------------------------------------------
 
 def campaign(chains: int, seed: int, batch: int = 25, shrink_findings: bool = True, log=print,
-             mesh: str | None = None, mode: str = "grad", boost: tuple[str, ...] = ()) -> dict:
-    ranks = start_ranks()
+             mesh: str | None = None, mode: str = "grad", boost: tuple[str, ...] = (), world: int = 4) -> dict:
+    ranks = start_ranks(world)
     counts: collections.Counter = collections.Counter()
     findings = []
     started = time.monotonic()
@@ -152,20 +152,23 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=25)
     parser.add_argument("--no-shrink", action="store_true")
     parser.add_argument("--out", default=None, help="write counts and findings as JSON")
-    world = 4  # start_ranks' default; a mesh over fewer ranks leaves ranks outside it
-    parser.add_argument("--mesh", default=None, choices=sorted(n for n, s in MESHES.items() if math.prod(s) == world),
-                        help="draw every program on this mesh (default: 1d4 or 2d at random)")
+    parser.add_argument("--mesh", default=None, choices=sorted(MESHES),
+                        help="draw every program on this mesh (default: 1d4 or 2d at random); it must span "
+                             "every rank (a mesh over fewer leaves ranks outside it)")
+    parser.add_argument("--world", type=int, default=4, help="ranks to start (3 or 6 for the odd meshes)")
     parser.add_argument("--inference", action="store_true",
                         help="run the steps under torch.inference_mode() (values only, no backward)")
     parser.add_argument("--boost", default="", help="comma-separated op names drawn 10 times as often")
     args = parser.parse_args()
+    if math.prod(MESHES[args.mesh or "1d4"]) != args.world:
+        parser.error(f"--mesh {args.mesh or '1d4 / 2d'} does not span --world {args.world} ranks")
     boost = tuple(name for name in args.boost.split(",") if name)
     unknown = [name for name in boost if name not in OPS_BY_NAME]
     if unknown:
         parser.error(f"--boost: no op named {', '.join(unknown)} in tests/fuzz/ops.py")
     result = campaign(args.chains, args.seed, args.batch, not args.no_shrink,
                       log=lambda *a: print(*a, file=sys.stderr, flush=True), mesh=args.mesh,
-                      mode="inference" if args.inference else "grad", boost=boost)
+                      mode="inference" if args.inference else "grad", boost=boost, world=args.world)
     print(json.dumps({k: v for k, v in result.items() if k != "findings"}))
     if args.out:
         with open(args.out, "w") as f:

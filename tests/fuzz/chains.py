@@ -20,7 +20,8 @@ import torch
 
 from .ops import OPS, OPS_BY_NAME
 
-MESHES = {"1d4": (4,), "2d": (2, 2), "1d2": (2,), "2d14": (1, 4)}  # 2d14: a mesh dim of one rank
+# 2d14: a mesh dim of one rank; 1d3 and 2d23 (campaigns with --world 3 or 6): odd splits
+MESHES = {"1d4": (4,), "2d": (2, 2), "1d2": (2,), "2d14": (1, 4), "1d3": (3,), "2d23": (2, 3)}
 SIZES = [0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 9]
 
 

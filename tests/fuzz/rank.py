@@ -68,7 +68,18 @@ def _full(t):
     return t.detach().full_tensor() if isinstance(t, vescale.DTensor) else t
 
 
+def _dim_order(shape, stride) -> list[int]:
+    """Dims from outermost to innermost in memory; dims of one element have no place."""
+    return sorted((d for d in range(len(shape)) if shape[d] > 1), key=lambda d: (-stride[d], d))
+
+
 def _compare(what: str, actual, expected) -> str | None:
+    if isinstance(actual, vescale.DTensor) and expected.numel() > 0:
+        # The global strides must order the dims as plain torch's do: users read them
+        # (is_contiguous, view), and draws in memory order follow them. Gaps may differ (a
+        # gathered tensor is dense where a sliced one is not). The same on every rank.
+        if _dim_order(expected.shape, actual.stride()) != _dim_order(expected.shape, expected.stride()):
+            return f"{what}: strides {tuple(actual.stride())} order the dims unlike plain torch's {expected.stride()}"
     actual = _full(actual)
     if not isinstance(actual, torch.Tensor):
         return f"{what}: got {type(actual).__name__}, expected a tensor"

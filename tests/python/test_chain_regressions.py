@@ -121,6 +121,16 @@ FINDINGS = {
     # max_pool1d's body reads the data pointer of a CPU tensor without grad (seed 22000865)
     "max_pool1d_without_grad": ["1d4", [[[2, 3, 9], 1, ["S2"], False]],
                                 [["max_pool1d", [0], {"k": 2, "stride": 1}]]],
+    # ... and without grad torch's own kernel returns a contiguous result, where the route
+    # above kept the input's layout: draws in memory order after it differed (seed 29000552)
+    "max_pool1d_without_grad_is_contiguous": ["1d4", [[[1, 3, 9], 1, ["R"], False]],
+                                              [["transpose", [0], {"d0": 1, "d1": 2}],
+                                               ["max_pool1d", [1], {"k": 1, "stride": 1}],
+                                               ["randn_like", [2], {"seed": 5}]]],
+    "max_pool1d_of_a_shard_then_dropout": ["2d", [[[2, 3, 9], 1, ["S0", "S2"], False]],
+                                           [["transpose", [0], {"d0": 1, "d1": 2}],
+                                            ["max_pool1d", [1], {"k": 2, "stride": 1}],
+                                            ["dropout", [2], {"p": 0.25, "seed": 7}]]],
     # in inference mode, a view op through the replicate fallback made an inference
     # tensor of a normal tensor's view, and autograd's view tracking failed (seed 25001343)
     "unfold_in_inference_mode": ["1d4", [[[1, 9], 1, ["R"], True]],

@@ -172,3 +172,29 @@ def test_partial_over_a_sub_mesh_is_one_all_reduce(pool8):
         for names, (counts, bad) in out.items():
             assert bad is None, (names, bad)
             assert counts == (1, local_bytes), (names, counts)
+
+
+def _case_two_d_meshes_of_part_of_the_world():
+    """Two 2x2 meshes over halves of an 8-rank world, created on every rank (the ranks
+    outside one take part in creating its groups and get no coordinate)."""
+    full = rand((6, 5), seed=9)
+    out = {}
+    for name, ranks in [("low", torch.arange(4).reshape(2, 2)), ("high", torch.arange(4, 8).reshape(2, 2))]:
+        m = vescale.DeviceMesh("cpu", ranks, mesh_dim_names=("DP", "TP"))
+        if m.get_coordinate() is None:
+            out[name] = "outside"
+            continue
+        x = make_dtensor(full, m, [Partial(), Partial()], seed=10)
+        vescale.reset_collective_counts()
+        y = x.redistribute(m, [Replicate(), Replicate()])
+        out[name] = (vescale.collective_counts()["all_reduce"][0], mismatch(y.full_tensor(), full))
+    return out
+
+
+def test_two_d_meshes_of_part_of_the_world(pool8):
+    """Creating a 2-d mesh that leaves ranks out once raised IndexError on those ranks;
+    on its own ranks, [Partial, Partial] is one all-reduce through the flat group."""
+    for rank, out in enumerate(pool8.run(_case_two_d_meshes_of_part_of_the_world)):
+        inside, outside = ("low", "high") if rank < 4 else ("high", "low")
+        assert out[outside] == "outside"
+        assert out[inside] == (1, None), (rank, out)
