@@ -2,6 +2,7 @@
 
 #include "dispatch/dtensor_impl.h"
 #include "dispatch/fallback_stats.h"
+#include "dispatch/meta_layout.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/flat_hash_map.h>
@@ -97,6 +98,7 @@ bool run_meta(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRef<c
     outputs.push_back(std::move(a));
     return t;
   });
+  match_cpu_layout(info.name, metas, outputs);
   return true;
 }
 

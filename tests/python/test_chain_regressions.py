@@ -131,6 +131,12 @@ FINDINGS = {
                                            [["transpose", [0], {"d0": 1, "d1": 2}],
                                             ["max_pool1d", [1], {"k": 2, "stride": 1}],
                                             ["dropout", [2], {"p": 0.25, "seed": 7}]]],
+    # torch's meta kernel of logaddexp lays out a broadcast of an expanded and a transposed
+    # value contiguous, its CPU kernel does not: the DTensor's strides (from the meta
+    # kernel) misled the dropout after it (seed 32000174)
+    "logaddexp_layout_then_dropout": ["1d4", [[[3, 1, 6, 3], 1, ["R"], False]],
+                                      [["expand", [0], {"lead": 2}], ["transpose", [0], {"d0": 1, "d1": 3}],
+                                       ["logaddexp", [1, 2], {}], ["dropout", [3], {"p": 0.25, "seed": 7}]]],
     # in inference mode, a view op through the replicate fallback made an inference
     # tensor of a normal tensor's view, and autograd's view tracking failed (seed 25001343)
     "unfold_in_inference_mode": ["1d4", [[[1, 9], 1, ["R"], True]],

@@ -1,0 +1,85 @@
+"""Results laid out as the CPU kernels lay them out, where torch's meta kernels disagree
+(dispatch/meta_layout.cpp). A DTensor's strides come from the meta kernel; for these ops
+it once said contiguous (or the input's layout) where a plain run's result is not, so
+`stride()` differed from one device's and a dropout after the op drew another mask."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vescale import Replicate, Shard
+
+from dist_utils import make_dtensor, mesh, mismatch, rand
+
+A = torch.ops.aten
+
+
+def _binary_inputs():
+    """(first, second) pairs of the layouts that showed the difference: a transposed value
+    beside a contiguous one, and a broadcast of an expanded value against a transposed one."""
+    t = rand((5, 4), seed=1).t() + 2.0
+    c = rand((4, 5), seed=2) + 2.0
+    base = rand((3, 1, 6, 3), seed=3) + 2.0
+    return {"transposed": (t, c), "broadcast": (base.expand(2, 3, 1, 6, 3), base.transpose(1, 3)),
+            "broadcast_reversed": (base.transpose(1, 3), base.expand(2, 3, 1, 6, 3))}
+
+
+BINARY = {
+    "copysign": torch.copysign, "floor_divide": torch.floor_divide,
+    "div_floor": lambda a, b: torch.div(a, b, rounding_mode="floor"),
+    "heaviside": torch.heaviside, "logaddexp": torch.logaddexp, "logaddexp2": torch.logaddexp2,
+    "logical_and": lambda a, b: torch.logical_and(a > 2.5, b > 2.5).double(),
+    "logical_xor": lambda a, b: torch.logical_xor(a > 2.5, b > 2.5).double(),
+    "xlogy": torch.xlogy, "xlog1py": torch.special.xlog1py,
+    "dropout_backward": lambda g, x: A.native_dropout_backward(g, x > 2.5, 2.0),
+    "hardtanh_backward": lambda g, x: A.hardtanh_backward(g, x - 2.5, -0.2, 0.2),
+    "softplus_backward": lambda g, x: A.softplus_backward(g, x, 1.0, 20.0),
+    "add": torch.add,  # a control: its meta kernel was right
+}
+
+UNARY = {
+    "logsigmoid": F.logsigmoid,
+    "batch_norm": lambda x: F.batch_norm(x, None, None, training=True),
+    "batch_norm_channels_last": lambda x: F.batch_norm(x.contiguous(memory_format=torch.channels_last), None, None,
+                                                       training=True),
+}
+
+
+def _dim_order(t):
+    return sorted((d for d in range(t.dim()) if t.shape[d] > 1), key=lambda d: (-t.stride()[d], d))
+
+
+def _check(out, ref, what, failures):
+    if _dim_order(out) != _dim_order(ref):
+        failures[f"{what}: strides"] = (tuple(out.stride()), tuple(ref.stride()))
+    torch.manual_seed(11)
+    dropped = F.dropout(out, 0.3)
+    torch.manual_seed(11)
+    if (bad := mismatch(dropped.full_tensor(), F.dropout(ref, 0.3))) is not None:
+        failures[f"{what}: dropout after it"] = bad
+
+
+def _case_results_laid_out_as_on_one_device():
+    failures = {}
+    for mesh_name in ("1d4", "2d"):
+        m = mesh(mesh_name)
+        for layout, (a, b) in _binary_inputs().items():
+            for placement in ([Replicate()], [Shard(a.dim() - 1)]):
+                placements = placement * m.ndim
+                x = make_dtensor(a, m, placements)
+                y = make_dtensor(b, m, [Replicate()] * m.ndim)
+                for name, fn in BINARY.items():
+                    _check(fn(x, y), fn(a, b), f"{mesh_name} {layout} {placements} {name}", failures)
+        x4 = (rand((2, 4, 3, 5), seed=4) + 1).permute(0, 2, 1, 3)  # (2, 3, 4, 5), neither format
+        x4 = x4.transpose(1, 2)  # (2, 4, 3, 5) with channels not outermost
+        for placements in ([Replicate()] * m.ndim, [Shard(0)] + [Replicate()] * (m.ndim - 1)):
+            x = make_dtensor(x4, m, placements)
+            for name, fn in UNARY.items():
+                _check(fn(x), fn(x4), f"{mesh_name} {placements} {name}", failures)
+    return failures
+
+
+def test_results_laid_out_as_on_one_device(pool4):
+    for failures in pool4.run(_case_results_laid_out_as_on_one_device):
+        assert failures == {}
