@@ -127,8 +127,21 @@ void adopt_copy_record(const at::Tensor& dtensor) {
 
 void after_write(const at::Tensor& written, const void* skip) {
   auto* impl = dtensor_impl(written);
+  const auto& shape = impl->spec()->shape;
+  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) return;  // nothing was written
   if (registry().size() != 0) refresh_copies(impl->local(), *impl->spec()->mesh, skip);
   if (const auto record = impl->copy_of) {
+    // The whole copy goes back, and a base with elements that share memory (an expanded
+    // tensor) cannot take it: torch refuses such writes too. Decided from the global
+    // layout, so every rank raises (a rank whose shard is empty would otherwise go on
+    // to the next collective alone).
+    const auto& base_spec = *dtensor_impl(record->base)->spec();
+    for (size_t d = 0; d < base_spec.shape.size(); ++d)
+      TORCH_CHECK(base_spec.stride[d] != 0 || base_spec.shape[d] <= 1,
+                  "vescale: this write went into a view that had to be taken from a copy of a tensor whose "
+                  "elements share memory (an expanded tensor, shape ", c10::IntArrayRef(base_spec.shape),
+                  ", strides ", c10::IntArrayRef(base_spec.stride), "), and the copy cannot be written back into "
+                  "it. As torch does for writes into expanded tensors: clone() the expanded tensor first");
     // The write went into the copy (the view's shard is part of it): the base takes
     // the whole copy back in its own layout, and what aliases the base follows.
     auto* base = dtensor_impl(record->base);

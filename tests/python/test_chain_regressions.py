@@ -137,6 +137,12 @@ FINDINGS = {
     "logaddexp_layout_then_dropout": ["1d4", [[[3, 1, 6, 3], 1, ["R"], False]],
                                       [["expand", [0], {"lead": 2}], ["transpose", [0], {"d0": 1, "d1": 3}],
                                        ["logaddexp", [1, 2], {}], ["dropout", [3], {"p": 0.25, "seed": 7}]]],
+    # writing nothing (an empty slice) into an expanded tensor pushed the whole copy back
+    # into the expanded base: an error on the ranks with a non-empty shard, a hang on the
+    # rank without (seed 34001599)
+    "empty_write_into_expanded_tensor": ["1d4", [[[4, 5], 1, ["S1"], False]],
+                                         [["expand", [0], {"lead": 2}],
+                                          ["setitem", [1], {"dim": 2, "start": 0, "length": 0, "s": 1.0}]]],
     # in inference mode, a view op through the replicate fallback made an inference
     # tensor of a normal tensor's view, and autograd's view tracking failed (seed 25001343)
     "unfold_in_inference_mode": ["1d4", [[[1, 9], 1, ["R"], True]],

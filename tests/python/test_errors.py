@@ -47,6 +47,10 @@ def _write_into_view_of_shared_base() -> str | None:
     return None
 
 
+def _setitem(x, value):
+    x[:, :, 1:3] = value
+
+
 def _case_errors():
     m1, m2 = mesh("1d4"), mesh("2d")
     t = rand((4, 6), seed=2)
@@ -85,6 +89,11 @@ def _case_errors():
                                         "redistribute"),
         "DTensor constructor": _raises(lambda: vescale.DTensor(), TypeError, "from_local"),
         "write into a view of a copy": _write_into_view_of_shared_base(),
+        # Five columns over four ranks leave rank 3 an empty shard: it once skipped the
+        # error the others raised and waited alone in the next collective.
+        "write into a slice of an expanded tensor": _raises(
+            lambda: _setitem(make_dtensor(rand((4, 5), seed=3), m1, [Shard(1)]).expand(2, 4, 5), 1.0),
+            RuntimeError, "expanded tensor", "clone()"),
     }
     failures = {k: v for k, v in checks.items() if v is not None}
     after = _still_works(m1) or _still_works(m2)
