@@ -6,6 +6,7 @@
 #include "dispatch/view_copies.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/Contiguity.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -120,12 +121,25 @@ at::Tensor to_local(const at::Tensor& dtensor, std::optional<Placements> grad_pl
   return ToLocal::apply(dtensor, capsule(std::move(grad_spec)));
 }
 
+namespace {
+
+// A redistributed tensor is a new tensor, laid out as clone() lays out its source: with
+// the source's strides where they are dense, and torch's choice where elements share
+// memory (an expanded source, whose shards arrive dense) or leave gaps (a slice).
+SpecPtr as_clone(const SpecPtr& spec) {
+  if (c10::_compute_non_overlapping_and_dense<int64_t>(spec->shape, spec->stride)) return spec;
+  const auto meta = at::empty_strided(spec->shape, spec->stride, at::TensorOptions().dtype(spec->dtype).device(c10::kMeta));
+  return make_spec(spec->mesh, spec->placements, spec->shape, at::empty_like(meta).strides(), spec->dtype);
+}
+
+}  // namespace
+
 at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placements, bool async_op) {
   auto* impl = checked_dtensor_impl(dtensor, "redistribute");
   static const std::string kName = "redistribute";
   const collectives::trace::ApiContext context(kName);
   const auto& src = impl->spec();
-  auto dst = with_placements(src, placements);
+  auto dst = with_placements(as_clone(src), placements);
   const auto plan = collectives::plan_redistribution(*src, dst->placements);
   if (async_op && !plan.empty()) {
     // The collective reads its input while the caller goes on, and the caller may write
@@ -137,6 +151,7 @@ at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placeme
   }
   auto local = collectives::execute_redistribution(plan, *src->mesh, src->shape, src->stride, impl->local());
   if (plan.empty()) local = local.clone();
+  if (dst->stride != src->stride) local = collectives::with_layout_of(local, dst->stride);
   return make_dtensor(std::move(local), std::move(dst));
 }
 

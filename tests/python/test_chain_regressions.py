@@ -143,6 +143,14 @@ FINDINGS = {
     "empty_write_into_expanded_tensor": ["1d4", [[[4, 5], 1, ["S1"], False]],
                                          [["expand", [0], {"lead": 2}],
                                           ["setitem", [1], {"dim": 2, "start": 0, "length": 0, "s": 1.0}]]],
+    # redistribute of an expanded tensor kept the stride-0 strides in the result's spec,
+    # though the result is a new, dense tensor (seeds 34002726, 37003454)
+    "redistribute_of_expanded_is_dense": ["1d4", [[[7, 1, 12, 1], 1, ["R"], True]],
+                                          [["expand", [0], {"lead": 3}], ["redistribute", [1], {"seed": 360920}]],
+                                          "inference"],
+    "redistribute_of_expanded_is_dense_2d": ["2d", [[[1, 5, 4], 1, ["R", "R"], True]],
+                                             [["expand", [0], {"lead": 3}], ["redistribute", [1], {"seed": 551073}],
+                                              ["dropout", [2], {"p": 0.25, "seed": 7}]]],
     # in inference mode, a view op through the replicate fallback made an inference
     # tensor of a normal tensor's view, and autograd's view tracking failed (seed 25001343)
     "unfold_in_inference_mode": ["1d4", [[[1, 9], 1, ["R"], True]],
