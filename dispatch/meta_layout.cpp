@@ -14,6 +14,8 @@ enum class CpuLayout {
   Contiguous,    // the first result contiguous (the meta kernel keeps the input's layout)
   InputsFormat,  // the first result in the memory format the first input suggests
                  // (channels-last stays so, any other layout becomes contiguous)
+  LossBackward,  // (grad, self, target...): contiguous when the result has self's shape;
+                 // the meta kernel is right when self broadcasts against the target
 };
 
 // Found by comparing meta and CPU strides for transposed and broadcast inputs
@@ -39,6 +41,9 @@ const std::unordered_map<std::string, CpuLayout>& table() {
       {"aten::hardsigmoid_backward", CpuLayout::Elementwise},
       {"aten::logit_backward", CpuLayout::Elementwise},
       {"aten::log_sigmoid_forward", CpuLayout::Contiguous},
+      {"aten::mse_loss_backward", CpuLayout::LossBackward},
+      {"aten::smooth_l1_loss_backward", CpuLayout::LossBackward},
+      {"aten::huber_loss_backward", CpuLayout::LossBackward},
       {"aten::native_batch_norm", CpuLayout::InputsFormat},
       {"aten::_native_batch_norm_legit", CpuLayout::InputsFormat},
       {"aten::_native_batch_norm_legit.no_stats", CpuLayout::InputsFormat},
@@ -67,6 +72,9 @@ void match_cpu_layout(const std::string& name, const std::vector<at::Tensor>& me
   const auto row = table().find(name);
   if (row == table().end() || outputs.empty() || !outputs[0].defined) return;
   auto& first = outputs[0];
+  if (row->second == CpuLayout::LossBackward &&
+      (metas.size() < 2 || !metas[1].defined() || metas[1].sizes() != c10::IntArrayRef(first.shape)))
+    return;
   if (row->second != CpuLayout::Elementwise) {
     const auto format = row->second == CpuLayout::InputsFormat && !metas.empty() && metas[0].defined()
                             ? metas[0].suggest_memory_format()

@@ -137,6 +137,13 @@ FINDINGS = {
     "logaddexp_layout_then_dropout": ["1d4", [[[3, 1, 6, 3], 1, ["R"], False]],
                                       [["expand", [0], {"lead": 2}], ["transpose", [0], {"d0": 1, "d1": 3}],
                                        ["logaddexp", [1, 2], {}], ["dropout", [3], {"p": 0.25, "seed": 7}]]],
+    # smooth_l1_loss's backward: the meta kernel keeps the input's (transposed) layout, the
+    # CPU kernel's gradient is contiguous; linear's backward then could not view it
+    # (an exception on a program plain torch runs; seed 40000693, on a 2x3 mesh)
+    "loss_backward_layout_then_linear_backward": ["1d4", [[[8, 2, 3, 5], 28824, ["R"], True]],
+                                                  [["linear", [0], {"fresh": True, "n": 5, "seed": 638842}],
+                                                   ["transpose_", [1], {"d0": 1, "d1": 3}],
+                                                   ["smooth_l1", [2], {"fresh": True, "seed": 316182}]]],
     # writing nothing (an empty slice) into an expanded tensor pushed the whole copy back
     # into the expanded base: an error on the ranks with a non-empty shard, a hang on the
     # rank without (seed 34001599)
