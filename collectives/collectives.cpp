@@ -66,7 +66,34 @@ std::shared_ptr<trace::Timed> count(Kind kind, const at::Tensor& x, const Mesh& 
 struct Issued {
   at::Tensor out;
   std::shared_ptr<trace::Timed> timed;
+  bool complex = false;  // `out` is the real view of a complex result
 };
+
+// Tensors as a backend reads them, from memory: a conjugate or negative view (z.conj(),
+// z.conj().imag) resolved first, since the backend does not see the bit. Complex tensors
+// travel as their real view (a trailing dim of 2): gloo has no complex type, and the
+// gathers, sums and averages of (re, im) pairs are those of the complex values. True
+// when the stack held a complex tensor.
+bool as_sent(torch::jit::Stack& stack) {
+  bool complex = false;
+  for (auto& v : stack) {
+    if (!v.isTensor()) continue;
+    auto t = v.toTensor();
+    if (t.is_conj() || t.is_neg()) t = t.resolve_conj().resolve_neg();
+    if (t.is_complex()) {
+      t = at::view_as_real(t.contiguous());
+      complex = true;
+    }
+    v = std::move(t);
+  }
+  return complex;
+}
+
+void check_complex_reduction(const at::Tensor& x, ReduceOp op) {
+  TORCH_CHECK(!x.is_complex() || op == ReduceOp::Sum || op == ReduceOp::Avg,
+              "vescale: a max or min reduction of a complex tensor (complex numbers have no order; torch refuses "
+              "max and min of complex tensors too)");
+}
 
 // Boxed call: the group_name argument is typed `Any`, which typed calls can't express.
 // Below autograd: torch registers Python autograd kernels for these ops, and the
@@ -74,8 +101,9 @@ struct Issued {
 Issued issue(const c10::OperatorHandle& op, torch::jit::Stack stack, std::shared_ptr<trace::Timed> timed) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   WithoutStashedPythonObjects no_python_objects;
+  const bool complex = as_sent(stack);
   op.callBoxed(stack);
-  return {stack.at(0).toTensor(), std::move(timed)};
+  return {stack.at(0).toTensor(), std::move(timed), complex};
 }
 
 at::Tensor wait(Issued issued) {
@@ -88,7 +116,8 @@ at::Tensor wait(Issued issued) {
   // The backend's work object may keep the result tensor alive and drop it later on
   // its own thread; hand out another TensorImpl over the same storage, so that no
   // Python object ever hangs off the one the work object holds.
-  return stack.at(0).toTensor().detach();
+  auto out = stack.at(0).toTensor().detach();
+  return issued.complex ? at::view_as_complex(out) : out;
 }
 
 // One redistribution step under way: the collective it issued (none for a local step,
@@ -137,12 +166,14 @@ Issued issue_all_gather_dim0(const at::Tensor& x, const Mesh& mesh, int32_t mesh
 }
 
 Issued issue_all_reduce(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_t mesh_dim) {
+  check_complex_reduction(x, op);
   static const auto fn = functional_op("_c10d_functional::all_reduce");
   return issue(fn, {x.contiguous(), reduce_op_name(op), mesh.group_names[static_cast<size_t>(mesh_dim)]},
                count(kAllReduce, x, mesh, mesh_dim));
 }
 
 Issued issue_all_reduce_flat(const at::Tensor& x, ReduceOp op, const Mesh& mesh) {
+  check_complex_reduction(x, op);
   static const auto fn = functional_op("_c10d_functional::all_reduce");
   std::string dims;
   for (const auto& name : mesh.dim_names) dims += (dims.empty() ? "" : "*") + name;
@@ -151,6 +182,7 @@ Issued issue_all_reduce_flat(const at::Tensor& x, ReduceOp op, const Mesh& mesh)
 }
 
 Issued issue_reduce_scatter_dim0(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_t mesh_dim) {
+  check_complex_reduction(x, op);
   static const auto fn = functional_op("_c10d_functional::reduce_scatter_tensor");
   const auto m = static_cast<size_t>(mesh_dim);
   return issue(fn, {x, reduce_op_name(op), mesh.shape[m], mesh.group_names[m]},
@@ -399,10 +431,12 @@ bool keeps_order_of(const at::Tensor& local, c10::ArrayRef<int64_t> global_strid
     if (local.size(d) > 1) dims.push_back(d);
   std::sort(dims.begin(), dims.end(),
             [&](int64_t a, int64_t b) { return dense[static_cast<size_t>(a)] < dense[static_cast<size_t>(b)]; });
-  int64_t inner_extent = 1;  // each dim's steps must clear everything inside it
+  // Each dim's step must clear the farthest element the dims inside it reach (a step
+  // slice leaves gaps: [::2] of 5 reaches offset 4, not 6).
+  int64_t reach = 0;
   for (int64_t d : dims) {
-    if (local.stride(d) < inner_extent) return false;
-    inner_extent = local.stride(d) * local.size(d);
+    if (local.stride(d) <= reach) return false;
+    reach += local.stride(d) * (local.size(d) - 1);
   }
   return true;
 }

@@ -115,6 +115,13 @@ def shrink(ranks: Ranks, program: Program, kind: str, budget: int = 60) -> Progr
     return program
 
 
+def training_mode(rng: random.Random) -> str:
+    """"train.<optimizer>.<between the rounds>": which optimizer steps the inputs, and
+    whether gradients are set to None, zeroed or kept (accumulated) before round two."""
+    from .rank import OPTIMIZERS
+    return f"train.{rng.choice(sorted(OPTIMIZERS))}.{rng.choice(['none', 'zero', 'keep'])}"
+
+
 # ---- the campaign -------------------------------------------------------------------------------
 
 def campaign(chains: int, seed: int, batch: int = 25, shrink_findings: bool = True, log=print,
@@ -127,8 +134,8 @@ def campaign(chains: int, seed: int, batch: int = 25, shrink_findings: bool = Tr
         for first in range(0, chains, batch):
             seeds = list(range(seed + first, seed + min(first + batch, chains)))
             programs = [generate(random.Random(s), mesh, boost=boost) for s in seeds]
-            for p in programs:
-                p.mode = mode
+            for s, p in zip(seeds, programs):
+                p.mode = training_mode(random.Random(s + 1)) if mode == "train" else mode
             for s, program, (kind, detail) in zip(seeds, programs, run_batch(ranks, programs)):
                 counts[kind] += 1
                 if kind == "ok":
@@ -158,6 +165,9 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=4, help="ranks to start (3 or 6 for the odd meshes)")
     parser.add_argument("--inference", action="store_true",
                         help="run the steps under torch.inference_mode() (values only, no backward)")
+    parser.add_argument("--train", action="store_true",
+                        help="two rounds of forward, backward and an optimizer step over the inputs "
+                             "(rank.py's OPTIMIZERS), every value and gradient compared")
     parser.add_argument("--boost", default="", help="comma-separated op names drawn 10 times as often")
     args = parser.parse_args()
     if math.prod(MESHES[args.mesh or "1d4"]) != args.world:
@@ -168,7 +178,7 @@ def main() -> None:
         parser.error(f"--boost: no op named {', '.join(unknown)} in tests/fuzz/ops.py")
     result = campaign(args.chains, args.seed, args.batch, not args.no_shrink,
                       log=lambda *a: print(*a, file=sys.stderr, flush=True), mesh=args.mesh,
-                      mode="inference" if args.inference else "grad", boost=boost, world=args.world)
+                      mode="inference" if args.inference else "train" if args.train else "grad", boost=boost, world=args.world)
     print(json.dumps({k: v for k, v in result.items() if k != "findings"}))
     if args.out:
         with open(args.out, "w") as f:

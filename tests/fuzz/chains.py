@@ -31,7 +31,8 @@ class Program:
     inputs: list = field(default_factory=list)   # (shape, seed, placements, requires_grad)
     steps: list = field(default_factory=list)    # (op name, value indices, params)
     # "grad": forward and backward; "inference": the steps run under torch.inference_mode()
-    # (inputs made outside it), values compared, no backward
+    # (inputs made outside it), values compared, no backward; "train.<optimizer>.<zeroing>":
+    # two rounds of forward, backward and an optimizer step over the inputs (rank.py)
     mode: str = "grad"
 
     def to_literal(self) -> tuple:

@@ -22,7 +22,7 @@ import sys as _sys
 
 _sys.path.insert(0, _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), "python"))
 
-from .chains import MESHES, PlainFactory, placements_from_codes, Program, fresh_placements, full_value, index_value, loss_of, run_program
+from .chains import MESHES, PlainFactory, placements_from_codes, Program, fresh_placements, full_value, index_value, loss_of, run_program, run_step
 
 _meshes: dict = {}
 
@@ -73,13 +73,17 @@ def _dim_order(shape, stride) -> list[int]:
     return sorted((d for d in range(len(shape)) if shape[d] > 1), key=lambda d: (-stride[d], d))
 
 
-def _compare(what: str, actual, expected) -> str | None:
+def _compare(what: str, actual, expected, expected_stride=None) -> str | None:
+    """None when ``actual`` (a DTensor, or what the DTensor side gave) matches plain
+    torch's ``expected``; ``expected_stride`` stands for its strides where ``expected``
+    is a snapshot."""
+    expected_stride = tuple(expected.stride()) if expected_stride is None else expected_stride
     if isinstance(actual, vescale.DTensor) and expected.numel() > 0:
         # The global strides must order the dims as plain torch's do: users read them
         # (is_contiguous, view), and draws in memory order follow them. Gaps may differ (a
         # gathered tensor is dense where a sliced one is not). The same on every rank.
-        if _dim_order(expected.shape, actual.stride()) != _dim_order(expected.shape, expected.stride()):
-            return f"{what}: strides {tuple(actual.stride())} order the dims unlike plain torch's {expected.stride()}"
+        if _dim_order(expected.shape, actual.stride()) != _dim_order(expected.shape, expected_stride):
+            return f"{what}: strides {tuple(actual.stride())} order the dims unlike plain torch's {expected_stride}"
     actual = _full(actual)
     if not isinstance(actual, torch.Tensor):
         return f"{what}: got {type(actual).__name__}, expected a tensor"
@@ -100,6 +104,8 @@ def _compare(what: str, actual, expected) -> str | None:
 
 def check(program: Program) -> tuple[str, str]:
     """("ok" | "wrong" | "error", detail)."""
+    if program.mode.startswith("train"):
+        return check_training(program)
     try:
         ref_inputs, ref_values = run_program(program, PlainFactory())
     except RuntimeError:  # drawn in grad mode: not every program runs in inference mode
@@ -136,11 +142,92 @@ def check(program: Program) -> tuple[str, str]:
             if (bad := _compare(f"grad of v{k}", x.grad, r.grad)) is not None:
                 return "wrong", bad
     except Exception as e:  # noqa: BLE001  (plain torch ran this program: any exception is a finding)
-        frames = traceback.extract_tb(e.__traceback__)
-        where = next((f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in reversed(frames)
-                      if "/fuzz/" in f.filename), "")
-        return "error", f"{stage} at {where}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+        return "error", f"{stage} {_where(e)}"
     return "ok", ""
+
+
+# ---- training: two steps of an optimizer over the inputs ------------------------------------------
+
+# Adam and Adagrad divide by the gradient's own size: with torch's eps (1e-8, 1e-10), a
+# gradient that is zero on one device and rounding noise (1e-13) through a sharded sum
+# becomes a step of up to lr x 1e-5, which no tight comparison of the updated values
+# survives (campaign seeds 43002930, 43004967, 43005187). An eps of 1e-3 keeps the
+# comparison tight and runs the same foreach and fused kernels.
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, foreach=False),
+    "sgd_foreach": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, foreach=True),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=0.01, eps=1e-3, foreach=True),
+    "adam_fused": lambda ps: torch.optim.Adam(ps, lr=0.01, eps=1e-3, fused=True),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1, eps=1e-3, foreach=True),
+}
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _train(program: Program, factory, seen) -> None:
+    """Forward, backward, an optimizer step over the inputs that require grad, then the
+    same steps again on the updated inputs (gradients zeroed or, as gradient accumulation
+    does, kept), backward and another step. ``seen(label, tensor)`` is called at every
+    point where the two sides must agree: the values after each forward and after each
+    step (a view of an input follows its update), the gradients, the updated inputs."""
+    _, optimizer, zero = program.mode.split(".")
+    inputs, values = run_program(program, factory)
+    params = [x for x in inputs if x.requires_grad and x.is_leaf]  # (an in-place step can make one a non-leaf)
+    opt = OPTIMIZERS[optimizer](params) if params else None
+    for round_ in (1, 2):
+        if round_ == 2:
+            values = list(inputs)
+            for name, args, params_ in program.steps:
+                values.append(run_step(values, factory, name, args, params_))
+        for k, v in enumerate(values):
+            seen(f"round {round_}: v{k}", v)
+        loss = loss_of(values, factory.new, len(inputs))
+        if loss is None or opt is None:
+            return
+        loss.backward()
+        for k, x in enumerate(inputs):
+            if x.grad is not None:
+                seen(f"round {round_}: grad of v{k}", x.grad)
+        opt.step()
+        if zero != "keep":
+            opt.zero_grad(set_to_none=zero == "none")
+        for k, v in enumerate(values):
+            seen(f"round {round_}, after the optimizer step: v{k}", v)
+
+
+def check_training(program: Program) -> tuple[str, str]:
+    expected = []
+    try:
+        _train(program, PlainFactory(),
+               lambda label, t: expected.append((label, t.detach().clone(), tuple(t.stride()))))
+    except (RuntimeError, IndexError, ValueError, TypeError):
+        # plain torch refuses the second round (an in-place step squeezed an input, say)
+        return "ok", ""
+    position = iter(expected)
+
+    def seen(label, t):
+        ref_label, ref, stride = next(position, (None, None, None))
+        if ref_label != label:
+            raise _Mismatch(f"{label}: plain torch has {ref_label} here")
+        if (bad := _compare(label, t, ref, stride)) is not None:
+            raise _Mismatch(bad)
+
+    try:
+        _train(program, DTensorFactory(program.mesh), seen)
+    except _Mismatch as e:
+        return "wrong", str(e)
+    except Exception as e:  # noqa: BLE001  (plain torch ran this program: any exception is a finding)
+        return "error", _where(e)
+    return "ok", ""
+
+
+def _where(e: Exception) -> str:
+    frames = traceback.extract_tb(e.__traceback__)
+    where = next((f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in reversed(frames)
+                  if "/fuzz/" in f.filename), "")
+    return f"at {where}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
 
 
 def handle(literals: list) -> list:

@@ -166,6 +166,13 @@ FINDINGS = {
                                            [["transpose", [0], {"d0": 0, "d1": 1}],
                                             ["narrow", [1], {"dim": 0, "start": 1, "length": 3}],
                                             ["mul_scalar_", [2], {"s": 3.0}]], "inference"],
+    # found by the training mode (an optimizer step between two rounds): from_local of a
+    # step slice's shard copied it (its dim-order check overrated the slice's extent), so
+    # the round trip stopped following the input the optimizer updated (seed 43001519)
+    "round_trip_of_step_slice_follows_optimizer": ["1d4", [[[4, 1, 5], 7, ["R"], True]],
+                                                   [["step_slice", [0], {"dim": 2}],
+                                                    ["local_round_trip", [1], {"seed": 232738}]],
+                                                   "train.sgd_foreach.keep"],
 }
 
 
