@@ -46,7 +46,17 @@ UNARY = {
     "batch_norm": lambda x: F.batch_norm(x, None, None, training=True),
     "batch_norm_channels_last": lambda x: F.batch_norm(x.contiguous(memory_format=torch.channels_last), None, None,
                                                        training=True),
+    "isin": lambda x: torch.isin(x, x.flatten()[:3]).double() + x,
+    "log_softmax_backward": lambda x: A._log_softmax_backward_data(x, torch.log_softmax(x, 1), 1, x.dtype),
+    "normal_tensors": lambda x: _seeded(lambda: torch.normal(x, x.abs() + 0.1)),
+    "normal_std_tensor": lambda x: _seeded(lambda: torch.normal(0.5, x.abs() + 0.1)),
+    "poisson": lambda x: _seeded(lambda: torch.poisson(x.abs())),
 }
+
+
+def _seeded(draw):
+    torch.manual_seed(5)
+    return draw()
 
 
 def _dim_order(t):
