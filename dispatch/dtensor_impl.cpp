@@ -32,6 +32,11 @@ DTensorImpl::DTensorImpl(at::Tensor local, SpecPtr spec)
       spec_(std::move(spec)) {
   set_storage_access_should_throw();
   set_sizes_and_strides(spec_->shape, spec_->stride, spec_->storage_offset);
+  // A conjugate or negative view (z.conj(), z.conj().imag) keeps the bit on its shard, as
+  // torch keeps it on a view; the DTensor shows it too, so that torch's own checks (view_as_real
+  // refuses a conjugate view) and resolution (the Conjugate and Negative fallbacks) see it.
+  _set_conj(local_.is_conj());
+  _set_neg(local_.is_neg());
   g_live.fetch_add(1, std::memory_order_relaxed);
 }
 

@@ -98,8 +98,11 @@ VESCALE_RULES(pointwise) {
                          "aten::sub.Tensor", "aten::sub_.Tensor", "aten::sub.out",
                          "aten::neg", "aten::neg_", "aten::neg.out",
                          "aten::clone", "aten::detach", "aten::alias", "aten::zero_", "aten::positive",
-                         "aten::conj_physical"})
+                         "aten::conj_physical", "aten::conj_physical_", "aten::_conj_physical", "aten::_conj",
+                         "aten::_neg_view", "aten::resolve_conj", "aten::resolve_neg"})
     rules.add(op, pointwise(additive));
+  // complex(real, imag) is additive in the pair; polar(abs, angle) is not.
+  rules.add("aten::complex", pointwise(additive));
   // A cast is additive only into a floating or complex dtype: rounding to integers is not
   // (the parts of a Partial would each be truncated), so those casts reduce first.
   for (const char* op : {"aten::_to_copy", "aten::copy_"})
@@ -131,7 +134,7 @@ VESCALE_RULES(pointwise) {
 
   // Nonlinear: every overload and in-place/out variant of these.
   for (const char* base : {
-           "aten::abs", "aten::acos", "aten::acosh", "aten::asin", "aten::asinh", "aten::atan", "aten::atan2",
+           "aten::abs", "aten::angle", "aten::polar", "aten::acos", "aten::acosh", "aten::asin", "aten::asinh", "aten::atan", "aten::atan2",
            "aten::atanh", "aten::ceil", "aten::clamp", "aten::clamp_min", "aten::clamp_max", "aten::cos",
            "aten::cosh", "aten::deg2rad", "aten::digamma", "aten::erf", "aten::erfc", "aten::erfinv", "aten::exp",
            "aten::exp2", "aten::expm1", "aten::floor", "aten::frac", "aten::hypot", "aten::i0", "aten::lgamma",

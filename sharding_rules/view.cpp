@@ -11,6 +11,8 @@
 //   expand                                          broadcast dims must be whole
 //   select / slice / split / unbind (+ backward)    the indexed dim must be whole
 //   cat / stack                                     all inputs alike, cat dim whole
+//   view_as_real / view_as_complex                  shards follow their dims; the pair
+//                                                   dim of view_as_complex whole
 //
 // InterleavedShard(d, g) follows its dim through the ops above like Shard(d) (in a
 // view, when d is its run's leading dim and both sizes divide into g x k pieces).
@@ -380,6 +382,19 @@ ShardingChoice as_strided_rule(const OpCall& call) {
   return c;
 }
 
+// ---- complex numbers as pairs ----------------------------------------------------
+
+// view_as_real(self): a complex [..] becomes a real [.., 2]; every dim keeps its shard.
+ShardingChoice view_as_real_rule(const OpCall& call) {
+  return map_dims_rule(call, [](int64_t d) { return d; });
+}
+
+// view_as_complex(self): a real [.., 2] becomes a complex [..]; the pairs must be whole.
+ShardingChoice view_as_complex_rule(const OpCall& call) {
+  const int64_t pairs = call.inputs[0].ndim() - 1;
+  return map_dims_rule(call, [pairs](int64_t d) { return d == pairs ? -1 : d; });
+}
+
 // ---- joining -------------------------------------------------------------------------
 
 // cat(tensors, dim) / stack(tensors, dim): every input alike; the joined dim whole.
@@ -452,6 +467,8 @@ VESCALE_RULES(view) {
   rules.add("aten::select_backward", [](const OpCall& c) { return index_backward_rule(c, true); });
   rules.add("aten::slice_backward", [](const OpCall& c) { return index_backward_rule(c, false); });
   rules.add("aten::as_strided", as_strided_rule);
+  rules.add("aten::view_as_real", view_as_real_rule);
+  rules.add("aten::view_as_complex", view_as_complex_rule);
   rules.add("aten::cat", [](const OpCall& c) { return join_rule(c, false); });
   rules.add("aten::stack", [](const OpCall& c) { return join_rule(c, true); });
 }

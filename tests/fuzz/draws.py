@@ -306,3 +306,15 @@ def last_dim_index_draw(rng, values):
     """A value and a fresh index over its last dim, shaped like its leading dims."""
     i = _pick(rng, [j for j in _floats(values) if values[j].dim() >= 1 and values[j].shape[-1] > 0])
     return None if i is None else ((i,), {"seed": rng.randrange(1 << 20), "fresh": "index"})
+
+
+def last_even_fresh(rng, values):
+    """A value whose last dim is even (pairs of it become complex numbers), and a seed."""
+    i = _pick(rng, [j for j in _floats(values) if values[j].dim() >= 1 and values[j].shape[-1] % 2 == 0
+                    and values[j].shape[-1] > 0])
+    return None if i is None else ((i,), {"seed": rng.randrange(1 << 20), "fresh": "weight"})
+
+
+def with_dim_fresh(rng, values):
+    drawn = with_dim(rng, values)
+    return None if drawn is None else (drawn[0], {**drawn[1], "seed": rng.randrange(1 << 20), "fresh": "weight"})

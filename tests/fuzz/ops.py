@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .draws import (attention_draw, binary, cat_draw, conv_draw, cross_entropy_draw, diagonal_draw, even_dim,
-                     last_dim_index_draw, pool_draw,
+                     last_dim_index_draw, last_even_fresh, pool_draw, with_dim_fresh,
                      dropout_draw, expanding, fresh_same, group_norm_draw, index_draw, inplace,
                      matmul_draw, narrowing, new_dim, pad_draw, permuting, random_draw,
                      relayout_draw, repeats_draw, reshaping, scalar_draw, selecting, setitem_draw,
@@ -251,6 +251,37 @@ def _local_round_trip(x, *, seed):
 # result C++ leaves undefined); rounding is nonlinear, so a Partial input is reduced
 # before the cast.
 
+def _rope(x, *, seed, fresh, new):
+    """Rotary embedding as torchtitan's Llama applies it: pairs of the last dim as complex
+    numbers, multiplied by unit complex numbers (torch.polar of fresh angles)."""
+    angles = new("weight", (x.shape[-1] // 2,), seed)
+    z = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(z * torch.polar(torch.ones_like(angles), angles)).flatten(-2)
+
+
+def _rfft_filter(x, *, dim, seed, fresh, new):
+    """A filter in frequency space: rfft along `dim`, scaled per frequency, irfft back."""
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    w = new("weight", (n // 2 + 1,) + (1,) * (x.dim() - 1 - dim), seed)
+    return torch.fft.irfft(torch.fft.rfft(x, dim=dim) * w, n=n, dim=dim)
+
+
+def _complex_math(x, *, seed, fresh, new):
+    z = torch.complex(x, new("weight", tuple(x.shape), seed))
+    return (z * z.conj()).real + torch.angle(z) + (z.exp() / (z.abs() + 1)).imag
+
+
+def _normal_tensor(x, *, seed):
+    torch.manual_seed(seed)
+    return torch.normal(x, x.abs() + 0.1)
+
+
+def _poisson_add(x, *, seed):
+    torch.manual_seed(seed)
+    return torch.poisson(x.abs()) + x
+
+
 def _grid(x, bound=100.0):
     return torch.round(torch.nan_to_num(x, 0.0).clamp(-bound, bound) * 64) / 64
 
@@ -468,6 +499,14 @@ OPS: list[Op] = [
     Op("bool_where", binary, lambda a, b: torch.where((a > 0) & (b < 0.3), a, b)),
     Op("bool_roundtrip", unary, lambda x: x.bool().to(x.dtype) + x),
     Op("int_gather", with_dim, lambda x, dim: x.gather(dim, _ints(x).abs() % x.shape[dim])),
+    # the fifth table: complex values inside a step, and ops whose CPU layout the meta kernel missed
+    Op("rope", last_even_fresh, _rope),
+    Op("rfft_filter", with_dim_fresh, _rfft_filter),
+    Op("fft_abs", with_dim, lambda x, dim: torch.fft.fft(x, dim=dim).abs()),
+    Op("complex_math", fresh_same, _complex_math),
+    Op("isin_add", unary, lambda x: torch.isin(_grid(x), _grid(x).flatten()[:3]).to(x.dtype) + x),
+    Op("normal_tensor", random_draw, _normal_tensor),
+    Op("poisson_add", random_draw, _poisson_add),
 ]
 
 OPS_BY_NAME = {op.name: op for op in OPS}
