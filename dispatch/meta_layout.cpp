@@ -1,7 +1,12 @@
 #include "dispatch/meta_layout.h"
 
+#include <ATen/Context.h>
 #include <ATen/TensorIterator.h>
+#include <ATen/WrapDimUtils.h>
 #include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <numeric>
 
 #include <unordered_map>
 
@@ -16,6 +21,8 @@ enum class CpuLayout {
                  // (channels-last stays so, any other layout becomes contiguous)
   LossBackward,  // (grad, self, target...): contiguous when the result has self's shape;
                  // the meta kernel is right when self broadcasts against the target
+  Fft,           // (self, dim, ...): MKL's layout on CPU (below); torch's meta kernels take
+                 // cuFFT's path on meta tensors, which is right on CUDA only
 };
 
 // Found by comparing meta and CPU strides for transposed and broadcast inputs
@@ -57,8 +64,75 @@ const std::unordered_map<std::string, CpuLayout>& table() {
       {"aten::_batch_norm_with_update", CpuLayout::InputsFormat},
       {"aten::_batch_norm_no_update", CpuLayout::InputsFormat},
       {"aten::native_batch_norm_backward", CpuLayout::InputsFormat},
+      {"aten::_fft_r2c", CpuLayout::Fft},
+      {"aten::_fft_c2c", CpuLayout::Fft},
+      {"aten::_fft_c2r", CpuLayout::Fft},
   };
   return rows;
+}
+
+// ---- FFTs on CPU: _sort_dims and _exec_fft of aten/src/ATen/native/mkl/SpectralOps.cpp ----
+// Mirrored step by step (std::partition and std::sort included, so that dims with equal
+// strides fall the same way): batch dims first, in the input's stride order, then the
+// transformed dims in the order they are transformed, the whole contiguous in that order.
+
+using Dims = std::vector<int64_t>;
+
+Dims sort_dims(c10::IntArrayRef strides, Dims dims, bool exclude_last) {
+  std::sort(dims.begin(), dims.end() - (exclude_last ? 1 : 0),
+            [&](int64_t a, int64_t b) { return strides[a] > strides[b]; });
+  return dims;
+}
+
+Shape mkl_fft_strides(c10::IntArrayRef in_strides, c10::IntArrayRef out_sizes, const Dims& dims) {
+  const auto ndim = static_cast<int64_t>(out_sizes.size());
+  const auto batch_dims = ndim - static_cast<int64_t>(dims.size());
+  Dims permute(static_cast<size_t>(ndim));
+  std::iota(permute.begin(), permute.end(), int64_t{0});
+  std::vector<bool> transformed(static_cast<size_t>(ndim));
+  for (const auto d : dims) transformed[static_cast<size_t>(d)] = true;
+  const auto batch_end = std::partition(permute.begin(), permute.end(),
+                                        [&](int64_t d) { return !transformed[static_cast<size_t>(d)]; });
+  std::sort(permute.begin(), batch_end, [&](int64_t a, int64_t b) { return in_strides[a] > in_strides[b]; });
+  std::copy(dims.begin(), dims.end(), batch_end);
+  // The result is made contiguous as [batch, transformed dims...], then viewed back.
+  Shape inner(dims.size());  // contiguous strides of the transformed dims
+  int64_t block = 1;
+  for (size_t i = dims.size(); i-- > 0;) {
+    inner[i] = block;
+    block *= out_sizes[dims[i]];
+  }
+  Shape out(static_cast<size_t>(ndim));
+  int64_t batch_numel = 1;
+  for (int64_t i = batch_dims - 1; i >= 0; --i) {
+    out[static_cast<size_t>(permute[static_cast<size_t>(i)])] = batch_numel * block;
+    batch_numel *= out_sizes[permute[static_cast<size_t>(i)]];
+  }
+  for (int64_t i = batch_dims; i < ndim; ++i)
+    out[static_cast<size_t>(permute[static_cast<size_t>(i)])] = inner[static_cast<size_t>(i - batch_dims)];
+  return out;
+}
+
+// The CPU kernel's strides for the FFT `name` of `self` over `dims` into `out_sizes`.
+Shape cpu_fft_strides(const std::string& name, const at::Tensor& self, Dims dims, c10::IntArrayRef out_sizes) {
+  if (!at::hasMKL()) {  // pocketfft: a contiguous result
+    Shape strides(out_sizes.size());
+    int64_t step = 1;
+    for (size_t d = out_sizes.size(); d-- > 0;) {
+      strides[d] = step;
+      step *= std::max<int64_t>(out_sizes[d], 1);
+    }
+    return strides;
+  }
+  if (name == "aten::_fft_r2c") return mkl_fft_strides(self.strides(), out_sizes, sort_dims(self.strides(), dims, true));
+  if (name == "aten::_fft_c2c") return mkl_fft_strides(self.strides(), out_sizes, sort_dims(self.strides(), dims, false));
+  // c2r: the c2c transforms of all but the last dim first, then the c2r of the last
+  Shape strides(self.strides().begin(), self.strides().end());
+  if (dims.size() > 1) {
+    strides = mkl_fft_strides(strides, self.sizes(), sort_dims(strides, Dims(dims.begin(), dims.end() - 1), false));
+    dims = {dims.back()};
+  }
+  return mkl_fft_strides(strides, out_sizes, dims);
 }
 
 Shape elementwise_strides(const std::vector<at::Tensor>& metas) {
@@ -74,10 +148,18 @@ Shape elementwise_strides(const std::vector<at::Tensor>& metas) {
 
 }  // namespace
 
-void match_cpu_layout(const std::string& name, const std::vector<at::Tensor>& metas, std::vector<TensorArg>& outputs) {
+void match_cpu_layout(const std::string& name, c10::ArrayRef<c10::IValue> args, c10::DeviceType device,
+                      const std::vector<at::Tensor>& metas, std::vector<TensorArg>& outputs) {
   const auto row = table().find(name);
   if (row == table().end() || outputs.empty() || !outputs[0].defined) return;
   auto& first = outputs[0];
+  if (row->second == CpuLayout::Fft) {
+    if (device != c10::kCPU || metas.empty() || args.size() < 2 || !args[1].isIntList()) return;
+    Dims dims;
+    for (const auto d : args[1].toIntVector()) dims.push_back(at::maybe_wrap_dim(d, metas[0].dim()));
+    if (!dims.empty()) first.stride = cpu_fft_strides(name, metas[0], std::move(dims), first.shape);
+    return;
+  }
   if (row->second == CpuLayout::LossBackward &&
       (metas.size() < 2 || !metas[1].defined() || metas[1].sizes() != c10::IntArrayRef(first.shape)))
     return;

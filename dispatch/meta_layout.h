@@ -14,8 +14,10 @@
 
 namespace vescale {
 
-// Corrects `outputs` (from the meta kernel of op `name` over `metas`, the meta inputs)
-// to the CPU kernel's layout where the two are known to differ.
-void match_cpu_layout(const std::string& name, const std::vector<at::Tensor>& metas, std::vector<TensorArg>& outputs);
+// Corrects `outputs` (from the meta kernel of op `name` over `metas`, the meta inputs;
+// `args` the call's arguments, on a mesh of `device`) to the CPU kernel's layout where
+// the two are known to differ.
+void match_cpu_layout(const std::string& name, c10::ArrayRef<c10::IValue> args, c10::DeviceType device,
+                      const std::vector<at::Tensor>& metas, std::vector<TensorArg>& outputs);
 
 }  // namespace vescale

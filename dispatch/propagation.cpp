@@ -98,7 +98,7 @@ bool run_meta(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRef<c
     outputs.push_back(std::move(a));
     return t;
   });
-  match_cpu_layout(info.name, metas, outputs);
+  match_cpu_layout(info.name, args, scan.tensors.empty() ? c10::kCPU : scan.tensors[0].device().type(), metas, outputs);
   return true;
 }
 

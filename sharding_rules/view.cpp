@@ -389,10 +389,17 @@ ShardingChoice view_as_real_rule(const OpCall& call) {
   return map_dims_rule(call, [](int64_t d) { return d; });
 }
 
-// view_as_complex(self): a real [.., 2] becomes a complex [..]; the pairs must be whole.
+// view_as_complex(self): a real [.., 2] becomes a complex [..]; the pairs must be whole,
+// and a Partial max or min is reduced first (complex numbers have no order).
 ShardingChoice view_as_complex_rule(const OpCall& call) {
   const int64_t pairs = call.inputs[0].ndim() - 1;
-  return map_dims_rule(call, [pairs](int64_t d) { return d == pairs ? -1 : d; });
+  auto c = map_dims_rule(call, [pairs](int64_t d) { return d == pairs ? -1 : d; });
+  for (size_t m = 0; m < c.inputs[0].size(); ++m) {
+    const auto& p = c.inputs[0][m];
+    if (p.is_partial() && p.op != ReduceOp::Sum && p.op != ReduceOp::Avg)
+      c.inputs[0][m] = c.outputs[0][m] = Placement::replicate();
+  }
+  return c;
 }
 
 // ---- joining -------------------------------------------------------------------------

@@ -32,7 +32,8 @@ def _rope(xq: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
 # split (sequence parallel, freqs split alike), batch split, the head dim split, unevenly too
 ROPE_CASES = {
     "1d4": [([Shard(2)], [Replicate()]), ([Shard(1)], [Shard(0)]), ([Shard(1)], [Replicate()]),
-            ([Shard(0)], [Replicate()]), ([Shard(3)], [Replicate()]), ([Partial()], [Replicate()])],
+            ([Shard(0)], [Replicate()]), ([Shard(3)], [Replicate()]), ([Partial()], [Replicate()]),
+            ([Partial("max")], [Replicate()])],  # reduced before view_as_complex (fuzz seed 44000588)
     "2d": [([Shard(0), Shard(2)], [Replicate(), Replicate()]), ([Shard(2), Shard(1)], [Replicate(), Shard(0)]),
            ([Replicate(), Shard(3)], [Replicate(), Replicate()])],
 }
@@ -60,7 +61,7 @@ def _case_rope_matches_one_device():
                 failures[f"{what}: gradient"] = bad
             # The rotation is per element pair: a split of heads, positions or batch stays
             # split, with no gather of the query through the replicate fallback.
-            if xp[-1] != Partial() and list(out.placements) != list(xp):
+            if not xp[-1].is_partial() and list(out.placements) != list(xp):
                 failures[f"{what}: placements"] = out.placements
             if vescale.fallback_counts():
                 failures[f"{what}: fallback"] = vescale.fallback_counts()

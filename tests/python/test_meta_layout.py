@@ -96,3 +96,37 @@ def _case_results_laid_out_as_on_one_device():
 def test_results_laid_out_as_on_one_device(pool4):
     for failures in pool4.run(_case_results_laid_out_as_on_one_device):
         assert failures == {}
+
+
+def _case_fft_results_laid_out_as_mkl_lays_them_out():
+    """torch's meta kernels for FFTs take cuFFT's path on meta tensors; on CPU, MKL orders
+    the batch dims by the input's strides and the transformed dims by transform order
+    (dispatch/meta_layout.cpp mirrors it). Found by the fifth fuzz table (seed 44001895:
+    two rfft filters over a (9, 5, 7, 4) value)."""
+    failures = {}
+    base = rand((3, 4, 5, 6), seed=5)
+    m = mesh("1d4")
+    ffts = {
+        "rfftn": lambda x, dims: torch.fft.rfftn(x, dim=dims),
+        "fftn": lambda x, dims: torch.fft.fftn(x, dim=dims),
+        "irfftn": lambda x, dims: torch.fft.irfftn(x, dim=dims),
+        "hfft": lambda x, dims: torch.fft.hfft(x, dim=dims[-1]),
+    }
+    for perm in ((0, 1, 2, 3), (3, 2, 1, 0), (0, 2, 3, 1), (1, 3, 0, 2)):
+        a = base.permute(perm)
+        for dims in ((3,), (0,), (1, 2), (2, 0), (3, 0, 2)):
+            for placements in ([Replicate()], [Shard(1)]):
+                x = make_dtensor(a, m, placements)
+                for name, fn in ffts.items():
+                    out, ref = fn(x, list(dims)), fn(a, list(dims))
+                    what = f"{perm} {dims} {placements} {name}"
+                    if _dim_order(out) != _dim_order(ref):
+                        failures[f"{what}: strides"] = (tuple(out.stride()), tuple(ref.stride()))
+                    if (bad := mismatch(out.full_tensor(), ref)) is not None:
+                        failures[f"{what}: values"] = bad
+    return failures
+
+
+def test_fft_results_laid_out_as_on_one_device(pool4):
+    for failures in pool4.run(_case_fft_results_laid_out_as_mkl_lays_them_out):
+        assert failures == {}
