@@ -4,7 +4,8 @@ size-1 dims, 1-d and 2-d meshes), forward and backward, against plain torch in f
 
 The seeds are fixed so that a failure reproduces; VESCALE_FUZZ_SEED and
 VESCALE_FUZZ_CHAINS pick others. The long campaign (docs/fuzzing.md) is
-``python -m tests.fuzz.campaign --chains 20000`` (``--inference`` for inference mode)."""
+``python -m tests.fuzz.campaign --chains 20000`` (``--inference`` for inference mode,
+``--train`` for two optimizer steps per program)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,17 @@ import os
 from tests.fuzz.campaign import campaign
 
 
+def _assert_all_ok(result: dict, chains: int) -> None:
+    findings = "\n\n".join(f"seed {f['seed']}: {f['kind']}: {f['detail']}\n{f['text']}\nliteral: {f['program']}"
+                            for f in result["findings"])
+    assert result["counts"].get("ok", 0) == chains, f"{result['counts']}\n\n{findings}"
+
+
 def test_random_chains_match_single_device():
     chains = int(os.environ.get("VESCALE_FUZZ_CHAINS", "400"))
     seed = int(os.environ.get("VESCALE_FUZZ_SEED", "7000000"))
     result = campaign(chains, seed, shrink_findings=True, log=lambda *a: None)
-    findings = "\n\n".join(f"seed {f['seed']}: {f['kind']}: {f['detail']}\n{f['text']}\nliteral: {f['program']}"
-                           for f in result["findings"])
-    assert result["counts"].get("ok", 0) == chains, f"{result['counts']}\n\n{findings}"
+    _assert_all_ok(result, chains)
 
 
 def test_random_chains_in_inference_mode_match_single_device():
@@ -28,6 +33,14 @@ def test_random_chains_in_inference_mode_match_single_device():
     chains = int(os.environ.get("VESCALE_FUZZ_CHAINS", "400")) // 2
     seed = int(os.environ.get("VESCALE_FUZZ_SEED", "7000000")) + 500000
     result = campaign(chains, seed, shrink_findings=True, log=lambda *a: None, mode="inference")
-    findings = "\n\n".join(f"seed {f['seed']}: {f['kind']}: {f['detail']}\n{f['text']}\nliteral: {f['program']}"
-                           for f in result["findings"])
-    assert result["counts"].get("ok", 0) == chains, f"{result['counts']}\n\n{findings}"
+    _assert_all_ok(result, chains)
+
+
+def test_random_chains_trained_for_two_steps_match_single_device():
+    """The same generator's programs as two training steps: forward, backward and an
+    optimizer step (SGD, foreach and fused Adam, Adagrad) over the inputs, then again on
+    the updated inputs; every value after each forward and each step, and the gradients."""
+    chains = int(os.environ.get("VESCALE_FUZZ_CHAINS", "400")) // 2
+    seed = int(os.environ.get("VESCALE_FUZZ_SEED", "7000000")) + 800000
+    result = campaign(chains, seed, shrink_findings=True, log=lambda *a: None, mode="train")
+    _assert_all_ok(result, chains)
