@@ -97,7 +97,7 @@ VESCALE_RULES(pointwise) {
   for (const char* op : {"aten::add.Tensor", "aten::add_.Tensor", "aten::add.out",
                          "aten::sub.Tensor", "aten::sub_.Tensor", "aten::sub.out",
                          "aten::neg", "aten::neg_", "aten::neg.out",
-                         "aten::clone", "aten::detach", "aten::alias", "aten::zero_", "aten::positive",
+                         "aten::clone", "aten::zero_", "aten::positive",
                          "aten::conj_physical", "aten::conj_physical_", "aten::_conj_physical", "aten::_conj",
                          "aten::_neg_view", "aten::resolve_conj", "aten::resolve_neg"})
     rules.add(op, pointwise(additive));

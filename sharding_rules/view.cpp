@@ -13,6 +13,8 @@
 //   cat / stack                                     all inputs alike, cat dim whole
 //   view_as_real / view_as_complex                  shards follow their dims; the pair
 //                                                   dim of view_as_complex whole
+//   detach / alias                                  the same shards, any Partial too
+//   unfold (+ backward)                             the unfolded dim whole
 //
 // InterleavedShard(d, g) follows its dim through the ops above like Shard(d) (in a
 // view, when d is its run's leading dim and both sizes divide into g x k pieces).
@@ -384,21 +386,49 @@ ShardingChoice as_strided_rule(const OpCall& call) {
 
 // ---- complex numbers as pairs ----------------------------------------------------
 
-// view_as_real(self): a complex [..] becomes a real [.., 2]; every dim keeps its shard.
-ShardingChoice view_as_real_rule(const OpCall& call) {
+// detach / alias / view_as_real: every dim keeps its shard. A Partial of any kind passes
+// too: the result shares the shards (a reduction here made `x.detach()` of a Partial max
+// a new tensor, which writes through it did not reach).
+ShardingChoice same_dims_rule(const OpCall& call) {
   return map_dims_rule(call, [](int64_t d) { return d; });
+}
+
+// A Partial max or min of the first input is reduced first, for ops through which only
+// sums pass.
+ShardingChoice sums_only(ShardingChoice c) {
+  for (size_t m = 0; m < c.inputs[0].size(); ++m) {
+    const auto& p = c.inputs[0][m];
+    if (p.is_partial() && p.op != ReduceOp::Sum && p.op != ReduceOp::Avg)
+      for (auto& out : c.outputs) c.inputs[0][m] = out[m] = Placement::replicate();
+  }
+  return c;
 }
 
 // view_as_complex(self): a real [.., 2] becomes a complex [..]; the pairs must be whole,
 // and a Partial max or min is reduced first (complex numbers have no order).
 ShardingChoice view_as_complex_rule(const OpCall& call) {
   const int64_t pairs = call.inputs[0].ndim() - 1;
-  auto c = map_dims_rule(call, [pairs](int64_t d) { return d == pairs ? -1 : d; });
-  for (size_t m = 0; m < c.inputs[0].size(); ++m) {
-    const auto& p = c.inputs[0][m];
-    if (p.is_partial() && p.op != ReduceOp::Sum && p.op != ReduceOp::Avg)
-      c.inputs[0][m] = c.outputs[0][m] = Placement::replicate();
-  }
+  return sums_only(map_dims_rule(call, [pairs](int64_t d) { return d == pairs ? -1 : d; }));
+}
+
+// ---- sliding windows -------------------------------------------------------------
+
+// unfold(self, dimension, size, step): the windows along `dimension` (which must be
+// whole) become a new last dim; every other dim keeps its shard.
+ShardingChoice unfold_rule(const OpCall& call) {
+  const int64_t dim = at::maybe_wrap_dim(call.int_arg("dimension"), std::max<int64_t>(call.inputs[0].ndim(), 1));
+  return map_dims_rule(call, [dim](int64_t d) { return d == dim ? -1 : d; });
+}
+
+// unfold_backward(grad_in, input_sizes, dim, size, step): the windows' gradients summed
+// back into the input's shape (so only Partial sums pass); `dim` and the window dim
+// whole; the local call gets the local size.
+ShardingChoice unfold_backward_rule(const OpCall& call) {
+  const int64_t ndim = call.outputs[0].ndim();
+  const int64_t dim = at::maybe_wrap_dim(call.int_arg("dim"), std::max<int64_t>(ndim, 1));
+  auto [in, out] = map_dims(call, [&](int64_t d) -> int64_t { return d == dim || d >= ndim ? -1 : d; });
+  auto c = sums_only(single(call, in, {out}));
+  c.local_args.emplace_back(1, c10::IValue(local_sizes(call, c.outputs[0])));
   return c;
 }
 
@@ -474,8 +504,12 @@ VESCALE_RULES(view) {
   rules.add("aten::select_backward", [](const OpCall& c) { return index_backward_rule(c, true); });
   rules.add("aten::slice_backward", [](const OpCall& c) { return index_backward_rule(c, false); });
   rules.add("aten::as_strided", as_strided_rule);
-  rules.add("aten::view_as_real", view_as_real_rule);
+  rules.add("aten::view_as_real", same_dims_rule);  // a complex [..] becomes a real [.., 2]
+  rules.add("aten::detach", same_dims_rule);
+  rules.add("aten::alias", same_dims_rule);
   rules.add("aten::view_as_complex", view_as_complex_rule);
+  rules.add("aten::unfold", unfold_rule);
+  rules.add("aten::unfold_backward", unfold_backward_rule);
   rules.add("aten::cat", [](const OpCall& c) { return join_rule(c, false); });
   rules.add("aten::stack", [](const OpCall& c) { return join_rule(c, true); });
 }

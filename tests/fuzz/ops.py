@@ -220,6 +220,29 @@ def _multinomial_gather(x, *, seed):
     return x.gather(1, torch.multinomial(x.softmax(1), 1))
 
 
+def _checkpoint_reshard(x, *, seed):
+    """vescale.save of the value, then vescale.load into a fresh tensor of placements drawn
+    from the seed (Partial included: a load must overwrite it whole): resharding through
+    a checkpoint. A contiguous copy on plain tensors (the target is laid out so); no
+    gradient flows through a checkpoint."""
+    if not hasattr(x, "redistribute") or not hasattr(x, "device_mesh"):
+        return x.detach().clone(memory_format=torch.contiguous_format)
+    import os
+    import vescale
+    from .chains import MESHES, placements_from_codes, fresh_placements
+    mesh = x.device_mesh
+    name = next(n for n, shape in MESHES.items() if shape == tuple(mesh.shape))
+    codes = fresh_placements(seed, list(x.shape), name, partial=True)
+    target = vescale.distribute_tensor(torch.full(tuple(x.shape), 7.0, dtype=x.dtype), mesh,
+                                       placements_from_codes(codes))
+    # the ranks share the parent's pid; a step's seed and shape name its checkpoint
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"vescale_fuzz_ckpt_{os.getppid()}",
+                        f"{seed}_{'x'.join(map(str, x.shape))}")
+    vescale.save(path, {"x": x.detach()})
+    vescale.load(path, {"x": target}, rng=False)
+    return target
+
+
 class _DataAlias(torch.autograd.Function):
     """The plain-tensor meaning of a to_local/from_local round trip: the result shares x's
     data (a write to either shows in the other) but is no autograd view of x, so an
@@ -403,6 +426,7 @@ OPS: list[Op] = [
     # the DTensor API inside a chain (identities on plain tensors)
     Op("redistribute", relayout_draw, _redistribute, 2),
     Op("local_round_trip", relayout_draw, _local_round_trip),
+    Op("checkpoint_reshard", relayout_draw, _checkpoint_reshard, 0.5),
 
     # the second table: what real models and optimizers add (masks, shifts, repeats,
     # scatters, pads, contractions, random fills and in-place optimizer updates)

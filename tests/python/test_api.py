@@ -125,6 +125,15 @@ def _case_python_tensor_methods():
                                       and mismatch(twin(inp).full_tensor(), model(inp).full_tensor()) is None)
     vescale.reset_fallback_counts()
     checks["is_pinned asks the shard"] = w.is_pinned() is False and vescale.fallback_counts() == {}
+    # detach and alias share the shards, whatever the placements: detach of a Partial max
+    # (or of mixed Partials) was reduced into a new tensor, so a checkpoint loaded through
+    # it, or any write through it, did not reach the tensor (stop 39)
+    for name, make_alias in (("detach", torch.Tensor.detach), ("alias", torch.ops.aten.alias)):
+        p = make_dtensor(rand((4, 3), seed=5), m, [Partial(), Partial("max")], seed=5)
+        alias = make_alias(p)
+        same = alias.placements == p.placements and alias.to_local().data_ptr() == p.to_local().data_ptr()
+        alias.mul_(2.0)
+        checks[f"{name} of a Partial max shares its shards"] = same and mismatch(p.full_tensor(), 2 * rand((4, 3), seed=5)) is None
     return {k: v for k, v in checks.items() if v is not True}
 
 

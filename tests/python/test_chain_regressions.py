@@ -173,6 +173,19 @@ FINDINGS = {
                                                    [["step_slice", [0], {"dim": 2}],
                                                     ["local_round_trip", [1], {"seed": 232738}]],
                                                    "train.sgd_foreach.keep"],
+    # unfold had no rule: the replicate fallback gathered an expanded input densely, and
+    # the result's strides lost the expanded dims' zeros (seed 46004298)
+    "unfold_of_expanded_keeps_its_strides": ["2d", [[[8, 4, 9], 1, ["R", "S2"], True]],
+                                             [["expand", [0], {"lead": 2}],
+                                              ["unfold", [1], {"dim": 0, "size": 1, "step": 1}]]],
+    # vescale.load into a Partial max target went into a reduced copy (`detach()` of a
+    # Partial max made a new tensor; seed 47000066); vescale.save of a Partial saved one
+    # rank's addend, and a load into a Partial sum wrote the value into every addend
+    # (seed 47000041)
+    "checkpoint_into_partial_target": ["2d", [[[3, 1], 945846, ["R", "R"], True]],
+                                       [["checkpoint_reshard", [0], {"seed": 203681}]]],
+    "checkpoint_of_partial_source": ["2d", [[[7, 2, 6], 312557, ["P.sum", "R"], True]],
+                                     [["checkpoint_reshard", [0], {"seed": 431633}]]],
 }
 
 

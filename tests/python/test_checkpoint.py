@@ -649,3 +649,37 @@ def test_single_device_state_dict_loads_into_a_sharded_model(pool4, tmp_path):
     path = str(tmp_path / "sd")
     torch.save(plain.state_dict(), path + ".params.pt")
     assert pool4.run(_case_import, "dp2_tp2_sp", path, "torch") == [[]] * 4
+
+
+def _case_partial_tensors(path: str) -> list[str]:
+    """A Partial DTensor's shards are addends: a checkpoint holds their reduction, and a
+    load into a Partial target gives it the value as addends again (fuzz seeds 47000041,
+    47000066: saved as one rank's addend, and loaded into every rank's shard, a
+    Partial(sum) target held the value twice)."""
+    from dist_utils import make_dtensor
+    from vescale import Partial, Replicate, Shard
+
+    m = mesh("2d")
+    value = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    sources = ([Replicate(), Replicate()], [Partial(), Shard(0)], [Shard(1), Partial("avg")],
+               [Partial(), Partial()], [Partial("max"), Replicate()])
+    targets = ([Shard(0), Replicate()], [Partial(), Replicate()], [Partial("avg"), Shard(1)],
+               [Partial(), Partial("max")], [Replicate(), Partial()])
+    failures = []
+    for k, source in enumerate(sources):
+        saved = make_dtensor(value, m, source, seed=k)  # Partial shards hold different addends
+        for j, placements in enumerate(targets):
+            target = vescale.distribute_tensor(torch.full((5, 3), 7.0, dtype=torch.float64), m, placements)
+            vescale.save(f"{path}_{k}_{j}", {"x": saved})
+            vescale.load(f"{path}_{k}_{j}", {"x": target})
+            if (bad := mismatch(target.full_tensor(), value)) is not None:
+                failures.append(f"{source} -> {placements}: {bad}")
+            if list(target.placements) != list(placements):
+                failures.append(f"{source} -> {placements}: placements became {target.placements}")
+        if (bad := mismatch(saved.full_tensor(), value)) is not None:
+            failures.append(f"{source}: the saved tensor changed: {bad}")
+    return failures
+
+
+def test_partial_tensors_save_their_value_and_load_as_addends(pool4, tmp_path):
+    assert pool4.run(_case_partial_tensors, str(tmp_path / "ckpt")) == [[]] * 4

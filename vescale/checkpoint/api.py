@@ -380,6 +380,8 @@ def _commit(plan: _Load, state: dict, rng: bool) -> None:
             if not dest.is_meta:  # deferred tensors are bound, not read (_bind_deferred)
                 dest.copy_(plan.reader.view(chunk, dtype, overlap))
         _masters_from_parameters(state, plan.layout, plan.saved)
+        for finish in plan.layout.finishes:
+            finish()
     _bind_deferred(plan.layout, plan.saved, plan.reader)
     for key, restore in plan.layout.restore.items():
         if key in plan.objects:

@@ -58,6 +58,8 @@ class Layout:
     # keys of tensors that other pipeline stages hold (meta here): neither saved nor loaded by this rank
     elsewhere: set[str] = field(default_factory=set)
     optimizers: list[str] = field(default_factory=list)  # keys of the optimizers in the state
+    # after a load has written every tensor: callables (Partial tensors take their addends)
+    finishes: list = field(default_factory=list)
 
     def held_elsewhere(self, key: str) -> bool:
         """Whether ``key`` (a checkpoint key) belongs to another pipeline stage's tensor:
@@ -159,9 +161,30 @@ def build(state: dict, saved: dict | None = None) -> Layout:
 
 def _tensor(layout: Layout, key: str, t: torch.Tensor, *, optional: bool = False) -> None:
     t = t.detach()
+    if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
+        t = _reduced(layout, t)
     local = local_of(t)
     pieces = [Piece(global_box, shard_box.view_of(local, whole(local.shape))) for shard_box, global_box in shard_parts(t)]
     layout.items[key] = Item(key, tuple(t.shape), t.dtype, pieces, describe(t), optional)
+
+
+def _reduced(layout: Layout, t: DTensor) -> DTensor:
+    """A Partial DTensor's shards are addends; a checkpoint holds their reduction (its
+    value). Saved from the reduced tensor, and loaded into it: a load then gives ``t`` the
+    value as addends again (the whole value on one rank of each Partial(sum) mesh dim and
+    zeros on the others; the value itself for avg, max and min)."""
+    from ..placement_types import Replicate
+    value = t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+
+    def as_addends():
+        coordinate = t.device_mesh.get_coordinate()
+        keeps = all(coordinate[m] == 0 for m, p in enumerate(t.placements)
+                    if p.is_partial() and p.reduce_op == "sum")
+        local = local_of(t)
+        local.copy_(local_of(value)) if keeps else local.zero_()
+
+    layout.finishes.append(as_addends)
+    return value
 
 
 def _module(layout: Layout, key: str, module: nn.Module, zero3: dict) -> None:
