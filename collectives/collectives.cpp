@@ -3,6 +3,7 @@
 #include "collectives/trace.h"
 
 #include <ATen/ATen.h>
+#include <ATen/SavedTensorHooks.h>
 #include <ATen/ThreadLocalPythonObjects.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -13,6 +14,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace vescale::collectives {
@@ -23,20 +25,32 @@ c10::OperatorHandle functional_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
-// A backend work object captures the calling thread's ThreadLocalState, including
-// the Python objects torch stashes there (backward() stashes a contextvars object),
-// and may be destroyed later on the backend's own thread, which then needs the GIL;
-// at interpreter exit that aborts the process. Collectives are issued with that
-// stash set aside (shared_ptr copies only: no Python object is touched).
-class WithoutStashedPythonObjects {
+// A backend work object captures the calling thread's ThreadLocalState, Python objects
+// included: those torch stashes there (backward() stashes a contextvars object) and the
+// saved-tensor hooks (non-reentrant activation checkpointing, `save_on_cpu`). The
+// backend's own thread copies that state when it runs the collective, and may destroy
+// it later; both take the GIL for those objects. Ops reached with the GIL held
+// (`x[..., :k]` does not release it) then deadlock waiting for the collective, and at
+// interpreter exit the destruction aborts the process. Collectives are issued and waited
+// for with those objects set aside (nothing is set aside when there are none; vescale's
+// collectives save no tensor for backward, so no hook could fire on them).
+class WithoutPythonObjectsInThreadState {
  public:
-  WithoutStashedPythonObjects() : saved_(at::impl::ThreadLocalPythonObjects::get_state()) {
+  WithoutPythonObjectsInThreadState() : saved_(at::impl::ThreadLocalPythonObjects::get_state()) {
     at::impl::ThreadLocalPythonObjects::set_state({});
+    if (!at::SavedTensorDefaultHooks::get_tls_state().stack.empty()) {
+      hooks_ = at::SavedTensorDefaultHooks::get_tls_state();
+      at::SavedTensorDefaultHooks::set_tls_state({});
+    }
   }
-  ~WithoutStashedPythonObjects() { at::impl::ThreadLocalPythonObjects::set_state(std::move(saved_)); }
+  ~WithoutPythonObjectsInThreadState() {
+    at::impl::ThreadLocalPythonObjects::set_state(std::move(saved_));
+    if (hooks_) at::SavedTensorDefaultHooks::set_tls_state(*hooks_);
+  }
 
  private:
   at::impl::ThreadLocalPythonObjects saved_;
+  std::optional<at::impl::SavedTensorDefaultHooksTLS> hooks_;
 };
 
 enum Kind : size_t { kAllGather, kAllReduce, kReduceScatter, kAllToAll, kBroadcast, kKinds };
@@ -100,7 +114,7 @@ void check_complex_reduction(const at::Tensor& x, ReduceOp op) {
 // collectives vescale inserts are not differentiated through anyway.
 Issued issue(const c10::OperatorHandle& op, torch::jit::Stack stack, std::shared_ptr<trace::Timed> timed) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  WithoutStashedPythonObjects no_python_objects;
+  WithoutPythonObjectsInThreadState no_python_objects;
   const bool complex = as_sent(stack);
   op.callBoxed(stack);
   return {stack.at(0).toTensor(), std::move(timed), complex};
@@ -108,7 +122,7 @@ Issued issue(const c10::OperatorHandle& op, torch::jit::Stack stack, std::shared
 
 at::Tensor wait(Issued issued) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  WithoutStashedPythonObjects no_python_objects;
+  WithoutPythonObjectsInThreadState no_python_objects;
   static const auto wait_tensor = functional_op("_c10d_functional::wait_tensor");
   torch::jit::Stack stack{std::move(issued.out)};
   wait_tensor.callBoxed(stack);

@@ -1,0 +1,105 @@
+"""Differential fuzzing of whole training set-ups: ``vescale.parallelize`` on 4 gloo ranks
+against the same training on one device (setups.py draws, setup_rank.py runs).
+
+    python -m tests.fuzz.setup_campaign --setups 200 --seed 0 --out /tmp/setups.json
+
+Set-ups are drawn from ``random.Random(seed + i)``; each finding is shrunk (features
+taken away one at a time while it still fails the same way) and printed as a literal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import sys
+import tempfile
+import time
+
+from tests.fuzz.campaign import ROOT  # noqa: F401  (puts the repository on sys.path)
+from tests.fuzz.setups import describe, draw, simpler
+from tests.opinfo.pool import Ranks
+
+HANDLER = "tests.fuzz.setup_rank:handle"
+
+
+def start_ranks(gloo_timeout_s: float = 60) -> Ranks:
+    ranks = Ranks(4, HANDLER, gloo_timeout_s=gloo_timeout_s, grace_s=gloo_timeout_s / 2)
+    ranks.start()
+    return ranks
+
+
+def run_batch(ranks: Ranks, setups: list[dict], work_dir: str, timeout_s: float = 300) -> list[tuple[str, str]]:
+    """One verdict per set-up: ok, wrong, refused, error, hang, crash or divergent."""
+    reply = ranks.call((work_dir, setups), timeout_s)
+    if reply.kind != "ok":
+        if len(setups) == 1:
+            return [(reply.kind, reply.message)]
+        return [v for s in setups for v in run_batch(ranks, [s], work_dir, timeout_s)]
+    verdicts = []
+    for k in range(len(setups)):
+        seen = {tuple(reply.values[r][k]) for r in range(ranks.world)}
+        if len(seen) == 1:
+            verdicts.append(tuple(reply.values[0][k]))
+        else:  # ranks that disagree about a verdict would disagree about collectives too
+            verdicts.append(("divergent", " | ".join(f"rank {r}: {reply.values[r][k]}" for r in range(ranks.world))))
+    return verdicts
+
+
+def shrink(ranks: Ranks, setup: dict, kind: str, work_dir: str, budget: int = 40) -> dict:
+    tries, improved = 0, True
+    while improved and tries < budget:
+        improved = False
+        for candidate in simpler(setup):
+            tries += 1
+            if run_batch(ranks, [candidate], work_dir)[0][0] == kind:
+                setup, improved = candidate, True
+                break
+            if tries >= budget:
+                break
+    return setup
+
+
+def campaign(count: int, seed: int, batch: int = 5, shrink_findings: bool = True, log=print) -> dict:
+    ranks = start_ranks()
+    work_dir = tempfile.mkdtemp(prefix="vescale-setups-")
+    counts: collections.Counter = collections.Counter()
+    findings = []
+    started = time.monotonic()
+    try:
+        for first in range(0, count, batch):
+            seeds = list(range(seed + first, seed + min(first + batch, count)))
+            setups = [draw(random.Random(s)) for s in seeds]
+            for s, setup, (kind, detail) in zip(seeds, setups, run_batch(ranks, setups, work_dir)):
+                counts[kind] += 1
+                if kind == "ok":
+                    continue
+                small = shrink(ranks, setup, kind, work_dir) if shrink_findings else setup
+                findings.append({"seed": s, "kind": kind, "detail": detail, "setup": small})
+                log(f"[seed {s}] {kind}: {detail}\n{describe(small)}\n")
+            log(f"{first + len(seeds)}/{count} set-ups, {dict(counts)}, {time.monotonic() - started:.0f}s")
+    finally:
+        ranks.stop()
+    return {"setups": count, "seed": seed, "counts": dict(counts), "seconds": round(time.monotonic() - started),
+            "findings": findings}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--setups", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=5)
+    parser.add_argument("--no-shrink", action="store_true")
+    parser.add_argument("--out", default=None, help="write counts and findings as JSON")
+    args = parser.parse_args()
+    result = campaign(args.setups, args.seed, args.batch, not args.no_shrink,
+                      log=lambda *a: print(*a, file=sys.stderr, flush=True))
+    print(json.dumps({k: v for k, v in result.items() if k != "findings"}))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

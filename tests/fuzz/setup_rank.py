@@ -1,0 +1,318 @@
+"""The rank side of the set-up fuzzer: trains a drawn set-up (setups.py) through
+``vescale.parallelize`` on the ranks, and the same model, data and loop on one device
+(every rank computes that reference itself), and compares.
+
+What is compared, and how tightly (fp32; see tests/python/dist_utils.py for why):
+- the loss of every micro-step, as the RFC loop reads it (rtol 1e-5);
+- the evaluation loss where the loop evaluates between steps (rtol 1e-5);
+- the trained weights, exported with ``vescale.checkpoint.export_torch`` and loaded into
+  a single-device model: tightly for SGD (``mismatch_to_max``), within Adam's reach for
+  Adam (``adam_mismatch``).
+
+Handler of ``tests.opinfo.pool.Ranks`` ("tests.fuzz.setup_rank:handle"): a message is
+``(work_dir, [set-up, ...])``, the answer one ``(verdict, detail)`` per set-up: ok,
+wrong, refused (a PlanError or NotImplementedError for a set-up that the documented
+rules allow) or error.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import shutil
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import vescale
+
+import sys as _sys
+_sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+_sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from dist_utils import adam_mismatch, mismatch, mismatch_to_max  # noqa: E402
+
+SGD_LR, ADAM_LR = 0.1, 1e-2
+
+
+def setup() -> None:
+    warnings.simplefilter("ignore")  # LR schedulers and fallbacks warn; the verdicts say what matters
+
+
+# ---- the pieces of a set-up -----------------------------------------------------------------------
+
+def build_model(spec: dict, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    kind, width, heads, layers, vocab = spec["kind"], spec["width"], spec["heads"], spec["layers"], spec["vocab"]
+    if kind == "gpt":
+        from examples.models.gpt import GPT, GPTConfig
+        return GPT(GPTConfig(vocab_size=vocab, n_embd=width, n_head=heads, n_layer=layers, bias=spec["bias"],
+                             dropout=0.0))
+    if kind == "llama":
+        from examples.models.llama import LlamaConfig, LlamaForCausalLM
+        return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
+                                            num_hidden_layers=layers, num_attention_heads=heads,
+                                            num_key_value_heads=spec["kv_heads"]))
+    import transformers as tf
+    if kind == "hf_llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(
+            vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=spec["kv_heads"], max_position_embeddings=64,
+            tie_word_embeddings=spec["tied"], bos_token_id=0, eos_token_id=1, pad_token_id=0))
+    if kind == "hf_gpt2":
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=width, n_layer=layers,
+                                                n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                                bos_token_id=0, eos_token_id=1, pad_token_id=0))
+    raise ValueError(f"unknown model kind {kind!r}")
+
+
+def _hf(spec: dict) -> bool:
+    return spec["kind"].startswith("hf_")
+
+
+def make_plan(settings: dict, spec: dict, model: torch.nn.Module, batch: int) -> vescale.Plan:
+    from vescale.parallel.plans import gpt2_plan, gpt_plan, llama_plan
+    settings = dict(settings)
+    mesh = settings.pop("mesh")
+    sp = settings.pop("tensor_parallel.sequence_parallel", False)
+    extra = {"data.global_batch_size": batch, "data.shuffle": False, **settings}
+    if spec["kind"] == "hf_llama":  # its plan from its config
+        return vescale.Plan.from_hf(model, mesh=mesh, sequence_parallel=sp, **extra)
+    plan = vescale.Plan({"mesh": mesh, **extra})
+    if spec["kind"] == "hf_gpt2":  # transformers ships no plan for GPT-2
+        plan.update({"pipeline_parallel.blocks": "transformer.h"})
+    if "TP" in mesh:
+        helper = {"gpt": gpt_plan, "llama": llama_plan, "hf_gpt2": gpt2_plan}[spec["kind"]]
+        plan.update({"tensor_parallel.sharding_plan": helper(sequence_parallel=sp),
+                     "tensor_parallel.sequence_parallel": sp})
+    return plan
+
+
+def optimizer_fn(spec: dict):
+    kind, wd = spec["kind"], spec.get("weight_decay", 0.0)
+    if kind == "sgd":
+        return functools.partial(torch.optim.SGD, lr=SGD_LR, weight_decay=wd)
+    if kind == "sgd_momentum":
+        return functools.partial(torch.optim.SGD, lr=SGD_LR, momentum=0.9, weight_decay=wd)
+    if kind == "adamw":
+        return functools.partial(torch.optim.AdamW, lr=ADAM_LR, weight_decay=wd)
+    if kind == "adam_fused":
+        return functools.partial(torch.optim.Adam, lr=ADAM_LR, weight_decay=wd, fused=True)
+    if kind == "adamw_groups":  # nanoGPT's configure_optimizers: decay for matrices only
+        def groups(model):
+            params = [p for p in model.parameters() if p.requires_grad]
+            return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                                      {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                                     lr=ADAM_LR)
+        return groups
+    raise ValueError(f"unknown optimizer {kind!r}")
+
+
+def make_optimizer(spec: dict, model: torch.nn.Module) -> torch.optim.Optimizer:
+    fn = optimizer_fn(spec)
+    return fn(model.parameters()) if isinstance(fn, functools.partial) else fn(model)
+
+
+def scheduler_fn(kind: str | None):
+    if kind == "step":
+        return lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    if kind == "lambda":
+        return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))
+    return None
+
+
+def tokens(setup: dict) -> torch.Tensor:
+    """Every sample the loop reads, in order: (micro-steps x batch, seq + 1) token ids."""
+    loop = setup["loop"]
+    k = setup["plan"].get("gradient.accumulation_steps", 1)
+    n = loop["steps"] * k * loop["batch"]
+    g = torch.Generator().manual_seed(setup["data_seed"])
+    return torch.randint(0, setup["model"]["vocab"], (n, loop["seq"] + 1), generator=g)
+
+
+class _Samples(torch.utils.data.Dataset):
+    """The samples as the model takes them: (input, target) pairs for the project's
+    models, dicts of input_ids and labels for Hugging Face's."""
+
+    def __init__(self, data: torch.Tensor, hf: bool):
+        self.data, self.hf = data, hf
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        row = self.data[i]
+        if self.hf:
+            return {"input_ids": row[:-1], "labels": row[:-1]}
+        return row[:-1].contiguous(), row[1:].contiguous()
+
+
+def _loss_of(out) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def _value(loss) -> float:
+    return float(loss.full_tensor() if isinstance(loss, vescale.DTensor) else loss)
+
+
+# ---- one device -----------------------------------------------------------------------------------
+
+def reference(setup: dict) -> dict:
+    spec, loop = setup["model"], setup["loop"]
+    k = setup["plan"].get("gradient.accumulation_steps", 1)
+    clip = setup["plan"].get("gradient.clip_norm")
+    model = build_model(spec, setup["init_seed"])
+    opt = make_optimizer(setup["optimizer"], model)
+    sched = scheduler_fn(loop["scheduler"])
+    sched = sched(opt) if sched else None
+    data, batch = tokens(setup), loop["batch"]
+    losses, evals = [], []
+    for i in range(loop["steps"] * k):
+        rows = data[i * batch:(i + 1) * batch]
+        if i % k == 0:
+            opt.zero_grad()
+        loss = _single_loss(model, rows, _hf(spec))
+        (loss / k).backward()
+        losses.append(float(loss))
+        if i % k == k - 1:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            if loop["eval_after"] == i // k:
+                model.eval()
+                with torch.no_grad():
+                    evals.append(float(_single_loss(model, data[:batch], _hf(spec))))
+                model.train()
+        if sched:
+            sched.step()
+    return {"losses": losses, "evals": evals, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _single_loss(model, rows: torch.Tensor, hf: bool) -> torch.Tensor:
+    if hf:
+        return model(input_ids=rows[:, :-1], labels=rows[:, :-1]).loss
+    return model(rows[:, :-1].contiguous(), rows[:, 1:].contiguous())
+
+
+# ---- on the ranks -----------------------------------------------------------------------------------
+
+def _parallel(setup: dict, settings: dict, samples: torch.Tensor, seed: int):
+    spec, loop = setup["model"], setup["loop"]
+    model = build_model(spec, seed)
+    plan = make_plan(settings, spec, model, loop["batch"])
+    return vescale.parallelize(plan, model, optimizer_fn(setup["optimizer"]), scheduler_fn(loop["scheduler"]),
+                               _Samples(samples, _hf(spec)))
+
+
+def _training_keys(plan: dict) -> dict:
+    """What the training computes rather than how it is laid out: a resumed run keeps it."""
+    return {k: v for k, v in plan.items() if k in ("gradient.clip_norm", "gradient.accumulation_steps")}
+
+
+def on_ranks(setup: dict, work_dir: str) -> dict:
+    loop = setup["loop"]
+    k = setup["plan"].get("gradient.accumulation_steps", 1)
+    data = tokens(setup)
+    model, optimizer, sched, loader = _parallel(setup, setup["plan"], data, setup["init_seed"])
+    losses, evals, first = [], [], None
+    resume = loop["resume"]
+    micro_total = loop["steps"] * k
+    batches = iter(loader)
+    i = 0
+    while i < micro_total:
+        b = next(batches)
+        first = b if first is None else first
+        optimizer.zero_grad()
+        loss = _loss_of(model(b))
+        loss.backward()
+        optimizer.step()
+        losses.append(_value(loss))
+        if sched is not None:
+            sched.step()
+        i += 1
+        if i % k:
+            continue
+        if loop["eval_after"] == i // k - 1:
+            model.eval()
+            with torch.no_grad():
+                evals.append(_value(_loss_of(model(first))))
+            model.train()
+        if resume is not None and i // k == resume["after"] and i < micro_total:
+            path = os.path.join(work_dir, "ckpt")
+            state = {"model": model, "optimizer": optimizer}
+            if sched is not None:
+                state["lr_scheduler"] = sched
+            vescale.save(path, state)
+            settings = {**resume["plan"], **_training_keys(setup["plan"])}
+            # another initialisation, so that only the load can make the runs agree
+            model, optimizer, sched, loader = _parallel(setup, settings, data[i * loop["batch"]:],
+                                                        setup["init_seed"] + 1)
+            state = {"model": model, "optimizer": optimizer}
+            if sched is not None:
+                state["lr_scheduler"] = sched
+            vescale.load(path, state)
+            batches = iter(loader)
+    path = os.path.join(work_dir, "model.pt")
+    inner = getattr(optimizer, "inner", None)
+    vescale.checkpoint.export_torch(path, model,
+                                    optimizer=inner if isinstance(inner, vescale.DistributedOptimizer) else None)
+    single = build_model(setup["model"], setup["init_seed"] + 2)
+    missing, unexpected = single.load_state_dict(torch.load(path, weights_only=True), strict=False)
+    dist.barrier()
+    return {"losses": losses, "evals": evals, "params": {n: p.detach() for n, p in single.named_parameters()},
+            "missing": [m for m in missing if m in dict(single.named_parameters())], "unexpected": unexpected}
+
+
+def compare(setup: dict, got: dict, ref: dict) -> list[str]:
+    problems = []
+    err = mismatch(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+    if err:
+        problems.append(f"losses {got['losses']} vs one device's {ref['losses']}: {err}")
+    if len(got["evals"]) != len(ref["evals"]) or (
+            got["evals"] and mismatch(torch.tensor(got["evals"]), torch.tensor(ref["evals"]), rtol=1e-5, atol=1e-6)):
+        problems.append(f"evaluation losses {got['evals']} vs one device's {ref['evals']}")
+    exported = {n for n in got["params"]}
+    # tied parameters are exported under one name: the other name loads through the tie
+    if got["unexpected"] or set(got["missing"]) & exported:
+        problems.append(f"export: unexpected keys {got['unexpected']}, missing {got['missing']}")
+    adam = setup["optimizer"]["kind"].startswith("adam")
+    applied = setup["loop"]["steps"]
+    for name, want in ref["params"].items():
+        have = got["params"].get(name)
+        if have is None:
+            problems.append(f"weight {name} missing from the trained model")
+            continue
+        err = (adam_mismatch(have, want, lr=ADAM_LR, steps=applied) if adam
+               else mismatch_to_max(have, want, tol=2e-5))
+        if err:
+            problems.append(f"trained weight {name}: {err}")
+    return problems
+
+
+def check(setup: dict, work_dir: str) -> tuple[str, str]:
+    from vescale import PlanError
+    os.makedirs(work_dir, exist_ok=True)
+    try:
+        try:
+            got = on_ranks(setup, work_dir)
+        except (PlanError, NotImplementedError) as e:
+            return "refused", f"{type(e).__name__}: {str(e)[:400]}"
+        except Exception as e:  # noqa: BLE001  (any other exception is a finding)
+            frames = traceback.extract_tb(e.__traceback__)
+            where = next((f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(frames)
+                          if "/vescale/" in f.filename), "")
+            return "error", f"{type(e).__name__}: {str(e)[:300]} ({where})"
+        problems = compare(setup, got, reference(setup))
+        return ("wrong", "; ".join(problems)[:1500]) if problems else ("ok", "")
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def handle(msg) -> list:
+    work_dir, setups = msg
+    return [check(s, os.path.join(work_dir, str(k))) for k, s in enumerate(setups)]

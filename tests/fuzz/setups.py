@@ -1,0 +1,180 @@
+"""Training set-ups as data: a model, a ``vescale.Plan``, an optimizer and a training loop,
+drawn at random over 4 ranks, for differential fuzzing of whole training runs.
+
+The op-chain fuzzer (chains.py) checks the engine one value at a time; what users run
+is the composition of everything above it: ``vescale.parallelize`` with a mesh of
+pipeline, tensor and data parallelism, ZeRO stages, gradient accumulation, clipping,
+parameter groups, LR schedulers, recomputation, evaluation between steps, and a
+checkpoint resumed under another plan. A set-up is a plain dict (a literal that a
+regression test can hold); ``setup_rank.py`` runs it on the ranks and on one device.
+
+Every drawn set-up is one vescale accepts, as far as the plan's documented rules say
+(``vescale/train.py``, ``vescale/plan.py``): a refusal of a drawn set-up is a finding too.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+WORLD = 4
+
+# Meshes over the 4 ranks, outermost dim first. Dims of one rank are legal and are
+# drawn too (a pipeline stage's mesh may have them).
+MESHES = [
+    {"DP": 4}, {"TP": 4}, {"PP": 4},
+    {"DP": 2, "TP": 2}, {"TP": 2, "DP": 2},
+    {"PP": 2, "TP": 2}, {"TP": 2, "PP": 2},
+    {"PP": 2, "DP": 2}, {"DP": 2, "PP": 2},
+    {"PP": 2, "DP": 1, "TP": 2}, {"DP": 1, "TP": 4}, {"PP": 1, "DP": 4},
+]
+
+MODELS = ("gpt", "llama", "hf_llama", "hf_gpt2")
+OPTIMIZERS = ("sgd", "sgd_momentum", "adamw", "adamw_groups", "adam_fused")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+
+
+def draw(rng: random.Random) -> dict:
+    """One set-up (see the module docstring)."""
+    mesh = dict(rng.choice(MESHES))
+    pp, tp, dp = mesh.get("PP", 1), mesh.get("TP", 1), mesh.get("DP", 1)
+    kind = rng.choice(MODELS)
+    heads = rng.choice([2, 4])
+    width = heads * rng.choice([4, 6, 8])
+    model = {"kind": kind, "width": width, "heads": heads, "vocab": rng.choice([48, 64, 70]),
+             "layers": rng.randint(1, 4)}
+    if kind == "gpt":
+        model["bias"] = rng.random() < 0.5
+    if kind == "hf_llama":
+        model["tied"] = rng.random() < 0.3
+        model["kv_heads"] = rng.choice([h for h in (1, 2, heads) if heads % h == 0])
+    if kind == "llama":
+        model["kv_heads"] = rng.choice([h for h in (1, 2, heads) if heads % h == 0])
+
+    plan: dict = {"mesh": mesh}
+    if "TP" in mesh:
+        plan["tensor_parallel.sequence_parallel"] = rng.random() < 0.5
+    if "DP" in mesh:
+        plan["data_parallel.zero_stage"] = rng.choice([0, 0, 1, 2, 3])
+        if rng.random() < 0.2:
+            plan["data_parallel.bucket_cap_mb"] = 0.001  # a bucket per parameter or so
+    micro = 1
+    if pp > 1:
+        schedule = rng.choice(SCHEDULES)
+        virtual = 2 if schedule == "zbv" else rng.choice([2, 3]) if schedule == "interleaved_1f1b" else 1
+        micro = rng.choice([1, 2, 4])
+        if schedule == "interleaved_1f1b":
+            micro = pp * rng.choice([1, 2])  # Megatron's order: a multiple of the stages
+        model["layers"] = max(model["layers"], pp * virtual + rng.randint(0, 2))
+        plan.update({"pipeline_parallel.schedule": schedule, "pipeline_parallel.virtual_stages": virtual,
+                     "pipeline_parallel.microbatches": micro,
+                     "pipeline_parallel.split_method": rng.choice(["uniform", "uniform", "parameters"])})
+    accumulation = 1
+    if pp == 1:
+        accumulation = rng.choice([1, 1, 2])
+        if accumulation > 1:
+            plan["gradient.accumulation_steps"] = accumulation
+        if rng.random() < 0.25:
+            plan["recompute.modules"] = [_blocks_regex(kind) + (r"\.\d+" if rng.random() < 0.5 else r"\.0")]
+    if rng.random() < 0.4:
+        plan["gradient.clip_norm"] = rng.choice([1.0, 0.05])  # 0.05 clips every step
+
+    optimizer = {"kind": rng.choice(OPTIMIZERS)}
+    if rng.random() < 0.3:
+        optimizer["weight_decay"] = 0.1
+    batch = dp * micro * rng.choice([1, 2])
+    loop = {"steps": rng.choice([2, 3]), "seq": rng.choice([8, 12]), "batch": batch,
+            "scheduler": rng.choice([None, None, "step", "lambda"]),
+            "eval_after": rng.choice([None, None, 0]) if pp == 1 else None, "resume": None}
+    if rng.random() < 0.3:
+        other = draw_resume_plan(rng, model, batch, pipeline=accumulation == 1)
+        if other is not None:
+            loop["resume"] = {"after": 1, "plan": other}
+    return {"model": model, "plan": plan, "optimizer": optimizer, "loop": loop,
+            "init_seed": rng.randrange(1000), "data_seed": rng.randrange(1000)}
+
+
+def draw_resume_plan(rng: random.Random, model: dict, batch: int, pipeline: bool) -> dict | None:
+    """A second plan to resume the checkpoint under, that divides the same global batch
+    and fits the model's layers (no pipeline when ``pipeline`` is False: the run
+    accumulates gradients); None when none of a few draws does."""
+    for _ in range(10):
+        mesh = dict(rng.choice([m for m in MESHES if pipeline or m.get("PP", 1) == 1]))
+        pp, dp = mesh.get("PP", 1), mesh.get("DP", 1)
+        plan: dict = {"mesh": mesh}
+        if "TP" in mesh:
+            plan["tensor_parallel.sequence_parallel"] = rng.random() < 0.5
+        if "DP" in mesh:
+            plan["data_parallel.zero_stage"] = rng.choice([0, 1, 2, 3])
+        micro = 1
+        if pp > 1:
+            micro = rng.choice([m for m in (1, 2, 4) if batch % (dp * m) == 0] or [0])
+            if micro == 0 or model["layers"] < pp:
+                continue
+            plan.update({"pipeline_parallel.schedule": rng.choice(["gpipe", "1f1b", "zb_h1"]),
+                         "pipeline_parallel.microbatches": micro})
+        if batch % (dp * micro):
+            continue
+        return plan
+    return None
+
+
+def _blocks_regex(kind: str) -> str:
+    return {"gpt": r"transformer\.h", "llama": r"model\.layers", "hf_llama": r"model\.layers",
+            "hf_gpt2": r"transformer\.h"}[kind]
+
+
+def describe(setup: dict) -> str:
+    return json.dumps(setup, sort_keys=True)
+
+
+# ---- shrinking: set-ups that keep less of the original --------------------------------------------
+
+def simpler(setup: dict):
+    """Set-ups with one feature of ``setup`` taken away or made plainer, most drastic first."""
+    def variant(change):
+        s = copy.deepcopy(setup)
+        change(s)
+        return s if s != setup else None
+
+    loop, plan, model = setup["loop"], setup["plan"], setup["model"]
+    changes = []
+    if loop["resume"] is not None:
+        changes.append(lambda s: s["loop"].update(resume=None))
+    if loop["eval_after"] is not None:
+        changes.append(lambda s: s["loop"].update(eval_after=None))
+    if loop["scheduler"] is not None:
+        changes.append(lambda s: s["loop"].update(scheduler=None))
+    if loop["steps"] > 1:
+        changes.append(lambda s: s["loop"].update(steps=s["loop"]["steps"] - 1))
+    for key, plain in (("gradient.clip_norm", None), ("recompute.modules", None), ("gradient.accumulation_steps", None),
+                       ("data_parallel.bucket_cap_mb", None), ("tensor_parallel.sequence_parallel", False),
+                       ("data_parallel.zero_stage", 0), ("pipeline_parallel.split_method", "uniform"),
+                       ("pipeline_parallel.schedule", "1f1b")):
+        if key in plan and plan[key] != plain:
+            if key == "pipeline_parallel.schedule":
+                def to_1f1b(s):
+                    s["plan"].update({"pipeline_parallel.schedule": "1f1b", "pipeline_parallel.virtual_stages": 1})
+                changes.append(to_1f1b)
+            else:
+                changes.append(lambda s, k=key, v=plain: s["plan"].pop(k) if v is None else s["plan"].update({k: v}))
+    if setup["optimizer"] != {"kind": "sgd"}:
+        changes.append(lambda s: s.update(optimizer={"kind": "sgd"}))
+    if model["layers"] > 1:
+        changes.append(lambda s: s["model"].update(layers=s["model"]["layers"] - 1))
+    for candidate in (variant(c) for c in changes):
+        if candidate is not None and valid(candidate):
+            yield candidate
+
+
+def valid(setup: dict) -> bool:
+    """What ``draw`` guarantees, checked again after shrinking."""
+    plan, model, loop = setup["plan"], setup["model"], setup["loop"]
+    mesh = plan["mesh"]
+    pp, dp = mesh.get("PP", 1), mesh.get("DP", 1)
+    micro = plan.get("pipeline_parallel.microbatches", 1)
+    virtual = plan.get("pipeline_parallel.virtual_stages", 1)
+    if loop["batch"] % (dp * micro):
+        return False
+    return pp == 1 or model["layers"] >= pp * virtual
