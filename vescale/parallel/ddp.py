@@ -190,7 +190,9 @@ class DDP(nn.Module):
                 b = Bucket(local.dtype, local.device)
                 buckets.append(b)
                 open_buckets[key] = b
-            chunk = -(-local.numel() // self.world)
+            # (at least one element: a tensor-parallel split may leave this rank an empty
+            # shard, which then takes a padding element per DP rank)
+            chunk = max(1, -(-local.numel() // self.world))
             b.slots.append(Slot(p, local.numel(), chunk, b.chunk_total))
             b.chunk_total += chunk
         return buckets

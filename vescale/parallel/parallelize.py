@@ -34,7 +34,7 @@ import torch.nn as nn
 from ..device_mesh import DeviceMesh
 from ..dtensor import DTensor, distribute_tensor
 from ..placement_types import InterleavedShard, Placement, Replicate, Shard
-from .pipeline.stage import is_elsewhere
+from .pipeline.stage import is_elsewhere, on_stand_ins
 from .tp_grads import PartialGradients
 
 __all__ = ["parallelize_module"]
@@ -347,7 +347,34 @@ def _convert(value, placements, mesh: DeviceMesh, where: str, key: str):
     placements = _fitted(placements, value, f"forward plan key {key!r} ({where})")
     if isinstance(value, DTensor):
         return value.redistribute(mesh, placements)
+    if on_stand_ins():
+        return _stand_in_shard(value, mesh, placements)
     return DTensor.from_local(value, mesh, placements)
+
+
+def _stand_in_shard(value: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
+    """A pipeline stage's stand-in for a global value (glue computed on the zeros of
+    another stage's units) as a DTensor of the same global shape: this rank's part of
+    it, cut out differentiably, so that autograd still leads back to the stand-ins
+    (the stage runner follows it to find values that would have to cross a cut). Taken
+    as this rank's shard, as real plain tensors are, it would make a sequence-parallel
+    stream as many times longer as the mesh dim is large."""
+    from .. import _C
+    from ..boxes import whole
+    from ..dtensor import _shard_parts
+    from ..placement_types import to_c
+
+    whole_on_partial = [Replicate() if p.is_partial() else p for p in placements]
+    shape = list(value.shape)
+    parts = _shard_parts(shape, mesh, to_c(whole_on_partial))
+    if len(parts) == 1:
+        local = parts[0][1].view_of(value, whole(shape))
+    else:  # an InterleavedShard: this rank's piece of each block, side by side
+        sizes, _ = _C.local_shape(shape, to_c(whole_on_partial), list(mesh.shape), list(mesh.get_coordinate()))
+        local = value.new_zeros(sizes)
+        for shard_box, global_box in parts:
+            shard_box.view_of(local, whole(sizes)).copy_(global_box.view_of(value, whole(shape)))
+    return DTensor.from_local(local, mesh, placements, shape=value.shape)
 
 
 def _convert_all(values: Sequence, spec: list, mesh: DeviceMesh, where: str, key: str):

@@ -59,6 +59,18 @@ class _Run:
     restores: list = field(default_factory=list)  # per open shadow: what to put back
 
 
+_current: list[_Run | None] = [None]  # the stage run under way on this rank, if any
+
+
+def on_stand_ins() -> bool:
+    """True while a stage computes on stand-ins for values it does not have: every stage
+    of the dry run, and a later stage's glue before its first block (where the zeros of
+    another stage's units flow). A plain tensor there stands for a global value, not for
+    this rank's shard (``parallelize_module``'s forward hooks read it so)."""
+    run = _current[0]
+    return run is not None and (run.meta or not run.inside)
+
+
 def boundary_positions(leaves: list) -> list[int]:
     return [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
 
@@ -93,7 +105,7 @@ class StageRunner:
         ``("end", positions, tensors, dummies)`` for a stage that sends on, else
         ``("out", output, None, dummies)``. With ``meta`` every unit runs on meta tensors
         (``dry_run``)."""
-        run = self._run = _Run(spec, received, inside=spec.first, meta=meta)
+        run = self._run = _current[0] = _Run(spec, received, inside=spec.first, meta=meta)
         try:
             output = self.model(*args, **kwargs)
         except StageEnd as end:
@@ -110,7 +122,7 @@ class StageRunner:
         finally:
             for restore in reversed(run.restores):
                 _put_back(restore)
-            self._run = None
+            self._run = _current[0] = None
         if not spec.last:
             raise PipelineSplitError(
                 f"stage {spec.index} ran the whole forward without reaching block "
