@@ -61,6 +61,15 @@ def shrink(ranks: Ranks, setup: dict, kind: str, work_dir: str, budget: int = 40
     return setup
 
 
+def run_literals(setups: list[dict]) -> list[tuple[str, str]]:
+    """The verdicts of the given set-ups (regression literals), on ranks of their own."""
+    ranks = start_ranks()
+    try:
+        return run_batch(ranks, setups, tempfile.mkdtemp(prefix="vescale-setups-"))
+    finally:
+        ranks.stop()
+
+
 def campaign(count: int, seed: int, batch: int = 5, shrink_findings: bool = True, log=print) -> dict:
     ranks = start_ranks()
     work_dir = tempfile.mkdtemp(prefix="vescale-setups-")

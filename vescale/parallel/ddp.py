@@ -92,6 +92,7 @@ class DDP(nn.Module):
         self._cap_mb = bucket_cap_mb
         self._sync = True
         self._callback_queued = False
+        self.sharded_parameters = None  # ZeRO-3's, set by DistributedOptimizer
         self.buckets = self._make_buckets(bucket_cap_mb, by_unit=reduce_scatter)
         from .pipeline.engine import is_pipeline  # (the pipeline imports this module)
         if is_pipeline(module):  # it reduces once per step, after its schedule

@@ -93,6 +93,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                              self.group)
             for ddp in models:  # deferred buffers, whole
                 ddp.materialize()
+                ddp.sharded_parameters = self.sharded  # (a pipeline under it gathers for its weight passes)
         # Present the wrapped optimizer's groups and state as ours (LR schedulers, logging).
         super().__init__([o.master for o in self.owned], self.inner.defaults)
         self.param_groups = self.inner.param_groups

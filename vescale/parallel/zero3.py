@@ -83,6 +83,19 @@ class ShardedParameters:
         finally:
             self.release(entries)
 
+    @contextlib.contextmanager
+    def whole_for(self, params: list[nn.Parameter]):
+        """The given parameters (those sharded here) whole for the duration, then emptied.
+        For backward work that no module hook announces: a zero-bubble schedule's
+        weight-gradient pass reads the parameters its graph saved, after later forwards
+        of the unit have emptied them again."""
+        entries = [self.sharded[id(p)] for p in params if id(p) in self.sharded]
+        self.gather(entries)
+        try:
+            yield
+        finally:
+            self.release(entries)
+
     # ---- gather and release ----
 
     def gather(self, entries: list[_Sharded]) -> None:

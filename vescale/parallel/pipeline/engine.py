@@ -237,7 +237,11 @@ class PipelineParallel(nn.Module):
         state = states.pop((s, mb), None)
         if state is not None:  # the first stage ran its whole backward in I
             from torch.distributed.pipelining._backward import stage_backward_weight
-            stage_backward_weight(iter(self._stage_parameters(s)), state["param_groups"])
+            weights = self._stage_parameters(s)
+            # ZeRO-3 empties a unit's parameters after each forward; the weight pass reads them
+            sharded = getattr(self._data_parallel, "sharded_parameters", None)
+            with sharded.whole_for(weights) if sharded is not None else contextlib.nullcontext():
+                stage_backward_weight(iter(weights), state["param_groups"])
 
     def _stage_parameters(self, s: int) -> list[nn.Parameter]:
         """What the weight-gradient half of a split backward differentiates: the stage's
