@@ -31,6 +31,8 @@ have (skipped, without drawing, where the fill's consumption is known), so whate
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import weakref
 from dataclasses import dataclass, field
 
@@ -169,7 +171,7 @@ def deferred_init(module_cls, *args, **kwargs) -> nn.Module:
     for name, fn in originals.items():
         setattr(torch.nn.init, name, _recorded_init(fn, recorder))
     try:
-        with torch.device("meta"), recorder:
+        with torch.device("meta"), recorder, _hugging_face_inits_on_meta():
             module = module_cls(*args, **kwargs)
     finally:
         for name, fn in originals.items():
@@ -177,6 +179,33 @@ def deferred_init(module_cls, *args, **kwargs) -> nn.Module:
     # the recording lives as long as the module: then its storages may be reused
     weakref.finalize(module, _forget, frozenset(recorder.keys))
     return module
+
+
+@contextlib.contextmanager
+def _hugging_face_inits_on_meta():
+    """transformers skips a model's own weight initialisation (``_init_weights``: the
+    embeddings' and projections' std, zeroed biases) when the model is built on the meta
+    device, where it expects a checkpoint to load; the recording would then hold the
+    layers' default inits, not the values one device gets. While deferred_init records,
+    ``PreTrainedModel.init_weights`` runs the initialisation anyway, where an ordinary
+    build runs it (before the weights are tied); on meta tensors it is recorded like
+    any other op."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    base = getattr(modeling, "PreTrainedModel", None)
+    if base is None or not hasattr(base, "initialize_weights"):
+        yield
+        return
+    original = base.init_weights
+
+    def init_weights(self):
+        self.initialize_weights()
+        original(self)  # on meta: only ties the weights
+
+    base.init_weights = init_weights
+    try:
+        yield
+    finally:
+        base.init_weights = original
 
 
 def _forget(keys) -> None:

@@ -44,28 +44,36 @@ def setup() -> None:
 
 # ---- the pieces of a set-up -----------------------------------------------------------------------
 
-def build_model(spec: dict, seed: int) -> torch.nn.Module:
+def build_model(spec: dict, seed: int, deferred: bool = False) -> torch.nn.Module:
+    """The model of ``spec`` with the parameters seed ``seed`` gives; ``deferred``: recorded
+    by ``vescale.deferred_init`` instead (the same values once materialised)."""
     torch.manual_seed(seed)
+    cls, config = _model_class(spec)
+    return vescale.deferred_init(cls, config) if deferred else cls(config)
+
+
+def _model_class(spec: dict):
     kind, width, heads, layers, vocab = spec["kind"], spec["width"], spec["heads"], spec["layers"], spec["vocab"]
+    dropout = spec.get("dropout", 0.0)
     if kind == "gpt":
         from examples.models.gpt import GPT, GPTConfig
-        return GPT(GPTConfig(vocab_size=vocab, n_embd=width, n_head=heads, n_layer=layers, bias=spec["bias"],
-                             dropout=0.0))
+        return GPT, GPTConfig(vocab_size=vocab, n_embd=width, n_head=heads, n_layer=layers, bias=spec["bias"],
+                              dropout=dropout)
     if kind == "llama":
         from examples.models.llama import LlamaConfig, LlamaForCausalLM
-        return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
-                                            num_hidden_layers=layers, num_attention_heads=heads,
-                                            num_key_value_heads=spec["kv_heads"]))
+        return LlamaForCausalLM, LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
+                                             num_hidden_layers=layers, num_attention_heads=heads,
+                                             num_key_value_heads=spec["kv_heads"])
     import transformers as tf
     if kind == "hf_llama":
-        return tf.LlamaForCausalLM(tf.LlamaConfig(
+        return tf.LlamaForCausalLM, tf.LlamaConfig(
             vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=spec["kv_heads"], max_position_embeddings=64,
-            tie_word_embeddings=spec["tied"], bos_token_id=0, eos_token_id=1, pad_token_id=0))
+            tie_word_embeddings=spec["tied"], bos_token_id=0, eos_token_id=1, pad_token_id=0)
     if kind == "hf_gpt2":
-        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=width, n_layer=layers,
-                                                n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                                bos_token_id=0, eos_token_id=1, pad_token_id=0))
+        return tf.GPT2LMHeadModel, tf.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=width, n_layer=layers,
+                                                 n_head=heads, resid_pdrop=dropout, embd_pdrop=dropout,
+                                                 attn_pdrop=dropout, bos_token_id=0, eos_token_id=1, pad_token_id=0)
     raise ValueError(f"unknown model kind {kind!r}")
 
 
@@ -201,7 +209,7 @@ def _single_loss(model, rows: torch.Tensor, hf: bool) -> torch.Tensor:
 
 def _parallel(setup: dict, settings: dict, samples: torch.Tensor, seed: int):
     spec, loop = setup["model"], setup["loop"]
-    model = build_model(spec, seed)
+    model = build_model(spec, seed, deferred=spec.get("deferred", False))
     plan = make_plan(settings, spec, model, loop["batch"])
     return vescale.parallelize(plan, model, optimizer_fn(setup["optimizer"]), scheduler_fn(loop["scheduler"]),
                                _Samples(samples, _hf(spec)))

@@ -91,6 +91,15 @@ def draw(rng: random.Random) -> dict:
         other = draw_resume_plan(rng, model, batch, pipeline=accumulation == 1)
         if other is not None:
             loop["resume"] = {"after": 1, "plan": other}
+    if rng.random() < 0.3:
+        model["deferred"] = True  # vescale.deferred_init: materialised into the shards
+    other = loop["resume"]["plan"]["mesh"] if loop["resume"] else {}
+    if (kind in ("gpt", "hf_gpt2") and dp == 1 and pp == 1 and other.get("DP", 1) == 1 and other.get("PP", 1) == 1
+            and rng.random() < 0.5):
+        # Dropout draws the masks one device would (the same generator, in the same
+        # order) only where every rank sees the whole batch: no data parallelism, no
+        # pipeline micro-batches.
+        model["dropout"] = 0.2
     return {"model": model, "plan": plan, "optimizer": optimizer, "loop": loop,
             "init_seed": rng.randrange(1000), "data_seed": rng.randrange(1000)}
 
@@ -140,6 +149,9 @@ def simpler(setup: dict):
 
     loop, plan, model = setup["loop"], setup["plan"], setup["model"]
     changes = []
+    for key in ("deferred", "dropout"):
+        if key in model:
+            changes.append(lambda s, k=key: s["model"].pop(k))
     if loop["resume"] is not None:
         changes.append(lambda s: s["loop"].update(resume=None))
     if loop["eval_after"] is not None:
