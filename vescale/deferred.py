@@ -46,7 +46,7 @@ from ._random_streams import (RANDOM_FACTORIES, STREAMABLE, covers_storage, rand
                               stream_trunc_normal, trunc_normal)
 from .boxes import Box, flat_range, whole
 
-__all__ = ["deferred_init", "materialize_module", "is_deferred", "DeferredInitError"]
+__all__ = ["deferred_init", "materialize_module", "is_deferred", "DeferredInitError", "swap_keeping_hooks"]
 
 aten = torch.ops.aten
 _POINTWISE_SCALAR = {aten.mul_.Scalar, aten.add_.Scalar, aten.sub_.Scalar, aten.div_.Scalar, aten.clamp_.default,
@@ -395,8 +395,24 @@ def materialize_module(module: nn.Module) -> nn.Module:
         for t in owner._parameters.values():
             if t is not None and is_deferred(t) and id(t) not in done:
                 done[id(t)] = t
-                torch.utils.swap_tensors(t, nn.Parameter(materialize(t), requires_grad=t.requires_grad))
+                swap_keeping_hooks(t, nn.Parameter(materialize(t), requires_grad=t.requires_grad))
     return module
+
+
+def swap_keeping_hooks(t: torch.Tensor, new: torch.Tensor) -> None:
+    """``torch.utils.swap_tensors(t, new)``, keeping the gradient hooks registered on ``t``.
+
+    swap_tensors moves the data, not the autograd hooks: they stay with the TensorImpl
+    that leaves, while ``t``'s Python dicts of hooks stay as they were, so the hooks look
+    registered and never run. DDP's gradient hooks on a deferred model were lost that
+    way when it was materialised, and the data-parallel ranks each stepped with their
+    own gradients (found by the set-up fuzzer)."""
+    post, pre = t._post_accumulate_grad_hooks, t._backward_hooks
+    torch.utils.swap_tensors(t, new)
+    if post:
+        t._post_accumulate_grad_hooks = post  # (the setter installs the hook on the tensor)
+    if pre:
+        t._backward_hooks = pre
 
 
 def flat_slice(t: torch.Tensor, start: int, end: int) -> torch.Tensor:

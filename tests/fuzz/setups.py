@@ -69,7 +69,7 @@ def draw(rng: random.Random) -> dict:
         model["layers"] = max(model["layers"], pp * virtual + rng.randint(0, 2))
         plan.update({"pipeline_parallel.schedule": schedule, "pipeline_parallel.virtual_stages": virtual,
                      "pipeline_parallel.microbatches": micro,
-                     "pipeline_parallel.split_method": rng.choice(["uniform", "uniform", "parameters"])})
+                     "pipeline_parallel.split_method": rng.choice(["uniform", "uniform", "parameters", "flops", "time"])})
     accumulation = 1
     if pp == 1:
         accumulation = rng.choice([1, 1, 2])

@@ -6,6 +6,8 @@ values gets a clear error."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -279,6 +281,43 @@ def _case_zero(stage: int) -> list[str]:
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_ddp_and_zero_materialise_deferred_models(pool4, stage):
     assert pool4.run(_case_zero, stage) == [[]] * 4
+
+
+def _case_ddp_trains(stage: int) -> list[str]:
+    """A deferred model trained under DDP / ZeRO takes the step of the whole batch. DDP
+    materialises at the first forward, after registering its gradient hooks: swapping
+    the values in dropped those hooks (torch.utils.swap_tensors leaves them behind), so
+    no gradient was averaged and every rank stepped with its own (the set-up fuzzer)."""
+    import torch.distributed as dist
+
+    from dist_utils import mismatch_to_max
+    from vescale.parallel import DDP, DistributedOptimizer
+
+    cfg = GPTConfig(vocab_size=32, n_embd=16, n_head=2, n_layer=2, dropout=0.0)
+    data = torch.randint(0, 32, (8, 9), generator=torch.Generator().manual_seed(5))
+    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    torch.optim.SGD(ref.parameters(), lr=0.5).zero_grad()
+    ref(x, y).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.5 * p.grad
+    torch.manual_seed(0)
+    model = DDP(deferred_init(GPT, cfg), mesh("1d4"))
+    opt = (torch.optim.SGD(model.parameters(), lr=0.5) if not stage
+           else DistributedOptimizer(torch.optim.SGD, models=[model], zero_stage=stage, lr=0.5))
+    mine = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
+    model(x[mine], y[mine]).backward()
+    opt.step()
+    with opt.full_parameters() if stage else contextlib.nullcontext():
+        got = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    return [f"{n}: {err}" for n, p in ref.named_parameters() if (err := mismatch_to_max(got[n], p.detach()))]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_ddp_and_zero_train_deferred_models(pool4, stage):
+    assert pool4.run(_case_ddp_trains, stage) == [[]] * 4
 
 
 def test_recording_is_dropped_with_its_module():

@@ -53,6 +53,34 @@ REGRESSIONS = [
       "optimizer": {"kind": "sgd"},
       "loop": {"steps": 1, "seq": 8, "batch": 4, "scheduler": None, "eval_after": None, "resume": None},
       "init_seed": 616, "data_seed": 581}),
+    # Silent: a vescale.deferred_init model under DDP was materialised after DDP had
+    # registered its gradient hooks, which torch.utils.swap_tensors left behind; no
+    # gradient was averaged (and DDP's buckets sat on the meta device).
+    ("deferred model under DDP",
+     {"model": {"kind": "gpt", "width": 32, "heads": 4, "vocab": 70, "layers": 2, "bias": True, "deferred": True},
+      "plan": {"mesh": {"DP": 4}, "data_parallel.zero_stage": 0},
+      "optimizer": {"kind": "sgd"},
+      "loop": {"steps": 1, "seq": 12, "batch": 4, "scheduler": None, "eval_after": None, "resume": None},
+      "init_seed": 237, "data_seed": 88}),
+    # Exception: the same buckets on meta under a pipeline, which reduces after its schedule.
+    ("deferred model under DP x PP",
+     {"model": {"kind": "hf_gpt2", "width": 32, "heads": 4, "vocab": 70, "layers": 2, "deferred": True},
+      "plan": {"mesh": {"DP": 2, "PP": 2}, "data_parallel.zero_stage": 0, "pipeline_parallel.microbatches": 2,
+               "pipeline_parallel.schedule": "1f1b", "pipeline_parallel.split_method": "uniform",
+               "pipeline_parallel.virtual_stages": 1},
+      "optimizer": {"kind": "sgd"},
+      "loop": {"steps": 1, "seq": 12, "batch": 4, "scheduler": None, "eval_after": None, "resume": None},
+      "init_seed": 237, "data_seed": 88}),
+    # Crash (gloo: "Received data size doesn't match"): DDP cut its buckets by local
+    # sizes, which differ across tensor-parallel ranks with uneven (here empty) shards,
+    # so a bucket's tensor-parallel sums held other parameters on each rank.
+    ("DDP buckets over uneven tensor-parallel shards",
+     {"model": {"kind": "llama", "width": 12, "heads": 2, "vocab": 64, "layers": 1, "kv_heads": 1},
+      "plan": {"mesh": {"DP": 1, "TP": 4}, "data_parallel.zero_stage": 0, "data_parallel.bucket_cap_mb": 0.001,
+               "tensor_parallel.sequence_parallel": False},
+      "optimizer": {"kind": "sgd"},
+      "loop": {"steps": 1, "seq": 12, "batch": 1, "scheduler": None, "eval_after": None, "resume": None},
+      "init_seed": 151, "data_seed": 147}),
 ]
 
 

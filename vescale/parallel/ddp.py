@@ -70,9 +70,25 @@ class Bucket:
     # fresh one each step costs its page faults, several times the copy into it. Sized
     # world x chunk_total, it also takes ZeRO-1's gather of the updated parameters.
     kept: torch.Tensor | None = None
+    cap_bytes: int = 0  # what counts against bucket_cap_mb (_even_share_bytes)
 
     def numel(self) -> int:
         return self.chunk_total
+
+
+def _even_share_bytes(p: nn.Parameter) -> int:
+    """A parameter's bytes per rank as if its shards were even: the same on every rank.
+    Buckets are cut by it, so that ranks whose uneven tensor-parallel shards differ in
+    size (or are empty) still put the same parameters in each bucket: a bucket's
+    tensor-parallel sums run across those ranks, and with other cuts they disagreed
+    about the sizes (gloo aborted; found by the set-up fuzzer)."""
+    local = local_of(p)
+    splits = 1
+    if _C.is_dtensor(p):
+        for m, placement in enumerate(p.placements):
+            if placement.splits():
+                splits *= p.device_mesh.size(m)
+    return -(-p.numel() // splits) * local.element_size()
 
 
 class DDP(nn.Module):
@@ -185,12 +201,16 @@ class DDP(nn.Module):
         cap = int(cap_mb * 2**20)
         for p in reversed(params):  # gradients arrive roughly in reverse order
             local = local_of(p)
-            key = (local.dtype, local.device, unit_of.get(id(p)))
+            # a deferred parameter is on meta until materialised, on the CPU: a bucket on
+            # meta would run its collectives on nothing, and no error would say so
+            device = torch.device("cpu") if is_deferred(local) else local.device
+            key = (local.dtype, device, unit_of.get(id(p)))
             b = open_buckets.get(key)
-            if b is None or (b.chunk_total * self.world * local.element_size() >= cap):
-                b = Bucket(local.dtype, local.device)
+            if b is None or b.cap_bytes >= cap:
+                b = Bucket(local.dtype, device)
                 buckets.append(b)
                 open_buckets[key] = b
+            b.cap_bytes += _even_share_bytes(p)
             # (at least one element: a tensor-parallel split may leave this rank an empty
             # shard, which then takes a padding element per DP rank)
             chunk = max(1, -(-local.numel() // self.world))

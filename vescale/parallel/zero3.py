@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import _trace
-from ..deferred import is_deferred
+from ..deferred import is_deferred, swap_keeping_hooks
 from .._local import local_of
 from .ddp import Slot
 
@@ -49,7 +49,7 @@ class ShardedParameters:
         for slot, start, end, values in slots:  # `values`: this rank's slice, owned from now on
             if is_deferred(slot.param):  # a storage to gather into, never touched until then
                 storage = torch.empty(slot.param.shape, dtype=values.dtype, device=values.device)
-                torch.utils.swap_tensors(slot.param, nn.Parameter(storage, requires_grad=slot.param.requires_grad))
+                swap_keeping_hooks(slot.param, nn.Parameter(storage, requires_grad=slot.param.requires_grad))
             self.sharded[id(slot.param)] = _Sharded(slot.param, slot, start, end, values)
         claimed: set[int] = set()
         for root in modules:
