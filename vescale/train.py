@@ -86,9 +86,10 @@ def parallelize(plan: Plan | dict, model: nn.Module, optimizer_fn: Callable | No
     pipeline = None
     if size.get(pp, 1) > 1:
         p = plan.pipeline_parallel
-        pipeline = PipelineParallel(model, mesh, split=p.split_points or p.split_method, schedule=p.schedule,
+        split = p.split_points or p.split_method
+        pipeline = PipelineParallel(model, mesh, split=split, schedule=p.schedule,
                                     microbatches=p.microbatches, virtual_stages=p.virtual_stages, pp_dim=pp,
-                                    blocks=p.blocks)
+                                    blocks=p.blocks, sample=_sample_microbatch(plan, split, dataset, size.get(dp, 1)))
         inner = pipeline
     sharding = plan["tensor_parallel.sharding_plan"]
     if sharding and tp in size:
@@ -147,6 +148,24 @@ def _check_combination(plan: Plan, size: dict, pp: str, dp: str, zero: int, mp_d
                             "schedule runs backward itself); use param_dtype 'bfloat16', which needs no scaling")
         if plan["recompute.modules"]:
             raise PlanError("plan key recompute.modules with a pipeline is not supported yet")
+
+
+def _sample_microbatch(plan: Plan, split, dataset, dp_size: int):
+    """A micro-batch of the dataset as the pipeline's cost-measured split methods take it
+    (``(args, kwargs)``, only its shapes and dtypes are used), or None where the split
+    needs none."""
+    if split not in ("flops", "time"):
+        return None
+    if dataset is None or plan["data.global_batch_size"] is None:
+        raise PlanError(f"plan key pipeline_parallel.split_method is {split!r}, which measures the model on a "
+                        f"micro-batch: pass the dataset to vescale.parallelize (with data.global_batch_size "
+                        f"set), or split by 'parameters' or 'uniform', or name pipeline_parallel.split_points")
+    rows = max(1, plan["data.global_batch_size"] // dp_size // plan["pipeline_parallel.microbatches"])
+    collate = torch.utils.data.default_collate
+    batch = collate([dataset[i] for i in range(min(rows, len(dataset)))])
+    if isinstance(batch, dict):
+        return (), dict(batch)
+    return (tuple(batch), {}) if isinstance(batch, (tuple, list)) else ((batch,), {})
 
 
 def _recompute(model: nn.Module, patterns: list[str]) -> None:

@@ -273,6 +273,8 @@ def _case_errors() -> list[str]:
     expect(r"recompute.modules .*matches no module", {"mesh": {"DP": 4}, "recompute.modules": [r"blocks\.\d+"]})
     expect(r"split_points names 'transformer.h.9'", {"mesh": {"PP": 2, "DP": 2},
                                                      "pipeline_parallel.split_points": ["transformer.h.9"]})
+    expect(r"split_method is 'flops', which measures the model on a micro-batch: pass the dataset",
+           {"mesh": {"PP": 4}, "pipeline_parallel.split_method": "flops"})
     # the process goes on: a good plan afterwards trains
     model, optimizer, _, _ = vescale.parallelize(Plan({"mesh": {"DP": 4}}), _gpt(), _adamw)
     x = torch.randint(0, VOCAB, (2, SEQ))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from ..deferred import is_deferred
 from ..dtensor import DTensor, shard_parts as dtensor_shard_parts
 from ..parallel.ddp import DDP, local_of
 from ..parallel.optimizer import DistributedOptimizer
@@ -265,6 +266,9 @@ def _state_tensor(shape, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor
     """A fresh optimizer-state tensor for a load: the parameter's layout, or a scalar."""
     if tuple(shape) == ():
         return torch.zeros((), dtype=dtype)
+    if is_deferred(like):  # its parameter is materialised later, on the CPU: the state is
+        # read now, there (on meta, as the parameter is, the loaded values were dropped)
+        return torch.zeros(like.shape, dtype=dtype)
     return torch.zeros_like(like, dtype=dtype)
 
 

@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -55,7 +56,8 @@ def _meta_run(model, layout: Layout, args, kwargs) -> tuple[dict, dict]:
     handles = []
     for unit in layout.units:
         def pre(module, a, k, unit=unit):
-            inputs.setdefault(unit.name, (a, k))
+            if unit.name not in inputs:  # as they are now: later units fill a KV cache the model passes along
+                inputs[unit.name] = _copied((a, k))
             flops[unit.name] = flops.get(unit.name, 0.0) - counter.get_total_flops()
 
         def post(module, a, k, out, unit=unit):
@@ -63,7 +65,7 @@ def _meta_run(model, layout: Layout, args, kwargs) -> tuple[dict, dict]:
         handles.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(unit.module.register_forward_hook(post, with_kwargs=True))
     try:
-        with counter, torch.no_grad():
+        with counter, _MetaScalarsAreZero(), torch.no_grad():
             torch.func.functional_call(model, state, tree_map(_meta, tuple(args)), tree_map(_meta, dict(kwargs)),
                                        tie_weights=True, strict=False)
     except Exception as e:  # noqa: BLE001  (re-raised with the way out)
@@ -75,10 +77,31 @@ def _meta_run(model, layout: Layout, args, kwargs) -> tuple[dict, dict]:
     return flops, inputs
 
 
+class _MetaScalarsAreZero(TorchDispatchMode):
+    """A value read from a meta tensor (``.item()``, ``if t:``) is zero while the model is
+    profiled. Models check their inputs with such reads (transformers looks for padding
+    tokens in ``input_ids``), which have no values on meta; only shapes matter for the
+    costs, and a check's answer at most picks another branch of similar cost."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return False if args[0].dtype == torch.bool else 0
+        return func(*args, **(kwargs or {}))
+
+
 def _meta(x):
     if isinstance(x, torch.Tensor) and not x.is_meta:
         return torch.empty(x.shape, dtype=x.dtype, device="meta")
     return x
+
+
+def _copied(inputs):
+    """A copy of a unit's inputs that the unit may change (a Hugging Face model passes a
+    KV cache, which each layer extends); the inputs themselves where they cannot be copied."""
+    try:
+        return copy.deepcopy(inputs)
+    except Exception:  # noqa: BLE001  (an object that refuses copying: used as it is)
+        return inputs
 
 
 def _real(x):
@@ -106,7 +129,7 @@ def _timed(layout: Layout, inputs: dict) -> dict[str, float]:
         a, k = inputs[unit.name]
         runs, saved = [], 0
         for i in range(4):
-            a_real, k_real = tree_map(_real, a), tree_map(_real, k)
+            a_real, k_real = tree_map(_real, _copied((a, k)))  # (each run fills its own cache)
             sizes: dict[int, int] = {}
 
             def pack(t):
