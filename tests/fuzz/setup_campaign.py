@@ -70,6 +70,11 @@ def run_literals(setups: list[dict]) -> list[tuple[str, str]]:
         ranks.stop()
 
 
+# Every set-up makes its meshes, whose process groups (and gloo's threads: ~6 per group)
+# live as long as the ranks; fresh ranks every so often keep a long campaign's pace.
+_SETUPS_PER_START = 50
+
+
 def campaign(count: int, seed: int, batch: int = 5, shrink_findings: bool = True, log=print) -> dict:
     ranks = start_ranks()
     work_dir = tempfile.mkdtemp(prefix="vescale-setups-")
@@ -78,6 +83,8 @@ def campaign(count: int, seed: int, batch: int = 5, shrink_findings: bool = True
     started = time.monotonic()
     try:
         for first in range(0, count, batch):
+            if first and first % _SETUPS_PER_START < batch:
+                ranks.restart()
             seeds = list(range(seed + first, seed + min(first + batch, count)))
             setups = [draw(random.Random(s)) for s in seeds]
             for s, setup, (kind, detail) in zip(seeds, setups, run_batch(ranks, setups, work_dir)):

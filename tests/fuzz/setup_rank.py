@@ -132,13 +132,41 @@ def scheduler_fn(kind: str | None):
     return None
 
 
-def tokens(setup: dict) -> torch.Tensor:
-    """Every sample the loop reads, in order: (micro-steps x batch, seq + 1) token ids."""
+def data_of(setup: dict) -> dict:
+    """How the loop reads its data: in order, or shuffled with a seed; an epoch of
+    ``epoch_batches`` global batches (by default, the whole loop in one epoch)."""
     loop = setup["loop"]
     k = setup["plan"].get("gradient.accumulation_steps", 1)
-    n = loop["steps"] * k * loop["batch"]
+    return loop.get("data", {"shuffle": False, "seed": 0, "epoch_batches": loop["steps"] * k})
+
+
+def tokens(setup: dict) -> torch.Tensor:
+    """The dataset: (samples, seq + 1) token ids, an epoch's worth."""
+    loop = setup["loop"]
+    n = data_of(setup)["epoch_batches"] * loop["batch"]
     g = torch.Generator().manual_seed(setup["data_seed"])
     return torch.randint(0, setup["model"]["vocab"], (n, loop["seq"] + 1), generator=g)
+
+
+def batches_in_order(setup: dict) -> list[torch.Tensor]:
+    """The global batches the loop reads, epoch after epoch: on one device, by the order
+    ``vescale.DataLoader`` defines (``global_batch_indices``: a seeded permutation per epoch)."""
+    loop, data = setup["loop"], data_of(setup)
+    k = setup["plan"].get("gradient.accumulation_steps", 1)
+    rows = tokens(setup)
+    order = vescale.DataLoader(_Samples(rows, False), None, global_batch_size=loop["batch"],
+                               shuffle=data["shuffle"], seed=data["seed"])
+    out, epoch = [], 0
+    while len(out) < loop["steps"] * k:
+        out += [rows[ids] for ids in order.global_batch_indices(epoch)]
+        epoch += 1
+    return out[:loop["steps"] * k]
+
+
+def _endless(loader):
+    """A loader's batches across epochs, as a loop over several epochs reads them."""
+    while True:
+        yield from loader
 
 
 class _Samples(torch.utils.data.Dataset):
@@ -176,10 +204,9 @@ def reference(setup: dict) -> dict:
     opt = make_optimizer(setup["optimizer"], model)
     sched = scheduler_fn(loop["scheduler"])
     sched = sched(opt) if sched else None
-    data, batch = tokens(setup), loop["batch"]
+    batches = batches_in_order(setup)
     losses, evals = [], []
-    for i in range(loop["steps"] * k):
-        rows = data[i * batch:(i + 1) * batch]
+    for i, rows in enumerate(batches):
         if i % k == 0:
             opt.zero_grad()
         loss = _single_loss(model, rows, _hf(spec))
@@ -192,7 +219,7 @@ def reference(setup: dict) -> dict:
             if loop["eval_after"] == i // k:
                 model.eval()
                 with torch.no_grad():
-                    evals.append(float(_single_loss(model, data[:batch], _hf(spec))))
+                    evals.append(float(_single_loss(model, batches[0], _hf(spec))))
                 model.train()
         if sched:
             sched.step()
@@ -208,9 +235,10 @@ def _single_loss(model, rows: torch.Tensor, hf: bool) -> torch.Tensor:
 # ---- on the ranks -----------------------------------------------------------------------------------
 
 def _parallel(setup: dict, settings: dict, samples: torch.Tensor, seed: int):
-    spec, loop = setup["model"], setup["loop"]
+    spec, loop, data = setup["model"], setup["loop"], data_of(setup)
     model = build_model(spec, seed, deferred=spec.get("deferred", False))
     plan = make_plan(settings, spec, model, loop["batch"])
+    plan.update({"data.shuffle": data["shuffle"], "data.seed": data["seed"]})
     return vescale.parallelize(plan, model, optimizer_fn(setup["optimizer"]), scheduler_fn(loop["scheduler"]),
                                _Samples(samples, _hf(spec)))
 
@@ -218,6 +246,13 @@ def _parallel(setup: dict, settings: dict, samples: torch.Tensor, seed: int):
 def _training_keys(plan: dict) -> dict:
     """What the training computes rather than how it is laid out: a resumed run keeps it."""
     return {k: v for k, v in plan.items() if k in ("gradient.clip_norm", "gradient.accumulation_steps")}
+
+
+def _state(model, optimizer, sched, loader) -> dict:
+    state = {"model": model, "optimizer": optimizer, "data": loader}
+    if sched is not None:
+        state["lr_scheduler"] = sched
+    return state
 
 
 def on_ranks(setup: dict, work_dir: str) -> dict:
@@ -228,7 +263,7 @@ def on_ranks(setup: dict, work_dir: str) -> dict:
     losses, evals, first = [], [], None
     resume = loop["resume"]
     micro_total = loop["steps"] * k
-    batches = iter(loader)
+    batches = _endless(loader)
     i = 0
     while i < micro_total:
         b = next(batches)
@@ -250,19 +285,13 @@ def on_ranks(setup: dict, work_dir: str) -> dict:
             model.train()
         if resume is not None and i // k == resume["after"] and i < micro_total:
             path = os.path.join(work_dir, "ckpt")
-            state = {"model": model, "optimizer": optimizer}
-            if sched is not None:
-                state["lr_scheduler"] = sched
-            vescale.save(path, state)
+            vescale.save(path, _state(model, optimizer, sched, loader))
             settings = {**resume["plan"], **_training_keys(setup["plan"])}
-            # another initialisation, so that only the load can make the runs agree
-            model, optimizer, sched, loader = _parallel(setup, settings, data[i * loop["batch"]:],
-                                                        setup["init_seed"] + 1)
-            state = {"model": model, "optimizer": optimizer}
-            if sched is not None:
-                state["lr_scheduler"] = sched
-            vescale.load(path, state)
-            batches = iter(loader)
+            # another initialisation, so that only the load can make the runs agree; the
+            # data loader continues where the saved one stood
+            model, optimizer, sched, loader = _parallel(setup, settings, data, setup["init_seed"] + 1)
+            vescale.load(path, _state(model, optimizer, sched, loader))
+            batches = _endless(loader)
     path = os.path.join(work_dir, "model.pt")
     inner = getattr(optimizer, "inner", None)
     vescale.checkpoint.export_torch(path, model,

@@ -87,6 +87,8 @@ def draw(rng: random.Random) -> dict:
     loop = {"steps": rng.choice([2, 3]), "seq": rng.choice([8, 12]), "batch": batch,
             "scheduler": rng.choice([None, None, "step", "lambda"]),
             "eval_after": rng.choice([None, None, 0]) if pp == 1 else None, "resume": None}
+    if rng.random() < 0.5:  # shuffled, and epochs of one or two global batches (the loop crosses them)
+        loop["data"] = {"shuffle": True, "seed": rng.randrange(100), "epoch_batches": rng.choice([1, 2])}
     if rng.random() < 0.3:
         other = draw_resume_plan(rng, model, batch, pipeline=accumulation == 1)
         if other is not None:
@@ -158,6 +160,8 @@ def simpler(setup: dict):
         changes.append(lambda s: s["loop"].update(eval_after=None))
     if loop["scheduler"] is not None:
         changes.append(lambda s: s["loop"].update(scheduler=None))
+    if "data" in loop:
+        changes.append(lambda s: s["loop"].pop("data"))
     if loop["steps"] > 1:
         changes.append(lambda s: s["loop"].update(steps=s["loop"]["steps"] - 1))
     for key, plain in (("gradient.clip_norm", None), ("recompute.modules", None), ("gradient.accumulation_steps", None),

@@ -31,9 +31,11 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
+from .. import _C
+from ..boxes import whole
 from ..device_mesh import DeviceMesh
-from ..dtensor import DTensor, distribute_tensor
-from ..placement_types import InterleavedShard, Placement, Replicate, Shard
+from ..dtensor import DTensor, _shard_parts, distribute_tensor
+from ..placement_types import InterleavedShard, Placement, Replicate, Shard, to_c
 from .pipeline.stage import is_elsewhere, on_stand_ins
 from .tp_grads import PartialGradients
 
@@ -308,9 +310,6 @@ def _distribute_parameters(assignments: list[dict], mesh: DeviceMesh) -> None:
 
 def _meta_shard(tensor: torch.Tensor, mesh: DeviceMesh, placements) -> torch.Tensor:
     """This rank's shard of a meta tensor, on meta (what-if runs only)."""
-    from .. import _C
-    from ..placement_types import to_c
-
     shape = list(tensor.shape)
     local, _ = _C.local_shape(shape, to_c(placements), list(mesh.shape), list(mesh.get_coordinate()))
     return DTensor.from_local(torch.empty(local, dtype=tensor.dtype, device="meta"), mesh, placements,
@@ -359,11 +358,6 @@ def _stand_in_shard(value: torch.Tensor, mesh: DeviceMesh, placements) -> DTenso
     (the stage runner follows it to find values that would have to cross a cut). Taken
     as this rank's shard, as real plain tensors are, it would make a sequence-parallel
     stream as many times longer as the mesh dim is large."""
-    from .. import _C
-    from ..boxes import whole
-    from ..dtensor import _shard_parts
-    from ..placement_types import to_c
-
     whole_on_partial = [Replicate() if p.is_partial() else p for p in placements]
     shape = list(value.shape)
     parts = _shard_parts(shape, mesh, to_c(whole_on_partial))
