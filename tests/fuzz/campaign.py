@@ -28,6 +28,7 @@ for path in (ROOT, os.path.join(ROOT, "tests", "python")):
 
 from tests.fuzz.chains import MESHES, Program, generate  # noqa: E402
 from tests.fuzz.ops import OPS_BY_NAME  # noqa: E402
+from tests.fuzz.driver import run_cases, shrink as shrink_case  # noqa: E402
 from tests.opinfo.pool import Ranks  # noqa: E402
 
 HANDLER = "tests.fuzz.rank:handle"
@@ -41,20 +42,7 @@ def start_ranks(world: int = 4, gloo_timeout_s: float = 30) -> Ranks:
 
 def run_batch(ranks: Ranks, programs: list[Program], timeout_s: float = 120) -> list[tuple[str, str]]:
     """One verdict per program: ok, wrong, error, hang, crash or divergent."""
-    reply = ranks.call([p.to_literal() for p in programs], timeout_s)
-    if reply.kind != "ok":
-        if len(programs) == 1:
-            return [(reply.kind, reply.message)]
-        return [v for p in programs for v in run_batch(ranks, [p], timeout_s)]
-    per_rank = [reply.values[r] for r in range(ranks.world)]
-    verdicts = []
-    for k in range(len(programs)):
-        seen = {tuple(answer[k]) for answer in per_rank}
-        if len(seen) == 1:
-            verdicts.append(per_rank[0][k])
-        else:  # ranks that disagree would deadlock a real program
-            verdicts.append(("divergent", " | ".join(f"rank {r}: {per_rank[r][k]}" for r in range(ranks.world))))
-    return verdicts
+    return run_cases(ranks, programs, lambda ps: [p.to_literal() for p in ps], timeout_s)
 
 
 # ---- shrinking ------------------------------------------------------------------------------
@@ -101,18 +89,7 @@ def _candidates(program: Program):
 
 def shrink(ranks: Ranks, program: Program, kind: str, budget: int = 60) -> Program:
     """A smaller program that still fails with the same kind of verdict."""
-    tries = 0
-    improved = True
-    while improved and tries < budget:
-        improved = False
-        for candidate in _candidates(program):
-            tries += 1
-            if run_batch(ranks, [candidate])[0][0] == kind:
-                program, improved = candidate, True
-                break
-            if tries >= budget:
-                break
-    return program
+    return shrink_case(program, kind, _candidates, lambda p: run_batch(ranks, [p])[0][0], budget)
 
 
 def training_mode(rng: random.Random) -> str:

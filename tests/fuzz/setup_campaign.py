@@ -19,6 +19,7 @@ import time
 
 from tests.fuzz.campaign import ROOT  # noqa: F401  (puts the repository on sys.path)
 from tests.fuzz.setups import describe, draw, simpler
+from tests.fuzz.driver import run_cases, shrink as shrink_case
 from tests.opinfo.pool import Ranks
 
 HANDLER = "tests.fuzz.setup_rank:handle"
@@ -32,33 +33,11 @@ def start_ranks(gloo_timeout_s: float = 60) -> Ranks:
 
 def run_batch(ranks: Ranks, setups: list[dict], work_dir: str, timeout_s: float = 300) -> list[tuple[str, str]]:
     """One verdict per set-up: ok, wrong, refused, error, hang, crash or divergent."""
-    reply = ranks.call((work_dir, setups), timeout_s)
-    if reply.kind != "ok":
-        if len(setups) == 1:
-            return [(reply.kind, reply.message)]
-        return [v for s in setups for v in run_batch(ranks, [s], work_dir, timeout_s)]
-    verdicts = []
-    for k in range(len(setups)):
-        seen = {tuple(reply.values[r][k]) for r in range(ranks.world)}
-        if len(seen) == 1:
-            verdicts.append(tuple(reply.values[0][k]))
-        else:  # ranks that disagree about a verdict would disagree about collectives too
-            verdicts.append(("divergent", " | ".join(f"rank {r}: {reply.values[r][k]}" for r in range(ranks.world))))
-    return verdicts
+    return run_cases(ranks, setups, lambda batch: (work_dir, batch), timeout_s)
 
 
 def shrink(ranks: Ranks, setup: dict, kind: str, work_dir: str, budget: int = 40) -> dict:
-    tries, improved = 0, True
-    while improved and tries < budget:
-        improved = False
-        for candidate in simpler(setup):
-            tries += 1
-            if run_batch(ranks, [candidate], work_dir)[0][0] == kind:
-                setup, improved = candidate, True
-                break
-            if tries >= budget:
-                break
-    return setup
+    return shrink_case(setup, kind, simpler, lambda s: run_batch(ranks, [s], work_dir)[0][0], budget)
 
 
 def run_literals(setups: list[dict]) -> list[tuple[str, str]]:

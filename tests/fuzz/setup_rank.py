@@ -70,6 +70,16 @@ def _model_class(spec: dict):
             vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=spec["kv_heads"], max_position_embeddings=64,
             tie_word_embeddings=spec["tied"], bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    if kind == "hf_qwen2":
+        return tf.Qwen2ForCausalLM, tf.Qwen2Config(
+            vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=spec["kv_heads"], max_position_embeddings=64,
+            tie_word_embeddings=spec["tied"], bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    if kind == "hf_bert":  # a masked LM whose labels are its inputs: an encoder's loss on every token
+        return tf.BertForMaskedLM, tf.BertConfig(vocab_size=vocab, hidden_size=width, num_hidden_layers=layers,
+                                                 num_attention_heads=heads, intermediate_size=2 * width,
+                                                 max_position_embeddings=64, hidden_dropout_prob=dropout,
+                                                 attention_probs_dropout_prob=dropout, pad_token_id=0)
     if kind == "hf_gpt2":
         return tf.GPT2LMHeadModel, tf.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=width, n_layer=layers,
                                                  n_head=heads, resid_pdrop=dropout, embd_pdrop=dropout,
@@ -82,18 +92,19 @@ def _hf(spec: dict) -> bool:
 
 
 def make_plan(settings: dict, spec: dict, model: torch.nn.Module, batch: int) -> vescale.Plan:
-    from vescale.parallel.plans import gpt2_plan, gpt_plan, llama_plan
+    from vescale.parallel.plans import bert_plan, gpt2_plan, gpt_plan, llama_plan
     settings = dict(settings)
     mesh = settings.pop("mesh")
     sp = settings.pop("tensor_parallel.sequence_parallel", False)
     extra = {"data.global_batch_size": batch, "data.shuffle": False, **settings}
-    if spec["kind"] == "hf_llama":  # its plan from its config
+    if spec["kind"] in ("hf_llama", "hf_qwen2"):  # the plan from the model's config
         return vescale.Plan.from_hf(model, mesh=mesh, sequence_parallel=sp, **extra)
     plan = vescale.Plan({"mesh": mesh, **extra})
-    if spec["kind"] == "hf_gpt2":  # transformers ships no plan for GPT-2
-        plan.update({"pipeline_parallel.blocks": "transformer.h"})
+    blocks = {"hf_gpt2": "transformer.h", "hf_bert": "bert.encoder.layer"}  # (transformers ships no plans)
+    if spec["kind"] in blocks:
+        plan.update({"pipeline_parallel.blocks": blocks[spec["kind"]]})
     if "TP" in mesh:
-        helper = {"gpt": gpt_plan, "llama": llama_plan, "hf_gpt2": gpt2_plan}[spec["kind"]]
+        helper = {"gpt": gpt_plan, "llama": llama_plan, "hf_gpt2": gpt2_plan, "hf_bert": bert_plan}[spec["kind"]]
         plan.update({"tensor_parallel.sharding_plan": helper(sequence_parallel=sp),
                      "tensor_parallel.sequence_parallel": sp})
     return plan
@@ -228,7 +239,8 @@ def reference(setup: dict) -> dict:
 
 def _single_loss(model, rows: torch.Tensor, hf: bool) -> torch.Tensor:
     if hf:
-        return model(input_ids=rows[:, :-1], labels=rows[:, :-1]).loss
+        ids = rows[:, :-1].contiguous()
+        return model(input_ids=ids, labels=ids).loss
     return model(rows[:, :-1].contiguous(), rows[:, 1:].contiguous())
 
 

@@ -30,7 +30,7 @@ MESHES = [
     {"PP": 2, "DP": 1, "TP": 2}, {"DP": 1, "TP": 4}, {"PP": 1, "DP": 4},
 ]
 
-MODELS = ("gpt", "llama", "hf_llama", "hf_gpt2")
+MODELS = ("gpt", "llama", "hf_llama", "hf_gpt2", "hf_qwen2", "hf_bert")
 OPTIMIZERS = ("sgd", "sgd_momentum", "adamw", "adamw_groups", "adam_fused")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 
@@ -46,7 +46,7 @@ def draw(rng: random.Random) -> dict:
              "layers": rng.randint(1, 4)}
     if kind == "gpt":
         model["bias"] = rng.random() < 0.5
-    if kind == "hf_llama":
+    if kind in ("hf_llama", "hf_qwen2"):
         model["tied"] = rng.random() < 0.3
         model["kv_heads"] = rng.choice([h for h in (1, 2, heads) if heads % h == 0])
     if kind == "llama":
@@ -96,7 +96,7 @@ def draw(rng: random.Random) -> dict:
     if rng.random() < 0.3:
         model["deferred"] = True  # vescale.deferred_init: materialised into the shards
     other = loop["resume"]["plan"]["mesh"] if loop["resume"] else {}
-    if (kind in ("gpt", "hf_gpt2") and dp == 1 and pp == 1 and other.get("DP", 1) == 1 and other.get("PP", 1) == 1
+    if (kind in ("gpt", "hf_gpt2", "hf_bert") and dp == 1 and pp == 1 and other.get("DP", 1) == 1 and other.get("PP", 1) == 1
             and rng.random() < 0.5):
         # Dropout draws the masks one device would (the same generator, in the same
         # order) only where every rank sees the whole batch: no data parallelism, no
@@ -133,7 +133,7 @@ def draw_resume_plan(rng: random.Random, model: dict, batch: int, pipeline: bool
 
 def _blocks_regex(kind: str) -> str:
     return {"gpt": r"transformer\.h", "llama": r"model\.layers", "hf_llama": r"model\.layers",
-            "hf_gpt2": r"transformer\.h"}[kind]
+            "hf_qwen2": r"model\.layers", "hf_gpt2": r"transformer\.h", "hf_bert": r"bert\.encoder\.layer"}[kind]
 
 
 def describe(setup: dict) -> str:
