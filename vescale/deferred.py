@@ -46,7 +46,8 @@ from ._random_streams import (RANDOM_FACTORIES, STREAMABLE, covers_storage, rand
                               stream_trunc_normal, trunc_normal)
 from .boxes import Box, flat_range, whole
 
-__all__ = ["deferred_init", "materialize_module", "is_deferred", "DeferredInitError", "swap_keeping_hooks"]
+__all__ = ["deferred_init", "materialize_module", "is_deferred", "DeferredInitError", "cast_deferred",
+           "swap_keeping_hooks"]
 
 aten = torch.ops.aten
 _POINTWISE_SCALAR = {aten.mul_.Scalar, aten.add_.Scalar, aten.sub_.Scalar, aten.div_.Scalar, aten.clamp_.default,
@@ -397,6 +398,29 @@ def materialize_module(module: nn.Module) -> nn.Module:
                 done[id(t)] = t
                 swap_keeping_hooks(t, nn.Parameter(materialize(t), requires_grad=t.requires_grad))
     return module
+
+
+def cast_deferred(module: nn.Module, dtype: torch.dtype) -> None:
+    """``module.to(dtype)`` for the floating-point tensors of a ``deferred_init`` model not
+    materialised yet: each becomes a deferred tensor of ``dtype`` whose values are its
+    own, cast as they are materialised (a rank still computes only its box). A plain
+    ``.to`` makes new meta tensors with no recording behind them. Parameters keep their
+    identity; other tensors are left to ``module.to``."""
+    done: set[int] = set()
+    keys = set()
+    for owner in module.modules():
+        for table in (owner._parameters, owner._buffers):
+            for t in table.values():
+                if t is None or id(t) in done or not t.is_floating_point() or t.dtype == dtype or not is_deferred(t):
+                    continue
+                done.add(id(t))
+                source = t.detach()
+                cast = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
+                bind_source(cast, lambda box, s=source: materialize(s, box).to(dtype))
+                _alive[_key(cast)] = cast  # (its storage's address stays its key)
+                keys.add(_key(cast))
+                t.data = cast
+    weakref.finalize(module, _forget, frozenset(keys))
 
 
 def swap_keeping_hooks(t: torch.Tensor, new: torch.Tensor) -> None:

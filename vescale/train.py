@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from .deferred import cast_deferred
 from .device_mesh import DeviceMesh, init_device_mesh
 from .dtensor import DTensor
 from .parallel.ddp import DDP, local_of
@@ -81,6 +82,7 @@ def parallelize(plan: Plan | dict, model: nn.Module, optimizer_fn: Callable | No
     _check_combination(plan, size, pp, dp, zero, mp_dtype)
 
     if mp_dtype is not None:
+        cast_deferred(model, getattr(torch, mp_dtype))  # (a deferred model stays deferred)
         model.to(getattr(torch, mp_dtype))
     inner: nn.Module = model
     pipeline = None

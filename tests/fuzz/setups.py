@@ -93,6 +93,8 @@ def draw(rng: random.Random) -> dict:
         other = draw_resume_plan(rng, model, batch, pipeline=accumulation == 1)
         if other is not None:
             loop["resume"] = {"after": 1, "plan": other}
+    if plan.get("data_parallel.zero_stage", 0) and loop["resume"] is None and rng.random() < 0.25:
+        plan["mixed_precision.param_dtype"] = "bfloat16"  # fp32 masters in the ZeRO optimizer
     if rng.random() < 0.3:
         model["deferred"] = True  # vescale.deferred_init: materialised into the shards
     other = loop["resume"]["plan"]["mesh"] if loop["resume"] else {}
@@ -164,7 +166,7 @@ def simpler(setup: dict):
         changes.append(lambda s: s["loop"].pop("data"))
     if loop["steps"] > 1:
         changes.append(lambda s: s["loop"].update(steps=s["loop"]["steps"] - 1))
-    for key, plain in (("gradient.clip_norm", None), ("recompute.modules", None), ("gradient.accumulation_steps", None),
+    for key, plain in (("mixed_precision.param_dtype", None), ("gradient.clip_norm", None), ("recompute.modules", None), ("gradient.accumulation_steps", None),
                        ("data_parallel.bucket_cap_mb", None), ("tensor_parallel.sequence_parallel", False),
                        ("data_parallel.zero_stage", 0), ("pipeline_parallel.split_method", "uniform"),
                        ("pipeline_parallel.schedule", "1f1b")):

@@ -114,6 +114,26 @@ def test_hugging_face_models_get_their_own_initialisation(name):
                     != [n for n, p in model.named_parameters()])  # ties as in the ordinary build
 
 
+def test_a_deferred_model_cast_to_low_precision_stays_deferred():
+    """``mixed_precision.param_dtype`` casts the model before it is sharded; a plain
+    ``.to`` of a deferred model left meta tensors with no recording, and sharding them
+    raised (the set-up fuzzer). cast_deferred keeps them deferred, and their values are
+    the ordinary build's, cast."""
+    from vescale.deferred import cast_deferred, is_deferred
+
+    cfg = GPTConfig(vocab_size=37, n_embd=24, n_head=2, n_layer=2)
+    torch.manual_seed(0)
+    ref = GPT(cfg).to(torch.bfloat16)
+    torch.manual_seed(0)
+    model = deferred_init(GPT, cfg)
+    params = list(model.parameters())
+    cast_deferred(model, torch.bfloat16)
+    assert [id(p) for p in model.parameters()] == [id(p) for p in params]  # identity kept
+    assert all(is_deferred(p) and p.dtype == torch.bfloat16 for p in model.parameters())
+    materialize_module(model)
+    assert _same(model, ref) == []
+
+
 def test_reading_values_in_the_constructor_is_a_clear_error():
     class Reads(nn.Module):
         def __init__(self):

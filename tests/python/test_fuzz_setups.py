@@ -104,9 +104,17 @@ REGRESSIONS = [
       "loop": {"steps": 2, "seq": 8, "batch": 8, "scheduler": None, "eval_after": None,
                "resume": {"after": 1, "plan": {"mesh": {"DP": 4}, "data_parallel.zero_stage": 0}}},
       "init_seed": 558, "data_seed": 604}),
+    # Exception ("distribute_tensor got a meta tensor"): bf16 parameters (fp32 masters)
+    # for a deferred model; the plan's cast made meta tensors with no recording.
+    ("bf16 parameters of a deferred model",
+     {"model": {"kind": "hf_llama", "width": 24, "heads": 4, "vocab": 70, "layers": 1, "tied": True, "kv_heads": 2,
+                "deferred": True},
+      "plan": {"mesh": {"DP": 2, "TP": 2}, "tensor_parallel.sequence_parallel": True, "data_parallel.zero_stage": 3,
+               "mixed_precision.param_dtype": "bfloat16"},
+      "optimizer": {"kind": "sgd"},
+      "loop": {"steps": 1, "seq": 12, "batch": 2, "scheduler": None, "eval_after": None, "resume": None},
+      "init_seed": 963, "data_seed": 106}),
 ]
-
-
 
 
 def test_setups_that_found_bugs():
