@@ -6,8 +6,9 @@ What is compared, and how tightly (fp32; see tests/python/dist_utils.py for why)
 - the loss of every micro-step, as the RFC loop reads it (rtol 1e-5);
 - the evaluation loss where the loop evaluates between steps (rtol 1e-5);
 - the trained weights, exported with ``vescale.checkpoint.export_torch`` and loaded into
-  a single-device model: tightly for SGD (``mismatch_to_max``), within Adam's reach for
-  Adam (``adam_mismatch``).
+  a single-device model: tightly for SGD (``mismatch_to_max``, with a floor of 1e-7 for
+  tensors that are all near zero: BERT's key biases get an exact gradient of zero, and
+  hold rounding noise of 1e-14), within Adam's reach for Adam (``adam_mismatch``).
 With bf16 parameters (fp32 masters in the ZeRO optimizer, and in the reference) every
 tolerance is bf16's: sums round by the order of their terms, which differs on 4 ranks.
 
@@ -364,7 +365,8 @@ def compare(setup: dict, got: dict, ref: dict) -> list[str]:
             problems.append(f"trained weight {name}: dtype {have.dtype}, one device's {want.dtype}")
             continue
         err = (adam_mismatch(have.float(), want.float(), lr=ADAM_LR, steps=applied, atol=2e-2 if low else 1e-6)
-               if adam else mismatch_to_max(have.float(), want.float(), tol=2e-2 if low else 2e-5))
+               if adam else mismatch_to_max(have.float(), want.float(), tol=2e-2 if low else 2e-5,
+                                            atol=1e-4 if low else 1e-7))
         if err:
             problems.append(f"trained weight {name}: {err}")
     return problems

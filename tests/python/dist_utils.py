@@ -134,20 +134,25 @@ def describe(placements) -> str:
     return "[" + ", ".join(repr(p) for p in placements) + "]"
 
 
-def mismatch_to_max(actual: torch.Tensor | None, expected: torch.Tensor | None, *, tol=1e-5) -> str | None:
-    """None when the largest error is at most ``tol`` times the largest |expected|.
+def mismatch_to_max(actual: torch.Tensor | None, expected: torch.Tensor | None, *, tol=1e-5,
+                    atol=0.0) -> str | None:
+    """None when the largest error is at most ``tol`` times the largest |expected| (plus
+    ``atol``).
 
     For gradients and SGD-updated parameters: their rounding errors are relative to the
-    tensor's large elements, which an element-wise rtol would demand of near-zero ones."""
+    tensor's large elements, which an element-wise rtol would demand of near-zero ones.
+    ``atol`` is for tensors that are all near zero (a bias whose exact gradient is zero
+    holds rounding noise alone)."""
     if actual is None or expected is None:
         return None if actual is None and expected is None else f"{actual is None=}, {expected is None=}"
     if actual.shape != expected.shape:
         return f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     scale = expected.abs().max().item()
     err = (actual.double() - expected.double()).abs().max().item()
-    if err <= tol * scale:
+    if err <= tol * scale + atol:
         return None
-    return f"largest error {err:.3g} is {err / scale if scale else float('inf'):.3g} of the largest |value| {scale:.3g} (up to {tol} allowed)"
+    return (f"largest error {err:.3g} is {err / scale if scale else float('inf'):.3g} of the largest |value| "
+            f"{scale:.3g} (up to {tol}{f' + {atol:g}' if atol else ''} allowed)")
 
 
 def training_mismatches(losses, ref_losses, grads: dict, ref_grads: dict) -> list[str]:
