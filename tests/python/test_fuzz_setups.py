@@ -114,6 +114,16 @@ REGRESSIONS = [
       "optimizer": {"kind": "sgd"},
       "loop": {"steps": 1, "seq": 12, "batch": 2, "scheduler": None, "eval_after": None, "resume": None},
       "init_seed": 963, "data_seed": 106}),
+    # Divergent exceptions (garbage indices): the 'time' split profile timed each unit
+    # on an empty copy, whose buffers (BERT's position and token-type ids) held garbage.
+    ("split by measured time, BERT",
+     {"model": {"kind": "hf_bert", "width": 16, "heads": 4, "vocab": 70, "layers": 2},
+      "plan": {"mesh": {"DP": 2, "PP": 2}, "data_parallel.zero_stage": 0, "pipeline_parallel.microbatches": 1,
+               "pipeline_parallel.schedule": "1f1b", "pipeline_parallel.split_method": "time",
+               "pipeline_parallel.virtual_stages": 1},
+      "optimizer": {"kind": "sgd"},
+      "loop": {"steps": 1, "seq": 8, "batch": 4, "scheduler": None, "eval_after": None, "resume": None},
+      "init_seed": 614, "data_seed": 554}),
 ]
 
 
