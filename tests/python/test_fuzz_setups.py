@@ -124,6 +124,18 @@ REGRESSIONS = [
       "optimizer": {"kind": "sgd"},
       "loop": {"steps": 1, "seq": 8, "batch": 4, "scheduler": None, "eval_after": None, "resume": None},
       "init_seed": 614, "data_seed": 554}),
+    # Hang (an error on one pipeline rank only): ZeRO-3 under ZB-V, where one rank runs
+    # the first and the last stage. The last stage's forward emptied the root unit's
+    # parameters (embeddings, head), which the first stage's backward then read.
+    ("ZeRO-3 with ZB-V, BERT",
+     {"model": {"kind": "hf_bert", "width": 8, "heads": 2, "vocab": 64, "layers": 4},
+      "plan": {"mesh": {"PP": 2, "DP": 1, "TP": 2}, "tensor_parallel.sequence_parallel": False,
+               "data_parallel.zero_stage": 3, "pipeline_parallel.schedule": "zbv",
+               "pipeline_parallel.virtual_stages": 2, "pipeline_parallel.microbatches": 4,
+               "pipeline_parallel.split_method": "uniform"},
+      "optimizer": {"kind": "sgd"},
+      "loop": {"steps": 1, "seq": 12, "batch": 8, "scheduler": None, "eval_after": None, "resume": None},
+      "init_seed": 2, "data_seed": 290}),
 ]
 
 

@@ -52,10 +52,14 @@ class ShardedParameters:
                 swap_keeping_hooks(slot.param, nn.Parameter(storage, requires_grad=slot.param.requires_grad))
             self.sharded[id(slot.param)] = _Sharded(slot.param, slot, start, end, values)
         claimed: set[int] = set()
+        self._root_owned: set[int] = set()
         for root in modules:
-            for unit in _units(root):
+            units = _units(root)
+            for unit in units:
                 owned = [p for p in unit.parameters() if id(p) in self.sharded and id(p) not in claimed]
                 claimed.update(id(p) for p in owned)
+                if unit is units[-1]:
+                    self._root_owned.update(id(p) for p in owned)
                 if owned:
                     self._hook(unit, owned)
         self.release(list(self.sharded.values()))
@@ -95,6 +99,12 @@ class ShardedParameters:
             yield
         finally:
             self.release(entries)
+
+    def owned_by_root(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """Those of ``params`` that belong to a model's root unit (embeddings, final norm,
+        head). A pipeline stage runs only part of the root, so the root's hooks do not
+        announce its backward: the pipeline gathers these around each stage's backward."""
+        return [p for p in params if id(p) in self._root_owned]
 
     # ---- gather and release ----
 

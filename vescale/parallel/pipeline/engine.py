@@ -222,14 +222,18 @@ class PipelineParallel(nn.Module):
         spec, state = self.specs[s], states[(s, mb)]
         outputs = state["outputs"]
         grads = None if spec.last else self.boundary.recv_backward(s, mb, self.schedule.rank_of(s + 1), outputs)
-        if split and not spec.first:
-            # torch's split of the autograd graph into input- and weight-gradient parts
-            from torch.distributed.pipelining._backward import stage_backward_input
-            weights = self._stage_parameters(s)
-            _, state["param_groups"] = stage_backward_input(outputs, grads, state["leaves"], iter(weights))
-        else:
-            torch.autograd.backward(outputs, grads)
-            del states[(s, mb)]
+        weights = self._stage_parameters(s)
+        # ZeRO-3: the root unit's parameters this stage uses (embeddings, head) are whole
+        # for its backward; the root's own hooks fire only where the root's forward ends,
+        # and another stage of this rank may have emptied them since this one's forward.
+        with self._whole(self._sharded.owned_by_root(weights) if self._sharded is not None else []):
+            if split and not spec.first:
+                # torch's split of the autograd graph into input- and weight-gradient parts
+                from torch.distributed.pipelining._backward import stage_backward_input
+                _, state["param_groups"] = stage_backward_input(outputs, grads, state["leaves"], iter(weights))
+            else:
+                torch.autograd.backward(outputs, grads)
+                del states[(s, mb)]
         if not spec.first:
             sends += self.boundary.send_backward(s, mb, self.schedule.rank_of(s - 1), state["leaves"])
 
@@ -239,9 +243,18 @@ class PipelineParallel(nn.Module):
             from torch.distributed.pipelining._backward import stage_backward_weight
             weights = self._stage_parameters(s)
             # ZeRO-3 empties a unit's parameters after each forward; the weight pass reads them
-            sharded = getattr(self._data_parallel, "sharded_parameters", None)
-            with sharded.whole_for(weights) if sharded is not None else contextlib.nullcontext():
+            with self._whole(weights):
                 stage_backward_weight(iter(weights), state["param_groups"])
+
+    @property
+    def _sharded(self):
+        """ZeRO-3's ShardedParameters when the optimizer shards parameters, else None."""
+        return getattr(self._data_parallel, "sharded_parameters", None)
+
+    def _whole(self, params: list[nn.Parameter]):
+        """ZeRO-3: ``params`` whole for the duration (a no-op without ZeRO-3)."""
+        sharded = self._sharded
+        return sharded.whole_for(params) if sharded is not None and params else contextlib.nullcontext()
 
     def _stage_parameters(self, s: int) -> list[nn.Parameter]:
         """What the weight-gradient half of a split backward differentiates: the stage's
