@@ -28,7 +28,8 @@ std::string why_slower(const StepEstimate& a, const StepEstimate& best) {
   const Breakdown &x = a.breakdown, &y = best.breakdown;
   const std::pair<const char*, double> parts[] = {
       {"compute", x.compute - y.compute},         {"recompute", x.recompute - y.recompute},
-      {"TP comm", x.tp_comm - y.tp_comm},         {"ZeRO comm", x.zero_comm - y.zero_comm},
+      {"TP comm", x.tp_comm - y.tp_comm},         {"CP comm", x.cp_comm - y.cp_comm},
+      {"ZeRO comm", x.zero_comm - y.zero_comm},
       {"pipeline idle", x.idle - y.idle},         {"DP comm exposed", x.dp_exposed - y.dp_exposed},
       {"embedding sync", x.embedding_sync - y.embedding_sync}, {"optimizer", x.optimizer - y.optimizer}};
   std::vector<std::pair<const char*, double>> worse(std::begin(parts), std::end(parts));
@@ -61,52 +62,57 @@ SearchResult search(const Transformer& m, const Hardware& hw, const SearchConstr
   std::vector<StepEstimate> fits;
   std::vector<StepEstimate> over;
   const int64_t max_tp = c.tp > 0 ? c.tp : (c.max_tp > 0 ? c.max_tp : hw.gpus_per_node);
+  const int64_t max_cp = c.cp > 0 ? c.cp : std::max<int64_t>(1, c.max_cp);
   for (int64_t t : divisors(c.world)) {
     if ((c.tp > 0 && t != c.tp) || t > max_tp) continue;
-    for (int64_t p : divisors(c.world / t)) {
-      if (c.pp > 0 && p != c.pp) continue;
-      const int64_t d = c.world / (t * p);
-      if (c.dp > 0 && d != c.dp) continue;
-      for (int64_t b = 1; b <= std::max(c.max_micro_batch, c.micro_batch); ++b) {
-        if ((c.micro_batch > 0 && b != c.micro_batch) || m.global_batch % (d * b)) continue;
-        const int64_t mbs = m.global_batch / (d * b);
-        if (c.microbatches > 0 && mbs != c.microbatches) continue;
-        std::vector<int64_t> vps;
-        if (c.vp > 0) vps = {c.vp};
-        else if (p == 1) vps = {1};
-        else
-          for (int64_t v = 1; v * p <= m.layers; ++v) vps.push_back(v);
-        vps.erase(std::remove_if(vps.begin(), vps.end(), [&](int64_t v) { return v < c.min_vp; }), vps.end());
-        for (int64_t v : vps) {
-          std::vector<int> sps = c.sequence_parallel >= 0 ? std::vector<int>{c.sequence_parallel}
-                                 : t > 1                 ? std::vector<int>{0, 1}
-                                                         : std::vector<int>{0};
-          for (int sp : sps) {
-            for (int r = 0; r < 3; ++r) {
-              if (c.recompute >= 0 && r != c.recompute) continue;
-              // Fused attention keeps no s x s tensors: selective recomputation is no recomputation.
-              if (c.recompute < 0 && m.flash_attention && r == static_cast<int>(Recompute::selective)) continue;
-              for (int z = 0; z <= 3; ++z) {
-                if ((c.zero >= 0 && z != c.zero) || (c.zero < 0 && d == 1 && z > 0)) continue;
-                ParallelConfig cfg;
-                cfg.dp = d;
-                cfg.tp = t;
-                cfg.pp = p;
-                cfg.vp = v;
-                cfg.micro_batch = b;
-                cfg.zero = z;
-                cfg.sequence_parallel = sp != 0;
-                cfg.recompute = static_cast<Recompute>(r);
-                ++out.enumerated;
-                if (!config_problem(m, cfg).empty()) {
-                  ++out.invalid;
-                  continue;
-                }
-                StepEstimate e = estimate_step(m, hw, cfg, quick, &cache);
-                if (e.feasible) fits.push_back(std::move(e));
-                else {
-                  ++out.over_memory;
-                  over.push_back(std::move(e));
+    for (int64_t cp : divisors(c.world / t)) {
+      if ((c.cp > 0 && cp != c.cp) || cp > max_cp) continue;
+      for (int64_t p : divisors(c.world / (t * cp))) {
+        if (c.pp > 0 && p != c.pp) continue;
+        const int64_t d = c.world / (t * cp * p);
+        if (c.dp > 0 && d != c.dp) continue;
+        for (int64_t b = 1; b <= std::max(c.max_micro_batch, c.micro_batch); ++b) {
+          if ((c.micro_batch > 0 && b != c.micro_batch) || m.global_batch % (d * b)) continue;
+          const int64_t mbs = m.global_batch / (d * b);
+          if (c.microbatches > 0 && mbs != c.microbatches) continue;
+          std::vector<int64_t> vps;
+          if (c.vp > 0) vps = {c.vp};
+          else if (p == 1) vps = {1};
+          else
+            for (int64_t v = 1; v * p <= m.layers; ++v) vps.push_back(v);
+          vps.erase(std::remove_if(vps.begin(), vps.end(), [&](int64_t v) { return v < c.min_vp; }), vps.end());
+          for (int64_t v : vps) {
+            std::vector<int> sps = c.sequence_parallel >= 0 ? std::vector<int>{c.sequence_parallel}
+                                   : t > 1                 ? std::vector<int>{0, 1}
+                                                           : std::vector<int>{0};
+            for (int sp : sps) {
+              for (int r = 0; r < 3; ++r) {
+                if (c.recompute >= 0 && r != c.recompute) continue;
+                // Fused attention keeps no s x s tensors: selective recomputation is no recomputation.
+                if (c.recompute < 0 && m.flash_attention && r == static_cast<int>(Recompute::selective)) continue;
+                for (int z = 0; z <= 3; ++z) {
+                  if ((c.zero >= 0 && z != c.zero) || (c.zero < 0 && d * cp == 1 && z > 0)) continue;
+                  ParallelConfig cfg;
+                  cfg.dp = d;
+                  cfg.tp = t;
+                  cfg.cp = cp;
+                  cfg.pp = p;
+                  cfg.vp = v;
+                  cfg.micro_batch = b;
+                  cfg.zero = z;
+                  cfg.sequence_parallel = sp != 0;
+                  cfg.recompute = static_cast<Recompute>(r);
+                  ++out.enumerated;
+                  if (!config_problem(m, cfg).empty()) {
+                    ++out.invalid;
+                    continue;
+                  }
+                  StepEstimate e = estimate_step(m, hw, cfg, quick, &cache);
+                  if (e.feasible) fits.push_back(std::move(e));
+                  else {
+                    ++out.over_memory;
+                    over.push_back(std::move(e));
+                  }
                 }
               }
             }

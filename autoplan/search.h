@@ -1,5 +1,5 @@
 #pragma once
-// The planner's search at scale: every (DP x TP x PP) factorisation of the world, virtual
+// The planner's search at scale: every (DP x TP x PP, x CP when asked) factorisation of the world, virtual
 // stages, micro-batch size, ZeRO stage, sequence parallelism and recomputation, each with
 // its best pipeline split (autoplan/split.h), under a memory limit; ranked by the step
 // time the event simulation (autoplan/step_model.h) predicts.
@@ -29,6 +29,9 @@ struct SearchConstraints {
   int sequence_parallel = -1;  // 0 or 1
   int recompute = -1;          // Recompute as int
   int64_t max_tp = 0;          // largest TP searched (0: one node)
+  // Context parallelism: fixed when cp > 0; else searched up to max_cp. 1 by default:
+  // vescale cannot run it yet, so plans with it are simulations of a Megatron-class stack.
+  int64_t cp = 0, max_cp = 1;
   int64_t max_micro_batch = 8;
   std::string split = "balanced";  // or "uniform"
   int64_t top_k = 10;              // candidates simulated and ranked

@@ -16,6 +16,7 @@ namespace vescale::autoplan {
 std::string ParallelConfig::str() const {
   std::ostringstream os;
   os << "dp" << dp << " tp" << tp << " pp" << pp;
+  if (cp > 1) os << " cp" << cp;
   if (vp > 1) os << " vp" << vp;
   os << " mb" << micro_batch << " zero" << zero << (sequence_parallel ? " sp" : "") << " recompute=" << recompute_name(recompute);
   return os.str();
@@ -32,7 +33,7 @@ std::shared_ptr<const Orders> OrdersCache::get(int32_t ranks, int32_t microbatch
 
 std::string config_problem(const Transformer& m, const ParallelConfig& c) {
   std::ostringstream os;
-  if (c.dp < 1 || c.tp < 1 || c.pp < 1 || c.vp < 1 || c.micro_batch < 1) {
+  if (c.dp < 1 || c.tp < 1 || c.pp < 1 || c.cp < 1 || c.vp < 1 || c.micro_batch < 1) {
     os << "sizes must be >= 1 (" << c.str() << ")";
   } else if (c.zero < 0 || c.zero > 3) {
     os << "ZeRO stage " << c.zero << " is not 0-3";
@@ -42,6 +43,11 @@ std::string config_problem(const Transformer& m, const ParallelConfig& c) {
     os << "TP " << c.tp << " does not divide the " << m.heads << " attention heads and " << m.kv_heads << " KV heads";
   } else if (m.ffn % c.tp) {
     os << "TP " << c.tp << " does not divide the MLP width " << m.ffn;
+  } else if (c.cp > 1 && !m.flash_attention) {
+    os << "context parallelism needs fused attention (its ring runs attention block by block inside the kernel)";
+  } else if (c.cp > 1 && m.seq % (2 * c.cp)) {
+    os << "CP " << c.cp << " needs the sequence (" << m.seq << ") to be a multiple of 2 x CP (the causal load "
+       << "balance cuts it into 2 x CP chunks)";
   } else if (c.stages() > m.layers) {
     os << "PP " << c.pp << " x " << c.vp << " virtual stages is more stages than the " << m.layers << " layers";
   } else if (c.vp > 1 && c.pp == 1) {
@@ -65,8 +71,17 @@ constexpr double GiB = 1024.0 * 1024.0 * 1024.0;
 // Seconds of one piece (a layer, the embedding, the head), split by what they are.
 struct PieceTime {
   double f_comp = 0, f_tp = 0, b_comp = 0, b_tp = 0, r_comp = 0, r_tp = 0;
-  double forward() const { return f_comp + f_tp; }
-  double backward() const { return b_comp + b_tp + r_comp + r_tp; }
+  double f_cp = 0, b_cp = 0, r_cp = 0;  // context-parallel ring transfers not hidden
+  double forward() const { return f_comp + f_tp + f_cp; }
+  double backward() const { return b_comp + b_tp + r_comp + r_tp + b_cp + r_cp; }
+  PieceTime& operator+=(const PieceTime& x) {
+    f_comp += x.f_comp; f_tp += x.f_tp; b_comp += x.b_comp; b_tp += x.b_tp; r_comp += x.r_comp; r_tp += x.r_tp;
+    f_cp += x.f_cp; b_cp += x.b_cp; r_cp += x.r_cp;
+    return *this;
+  }
+  PieceTime times(double n) const {
+    return {n * f_comp, n * f_tp, n * b_comp, n * b_tp, n * r_comp, n * r_tp, n * f_cp, n * b_cp, n * r_cp};
+  }
 };
 
 std::vector<int64_t> uniform_split(int64_t layers, int64_t stages) {
@@ -102,7 +117,7 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
   const int64_t S = c.stages(), L = m.layers, p = c.pp;
   const bool sp = c.sequence_parallel && c.tp > 1;
   est.config.sequence_parallel = sp;
-  const Shard shard{c.micro_batch, c.tp, sp, c.recompute};
+  const Shard shard{c.micro_batch, c.tp, sp, c.recompute, c.cp};
   const LayerWork layer = layer_work(m, shard), emb = embedding_work(m, shard), head = head_work(m, shard);
 
   // ---- seconds per piece ----
@@ -110,7 +125,8 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
     return w.gemm_flops / (hw.peak_flops * hw.gemm_efficiency) +
            w.attn_flops / (hw.peak_flops * hw.attention_efficiency) + w.hbm_bytes / (hw.hbm_bw * hw.hbm_efficiency);
   };
-  const Group tp_group{c.tp, 1}, dp_group{c.dp, c.tp};
+  // Gradients are reduced (and ZeRO shards) over DP x CP: CP ranks hold the same weights.
+  const Group tp_group{c.tp, 1}, dp_group{c.dp * c.cp, c.tp};
   auto tp_time = [&](const TpCollectives& k, double bytes) {
     return k.all_reduce * collective_time(hw, Collective::all_reduce, bytes, tp_group) +
            k.all_gather * collective_time(hw, Collective::all_gather, bytes, tp_group) +
@@ -124,18 +140,34 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
     comp += hw.overlap_compute_share * hidden;
     tp -= hidden;
   };
+  // A context-parallel ring step passes a K/V block to the neighbour while the attention
+  // computes on the current one: what the block's attention does not cover waits; the
+  // covered part slows the attention by the share of the GPU the transfer takes. The
+  // ring spans nodes when TP x CP does not fit in one.
+  const bool ring_in_node = c.tp * c.cp <= hw.gpus_per_node;
+  auto ring = [&](int steps, double bytes, const Work& w, double& comp) {
+    if (steps == 0) return 0.0;
+    const double transfer = p2p_time(hw, bytes, ring_in_node);
+    const double block = w.attn_flops / (hw.peak_flops * hw.attention_efficiency) / static_cast<double>(c.cp);
+    const double hidden = std::min(transfer, block);
+    comp += steps * hw.overlap_compute_share * hidden;
+    return steps * (transfer - hidden);
+  };
   auto piece = [&](const LayerWork& w) {
     PieceTime t{compute(w.forward),   tp_time(w.tp_forward, w.tp_bytes),   compute(w.backward),
                 tp_time(w.tp_backward, w.tp_bytes), compute(w.recompute), tp_time(w.tp_recompute, w.tp_bytes)};
     overlap(t.f_comp, t.f_tp);
     overlap(t.b_comp, t.b_tp);
     overlap(t.r_comp, t.r_tp);
+    t.f_cp = ring(w.cp_forward, w.cp_bytes, w.forward, t.f_comp);
+    t.b_cp = ring(w.cp_backward, 2 * w.cp_bytes, w.backward, t.b_comp);
+    t.r_cp = ring(w.cp_recompute, w.cp_bytes, w.recompute, t.r_comp);
     return t;
   };
   const PieceTime tl = piece(layer), te = piece(emb), th = piece(head);
 
   // ---- bytes per parameter, by ZeRO stage ----
-  const double d = static_cast<double>(c.dp);
+  const double d = static_cast<double>(c.dp * c.cp);  // ZeRO shards over DP x CP
   const double param_b = c.zero >= 3 ? m.dtype_bytes / d : m.dtype_bytes;
   const double grad_b = c.zero >= 2 ? m.grad_bytes / d : m.grad_bytes;
   const double opt_b = c.zero >= 1 ? m.optimizer_bytes / d : m.optimizer_bytes;
@@ -215,20 +247,16 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
   for (int64_t s = 0; s < S; ++s) {
     const auto us = static_cast<size_t>(s);
     const double n = static_cast<double>(layers[us]);
-    PieceTime t{n * tl.f_comp, n * tl.f_tp, n * tl.b_comp, n * tl.b_tp, n * tl.r_comp, n * tl.r_tp};
+    PieceTime t = tl.times(n);
     stage_params[us] = n * lp;
     saved[us] = n * layer.saved_bytes;
-    auto add = [&](const PieceTime& x) {
-      t.f_comp += x.f_comp; t.f_tp += x.f_tp; t.b_comp += x.b_comp;
-      t.b_tp += x.b_tp; t.r_comp += x.r_comp; t.r_tp += x.r_tp;
-    };
     if (s == 0) {
-      add(te);
+      t += te;
       stage_params[us] += emb_p;
       saved[us] += emb.saved_bytes;
     }
     if (s == S - 1) {
-      add(th);
+      t += th;
       stage_params[us] += head_p;
       saved[us] += head.saved_bytes;
     }
@@ -238,7 +266,7 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
     // reduce-scatters its gradients after every backward; ZeRO-2 reduce-scatters after
     // every backward (gradients are sharded, so they cannot accumulate over
     // micro-batches). Prefetching hides them behind compute as far as bandwidth allows.
-    if (c.dp > 1 && c.zero >= 2) {
+    if (d > 1 && c.zero >= 2) {
       const double rs = collective_time(hw, Collective::reduce_scatter, stage_params[us] * m.grad_bytes, dp_group);
       const double ag = c.zero >= 3 ? collective_time(hw, Collective::all_gather, stage_params[us] * m.dtype_bytes, dp_group) : 0;
       const double u = hw.overlap_compute_share;
@@ -300,7 +328,7 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
       m.tied_embeddings && S > 1
           ? collective_time(hw, Collective::all_reduce,
                             static_cast<double>(m.vocab * m.hidden) / static_cast<double>(c.tp) * m.grad_bytes,
-                            Group{2, (p - 1) * c.tp * c.dp})
+                            Group{2, (p - 1) * c.tp * c.cp * c.dp})
           : 0;
   est.lower_bound_s = *std::max_element(busy.begin(), busy.end()) + tied_sync + optimizer;
   est.model_flops = [&] {
@@ -327,9 +355,9 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
     // An activation (or its gradient) crosses as 1/tp of it per tensor-parallel rank
     // (Megatron's scatter-gather; with sequence parallelism it is already split), and is
     // gathered again over NVLink on arrival when the next stage wants it whole.
-    const double x = static_cast<double>(c.micro_batch * m.seq * m.hidden) * m.dtype_bytes;
+    const double x = static_cast<double>(c.micro_batch * m.seq / c.cp * m.hidden) * m.dtype_bytes;
     const double regather = c.tp > 1 && !sp ? collective_time(hw, Collective::all_gather, x, tp_group) : 0;
-    const int64_t stride = c.tp * c.dp;
+    const int64_t stride = c.tp * c.cp * c.dp;
     for (int64_t s = 0; s + 1 < S; ++s) {
       const int64_t a = (s % p) * stride, b = ((s + 1) % p) * stride;
       const bool same_node = a / hw.gpus_per_node == b / hw.gpus_per_node;
@@ -365,7 +393,7 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
   for (int64_t q = 0; q < p; ++q) {
     const auto uq = static_cast<size_t>(q);
     double exposed = 0;
-    if (c.dp > 1 && c.zero <= 1) {
+    if (d > 1 && c.zero <= 1) {
       std::vector<int64_t> mine;
       for (int64_t s = q; s < S; s += p) mine.push_back(s);
       std::sort(mine.begin(), mine.end(), [&](int64_t a, int64_t b) {
@@ -385,7 +413,7 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
       const double end = rank_end[uq] + hw.overlap_compute_share * overlapped;
       exposed += std::max(0.0, stream - end) + (end - rank_end[uq]);
     }
-    if (c.dp > 1 && (c.zero == 1 || c.zero == 2)) {
+    if (d > 1 && (c.zero == 1 || c.zero == 2)) {
       const double ag = collective_time(hw, Collective::all_gather, rank_params[uq] * m.dtype_bytes, dp_group);
       exposed += std::max(0.0, ag - first_f_end[uq]) + hw.overlap_compute_share * std::min(ag, first_f_end[uq]);
     }
@@ -406,6 +434,7 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
     bd.compute += k * (t.f_comp + t.b_comp);
     bd.recompute += k * t.r_comp;
     bd.tp_comm += k * (t.f_tp + t.b_tp + t.r_tp);
+    bd.cp_comm += k * (t.f_cp + t.b_cp + t.r_cp);
     bd.zero_comm += k * zero_comm[us];
     work += k * (est.stage_forward[us] + est.stage_backward[us]);
   }

@@ -5,13 +5,16 @@
 // reduction (overlapped with the end of the backward where the timeline leaves room), the
 // tied-embedding gradient sum and the optimizer step; and the memory of every rank.
 //
-// Rank order is Megatron's: tensor-parallel ranks are consecutive, then data-parallel,
-// then pipeline (so TP groups sit inside a node when tp <= 8, DP groups stride tp, and
-// pipeline neighbours stride tp * dp).
+// Rank order is Megatron's: tensor-parallel ranks are consecutive, then context-parallel,
+// then data-parallel, then pipeline (so TP groups sit inside a node when tp <= 8, CP rings
+// stride tp, DP groups stride tp * cp, and pipeline neighbours stride tp * cp * dp). CP
+// ranks hold the same weights, so gradients are reduced, and ZeRO shards, over DP x CP.
 //
 // Tensor-parallel collectives are not overlapped with compute unless the hardware entry
 // says so (Hardware::tp_overlap; Megatron of the validation runs had none, nor has
-// vescale yet). What the model leaves out, on purpose: context parallelism, the
+// vescale yet). Context parallelism is modelled for planning at scale only (vescale has
+// none to run it with; autoplan/search.h searches it only when asked). What the model
+// leaves out, on purpose: the
 // vocabulary-parallel cross-entropy's three tiny all-reduces, gradient-norm reductions,
 // kernel launch gaps, stragglers and congestion between jobs.
 
@@ -28,6 +31,7 @@ namespace vescale::autoplan {
 
 struct ParallelConfig {
   int64_t dp = 1, tp = 1, pp = 1;
+  int64_t cp = 1;             // context parallelism: each sequence split over cp ranks (ring attention)
   int64_t vp = 1;             // virtual stages (model chunks) per pipeline rank: > 1 is interleaved 1F1B
   int64_t micro_batch = 1;    // sequences per micro-batch
   int zero = 0;               // 0: replicated; 1: optimizer state sharded over DP; 2: + gradients; 3: + parameters
@@ -35,7 +39,7 @@ struct ParallelConfig {
   Recompute recompute = Recompute::none;
   std::vector<int64_t> layers_per_stage;  // pp * vp entries in stage order; empty: chosen by the split
 
-  int64_t world() const { return dp * tp * pp; }
+  int64_t world() const { return dp * tp * cp * pp; }
   int64_t stages() const { return pp * vp; }
   std::string str() const;
 };
@@ -57,6 +61,7 @@ struct Breakdown {
   double compute = 0;     // forward and backward kernels (first pass)
   double recompute = 0;   // forward kernels redone in the backward
   double tp_comm = 0;     // tensor-parallel collectives (not overlapped)
+  double cp_comm = 0;     // context-parallel ring transfers the attention beside them does not hide
   double zero_comm = 0;   // ZeRO-2/3 per-micro-batch collectives beyond what compute hides
   double idle = 0;        // pipeline bubble and waiting for sends
   double dp_exposed = 0;  // DP gradient reduction and ZeRO parameter gather not hidden

@@ -38,7 +38,8 @@ Work backward_of(const Work& fwd) { return scaled(fwd, 2.0, 2.5, 2.0); }
 
 LayerWork layer_work(const Transformer& m, const Shard& sh) {
   const double b = static_cast<double>(sh.micro_batch), S = static_cast<double>(m.seq);
-  const double T = b * S, h = static_cast<double>(m.hidden), f = static_cast<double>(m.ffn);
+  const double Sl = S / static_cast<double>(sh.cp);  // this rank's tokens of each sequence
+  const double T = b * Sl, h = static_cast<double>(m.hidden), f = static_cast<double>(m.ffn);
   const double t = static_cast<double>(sh.tp), e = m.dtype_bytes;
   const double hq = static_cast<double>(m.q_dim()), hkv = static_cast<double>(m.kv_dim());
   const double heads = static_cast<double>(m.heads);
@@ -46,14 +47,14 @@ LayerWork layer_work(const Transformer& m, const Shard& sh) {
   // split by t only with sequence parallelism.
   const double r = sh.sequence_parallel ? 1.0 / t : 1.0;
   const double x = T * h * e;  // one full activation
-  const double P = b * (heads / t) * S * S;  // elements of this rank's s x s attention scores
+  const double P = b * (heads / t) * Sl * S;  // elements of this rank's s x s attention scores
 
   LayerWork out;
   Work& fwd = out.forward;
   fwd.gemm_flops = 2 * T * h * (hq + 2 * hkv) / t  // QKV
                    + 2 * T * hq * h / t            // output projection
                    + 2 * T * h * f * (m.gated_mlp ? 3 : 2) / t;
-  const double core_flops = 4 * b * S * S * hq / t;  // Q K^T and scores x V
+  const double core_flops = 4 * b * Sl * S * hq / t;  // Q K^T and scores x V (this rank's queries, all keys)
   Work core;  // the attention between the QKV and output projections
   if (m.flash_attention) {
     core.attn_flops = core_flops * (m.causal ? 0.5 : 1.0);
@@ -72,7 +73,7 @@ LayerWork layer_work(const Transformer& m, const Shard& sh) {
   double saved_core = 0, s2 = 0;
   if (m.flash_attention) {
     saved_core = T * (hq + 2 * hkv) * e / t + T * hq * e / t  // q, k, v and the output (= projection input)
-                 + b * (heads / t) * S * 4;                   // fp32 log-sum-exp per row
+                 + b * (heads / t) * Sl * 4;                  // fp32 log-sum-exp per row
   } else {
     saved_core = T * (hq + hkv) * e / t      // q, k for Q K^T
                  + T * hkv * e / t           // v for scores x V
@@ -97,31 +98,39 @@ LayerWork layer_work(const Transformer& m, const Shard& sh) {
   }
   out.tp_bytes = x;
 
+  if (sh.cp > 1) {
+    out.cp_forward = out.cp_backward = static_cast<int>(sh.cp - 1);
+    out.cp_bytes = T * 2 * hkv * e / t;  // this rank's K and V
+  }
+  // The ring's receive buffers: the next K/V block, and in backward their gradients.
+  const double ring = 4 * out.cp_bytes;
+
   // While a layer runs its backward it holds gradients about as large as what it saved
   // (one per saved tensor, freed as it goes), on top of whatever it recomputed.
   switch (sh.recompute) {
     case Recompute::none:
       out.saved_bytes = saved_all;
-      out.peak_extra_bytes = saved_all;
+      out.peak_extra_bytes = saved_all + ring;
       break;
     case Recompute::selective:
       // Only the s x s part is recomputed; with fused attention there is none to drop.
       out.saved_bytes = saved_all - s2;
       if (!m.flash_attention) out.recompute = core;
-      out.peak_extra_bytes = saved_all + s2;
+      out.peak_extra_bytes = saved_all + s2 + ring;
       break;
     case Recompute::full:
       out.saved_bytes = x * r;  // the layer input
       out.recompute = fwd;
       out.tp_recompute = out.tp_forward;
-      out.peak_extra_bytes = 2 * saved_all;
+      out.cp_recompute = out.cp_forward;
+      out.peak_extra_bytes = 2 * saved_all + ring;
       break;
   }
   return out;
 }
 
 LayerWork embedding_work(const Transformer& m, const Shard& sh) {
-  const double T = static_cast<double>(sh.micro_batch * m.seq), h = static_cast<double>(m.hidden);
+  const double T = static_cast<double>(sh.micro_batch * m.seq / sh.cp), h = static_cast<double>(m.hidden);
   const double t = static_cast<double>(sh.tp), e = m.dtype_bytes;
   const double r = sh.sequence_parallel ? 1.0 / t : 1.0;
   LayerWork out;
@@ -144,7 +153,7 @@ LayerWork embedding_work(const Transformer& m, const Shard& sh) {
 }
 
 LayerWork head_work(const Transformer& m, const Shard& sh) {
-  const double T = static_cast<double>(sh.micro_batch * m.seq), h = static_cast<double>(m.hidden);
+  const double T = static_cast<double>(sh.micro_batch * m.seq / sh.cp), h = static_cast<double>(m.hidden);
   const double V = static_cast<double>(m.vocab), t = static_cast<double>(sh.tp), e = m.dtype_bytes;
   const double r = sh.sequence_parallel ? 1.0 / t : 1.0;
   LayerWork out;

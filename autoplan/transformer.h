@@ -10,6 +10,14 @@
 // 5*a*s/(h*t)) with tensor parallelism, s*b*h/t*(34 + 5*a*s/h) with sequence parallelism,
 // 34*s*b*h/t with selective recomputation (the s x s attention tensors recomputed) and
 // 2*s*b*h (/t with sequence parallelism) with full recomputation (only the layer input).
+//
+// Context parallelism (CP) splits every sequence over cp ranks, as Megatron-Core does with
+// Transformer Engine's ring attention: the sequence is cut into 2*cp chunks and rank i
+// holds chunks i and 2*cp-1-i, so that under a causal mask every rank does 1/cp of the
+// attention; everything outside attention runs on s/cp tokens. Attention runs in cp
+// block steps; before each of the cp-1 later ones a rank passes the K/V block it holds to
+// its ring neighbour, while computing on the current block (in backward, K/V and their
+// gradients: twice the bytes).
 
 #include <cstdint>
 #include <string>
@@ -61,6 +69,11 @@ struct LayerWork {
   double tp_bytes = 0;       // one collective's buffer: b * s * h * dtype_bytes
   double saved_bytes = 0;    // kept from forward to backward for this micro-batch
   double peak_extra_bytes = 0;  // transient during its own backward: gradients, recomputed activations
+  // Context-parallel ring attention: steps of a K/V block of cp_bytes passed to the ring
+  // neighbour (2 * cp_bytes per backward step: K/V and their gradients), each beside one
+  // block of attention (attn_flops / cp of the pass).
+  int cp_forward = 0, cp_backward = 0, cp_recompute = 0;
+  double cp_bytes = 0;
 };
 
 // Shapes a layer is run at.
@@ -69,6 +82,7 @@ struct Shard {
   int64_t tp = 1;
   bool sequence_parallel = false;
   Recompute recompute = Recompute::none;
+  int64_t cp = 1;  // context parallelism: each rank holds seq / cp tokens of every sequence
 };
 
 LayerWork layer_work(const Transformer& m, const Shard& s);

@@ -20,6 +20,8 @@ Selene, and planning Llama-3-70B for 1,024 simulated H100s.
    and where the known-good recipes rank (a search that keeps every candidate ranked).
    3b: the same with the tensor-parallel collectives overlapped with the GEMMs beside them
    (hardware tp_overlap = 1), as Megatron-Bridge's recipes run with tp_comm_overlap.
+   3c: as 3b, with context parallelism (ring attention) searched up to CP 8, as the bf16
+   recipe uses CP 2 (vescale cannot run CP: these plans are simulations).
 4. --sensitivity: the same at global batch 1024 and 2048.
 
 A benchmark, never a test: it reports, it does not assert (the deterministic parts are
@@ -78,34 +80,42 @@ def validation(out: dict) -> None:
     out["prior_mean_abs_error"] = prior_mean
 
 
-def planning(out: dict, global_batch: int, repeats: int, label: str, tp_overlap: float = 0.0) -> None:
+def planning(out: dict, global_batch: int, repeats: int, label: str, tp_overlap: float = 0.0, max_cp: int = 1) -> None:
     w = Workload.llama3_70b(global_batch=global_batch)
     hardware = {"name": "h100_sxm", "tp_overlap": tp_overlap}
+    constraints = {"context_parallel.max_size": max_cp}
     times, result = [], None
     for _ in range(repeats):
         t0 = time.perf_counter()
-        result = plan_at_scale(w, world=1024, hardware=hardware, top_k=10)
+        result = plan_at_scale(w, world=1024, hardware=hardware, constraints=constraints, top_k=10)
         times.append(time.perf_counter() - t0)
     s = result.stats
     overlap = f", tensor-parallel collectives {100 * tp_overlap:.0f}% overlapped" if tp_overlap else ""
+    overlap += f", context parallelism searched up to {max_cp}" if max_cp > 1 else ""
     print(f"## {label}: Llama-3-70B, global batch {global_batch} x 8192, 1,024 x h100_sxm{overlap}\n")
     print(f"planning wall time: median {statistics.median(times):.2f} s of {repeats} (min {min(times):.2f}, max "
           f"{max(times):.2f}); {s['enumerated']} configurations: {s['invalid']} do not divide, "
           f"{s['over_memory']} over memory, {s['pruned']} pruned by their lower bound, {s['simulated']} "
           f"simulated\n")
+    # Without CP in the search, the bf16 recipe is placed by its layout without its CP 2.
+    exact_cp = max_cp > 1
+
+    def recipe(config, exact_vp=True):
+        return matches_recipe(config, exact_vp=exact_vp, exact_cp=exact_cp)
+
     print("| # | configuration | step s | MFU | GiB per GPU | bubble | vs best | recipe |")
     print("|---:|---|---:|---:|---:|---:|---|---|")
     for i, c in enumerate(result.ranked, 1):
         print(f"| {i} | {c.label} | {c.step_s:.3f} | {100 * c.mfu:.1f}% | {c.memory['total'] / GiB:.1f} | "
-              f"{100 * c.bubble:.1f}% | {c.verdict} | {matches_recipe(c.config) or matches_recipe(c.config, exact_vp=False) or ''} |")
+              f"{100 * c.bubble:.1f}% | {c.verdict} | {recipe(c.config) or recipe(c.config, exact_vp=False) or ''} |")
     # Every candidate ranked, to place the recipes.
-    full = plan_at_scale(w, world=1024, hardware=hardware, top_k=100000)
+    full = plan_at_scale(w, world=1024, hardware=hardware, constraints=constraints, top_k=100000)
     print("\nwhere the known-good recipes rank (of all that fit, simulated):\n")
     print("| recipe | best variant | rank | step s | vs best |")
     print("|---|---|---:|---:|---|")
     recipes = []
     for name, _ in LLAMA3_70B_RECIPES:
-        hit = next(((i, c) for i, c in enumerate(full.ranked, 1) if matches_recipe(c.config) == name), None)
+        hit = next(((i, c) for i, c in enumerate(full.ranked, 1) if recipe(c.config) == name), None)
         if hit is None:
             print(f"| {name} | none fits | | | |")
             continue
@@ -113,14 +123,15 @@ def planning(out: dict, global_batch: int, repeats: int, label: str, tp_overlap:
         gap = "best" if i == 1 else f"+{100 * (c.step_s / full.ranked[0].step_s - 1):.1f}%"
         print(f"| {name} | {c.label} | {i} of {len(full.ranked)} | {c.step_s:.3f} | {gap} |")
         recipes.append(dict(recipe=name, label=c.label, rank=i, step_s=c.step_s))
-    top3 = [matches_recipe(c.config, exact_vp=False) for c in result.ranked[:3]]
-    print(f"\ntop 3 hold a known layout (TP, PP, interleaved): {any(top3)} ({[t for t in top3 if t]}); "
-          f"exact recipe (VP too): {any(matches_recipe(c.config) for c in result.ranked[:3])}\n")
+    top3 = [recipe(c.config, exact_vp=False) for c in result.ranked[:3]]
+    print(f"\ntop 3 hold a known layout (TP, PP, {'CP, ' if exact_cp else ''}interleaved): {any(top3)} "
+          f"({[t for t in top3 if t]}); exact recipe (VP too): {any(recipe(c.config) for c in result.ranked[:3])}\n")
     print("best plan:\n")
     print("```")
     print(result)
     print("```\n")
-    out.setdefault("planning", []).append(dict(global_batch=global_batch, tp_overlap=tp_overlap, seconds=times, stats=s,
+    out.setdefault("planning", []).append(dict(global_batch=global_batch, tp_overlap=tp_overlap, max_cp=max_cp,
+                                               seconds=times, stats=s,
                                                top=[dict(label=c.label, step_s=c.step_s,
                                                          memory_gib=c.memory["total"] / GiB) for c in result.ranked],
                                                recipes=recipes))
@@ -139,6 +150,9 @@ def main() -> None:
     # the recipes were tuned on a stack that hides tensor-parallel collectives behind GEMMs
     # (Transformer Engine's userbuffers): the same search with that overlap
     planning(out, 512, 1, "3b. Planning as Megatron-Bridge runs", tp_overlap=1.0)
+    # and the bf16 recipe splits every sequence over 2 ranks (context parallelism)
+    planning(out, 512, 1 if args.quick else 3, "3c. Planning as Megatron-Bridge runs, with context parallelism",
+             tp_overlap=1.0, max_cp=8)
     if args.sensitivity:
         for gbs in (1024, 2048):
             planning(out, gbs, 1, "4. Sensitivity")

@@ -114,15 +114,16 @@ Hardware to_hardware(const py::dict& d) {
 
 ParallelConfig to_config(const py::dict& d) {
   ParallelConfig c;
-  static const std::set<std::string> known = {"dp", "tp", "pp", "vp", "micro_batch", "zero", "sequence_parallel",
+  static const std::set<std::string> known = {"dp", "tp", "pp", "cp", "vp", "micro_batch", "zero", "sequence_parallel",
                                               "recompute", "layers_per_stage"};
   for (const auto& [k, v] : d) {
     const auto key = k.cast<std::string>();
     TORCH_CHECK_VALUE(known.count(key), "unknown parallel config key '", key,
-                      "'; known: dp, tp, pp, vp, micro_batch, zero, sequence_parallel, recompute, layers_per_stage");
+                      "'; known: dp, tp, pp, cp, vp, micro_batch, zero, sequence_parallel, recompute, layers_per_stage");
     if (key == "dp") c.dp = v.cast<int64_t>();
     else if (key == "tp") c.tp = v.cast<int64_t>();
     else if (key == "pp") c.pp = v.cast<int64_t>();
+    else if (key == "cp") c.cp = v.cast<int64_t>();
     else if (key == "vp") c.vp = v.cast<int64_t>();
     else if (key == "micro_batch") c.micro_batch = v.cast<int64_t>();
     else if (key == "zero") c.zero = v.cast<int>();
@@ -138,6 +139,7 @@ py::dict from_config(const ParallelConfig& c) {
   d["dp"] = c.dp;
   d["tp"] = c.tp;
   d["pp"] = c.pp;
+  d["cp"] = c.cp;
   d["vp"] = c.vp;
   d["micro_batch"] = c.micro_batch;
   d["zero"] = c.zero;
@@ -160,7 +162,8 @@ py::dict from_estimate(const StepEstimate& e) {
   d["bubble"] = e.bubble;
   const auto& b = e.breakdown;
   d["breakdown"] = py::dict(py::arg("compute") = b.compute, py::arg("recompute") = b.recompute,
-                            py::arg("tp_comm") = b.tp_comm, py::arg("zero_comm") = b.zero_comm,
+                            py::arg("tp_comm") = b.tp_comm, py::arg("cp_comm") = b.cp_comm,
+                            py::arg("zero_comm") = b.zero_comm,
                             py::arg("idle") = b.idle, py::arg("dp_exposed") = b.dp_exposed,
                             py::arg("embedding_sync") = b.embedding_sync, py::arg("optimizer") = b.optimizer);
   const auto& m = e.memory;
@@ -191,6 +194,8 @@ SearchConstraints to_constraints(const py::dict& d) {
       field("sequence_parallel", &SearchConstraints::sequence_parallel),
       field("recompute", &SearchConstraints::recompute),
       field("max_tp", &SearchConstraints::max_tp),
+      field("cp", &SearchConstraints::cp),
+      field("max_cp", &SearchConstraints::max_cp),
       field("max_micro_batch", &SearchConstraints::max_micro_batch),
       field("split", &SearchConstraints::split),
       field("top_k", &SearchConstraints::top_k),

@@ -329,6 +329,80 @@ Transformer small_llama() {
   return m;
 }
 
+TEST(AutoplanTransformer, ContextParallelSplitsTheTokensAndPassesKvBlocks) {
+  // CP 2 on a Llama-like layer: every per-token cost and saved byte halves (the causal
+  // load balance gives each rank half the attention), and one ring step each way moves
+  // this rank's K and V.
+  Transformer m = small_llama();
+  const LayerWork one = layer_work(m, {1, 2, true, Recompute::none, 1});
+  const LayerWork two = layer_work(m, {1, 2, true, Recompute::none, 2});
+  EXPECT_DOUBLE_EQ(two.forward.gemm_flops, one.forward.gemm_flops / 2);
+  EXPECT_DOUBLE_EQ(two.forward.attn_flops, one.forward.attn_flops / 2);
+  EXPECT_DOUBLE_EQ(two.forward.hbm_bytes, one.forward.hbm_bytes / 2);
+  EXPECT_DOUBLE_EQ(two.saved_bytes, one.saved_bytes / 2);
+  EXPECT_DOUBLE_EQ(two.tp_bytes, one.tp_bytes / 2);
+  EXPECT_EQ(one.cp_forward, 0);
+  EXPECT_EQ(two.cp_forward, 1);
+  EXPECT_EQ(two.cp_backward, 1);
+  EXPECT_EQ(two.cp_recompute, 0);
+  const double kv_bytes = 1 * (2048 / 2) * 2 * (4 * 128) / 2 * 2.0;  // tokens x (K, V) x KV dims / TP x bf16
+  EXPECT_DOUBLE_EQ(two.cp_bytes, kv_bytes);
+  EXPECT_DOUBLE_EQ(two.peak_extra_bytes, two.saved_bytes + 4 * kv_bytes);
+  EXPECT_EQ(layer_work(m, {1, 2, true, Recompute::full, 4}).cp_recompute, 3);
+}
+
+TEST(AutoplanStep, ContextParallelRingByHand) {
+  // CP 2, one stage: each layer's ring step waits for what its block of attention does not
+  // cover; gradients are reduced and ZeRO shards over DP x CP; twice the micro-batches of
+  // CP's share of the world as DP.
+  Hardware hw = round_hardware();
+  hw.overlap_compute_share = 0;
+  Transformer m = tiny_gpt();
+  m.flash_attention = true;
+  m.dropout = false;
+  ParallelConfig c;
+  c.cp = 2;
+  c.zero = 1;
+  EXPECT_EQ(c.world(), 2);
+  const StepEstimate e = estimate_step(m, hw, c);
+  ASSERT_TRUE(e.feasible) << e.reason;
+  EXPECT_EQ(e.microbatches, 8);
+  const LayerWork l = layer_work(m, {1, 1, false, Recompute::none, 2});
+  const double block_f = l.forward.attn_flops / 2.5e5 / 2, block_b = l.backward.attn_flops / 2.5e5 / 2;
+  const double exposed = std::max(0.0, p2p_time(hw, l.cp_bytes, true) - block_f) +
+                         std::max(0.0, p2p_time(hw, 2 * l.cp_bytes, true) - block_b);
+  EXPECT_GT(exposed, 0.0);  // the slow link of this table cannot hide it
+  EXPECT_NEAR(e.breakdown.cp_comm, 8 * 4 * exposed, 1e-9 * e.step_s);
+  EXPECT_NEAR(e.memory.optimizer, total_params(m) * 12 / 2, 1e-6);  // ZeRO-1 over DP 1 x CP 2
+  EXPECT_GT(e.breakdown.dp_exposed, 0.0);  // CP ranks' gradients are summed
+  // Refused: unfused attention, and a sequence the 2 x CP chunks do not divide.
+  EXPECT_NE(estimate_step(tiny_gpt(), hw, c).reason.find("needs fused attention"), std::string::npos);
+  c.cp = 4;  // sequence 4 into 8 chunks
+  EXPECT_NE(estimate_step(m, hw, c).reason.find("multiple of 2 x CP"), std::string::npos);
+}
+
+TEST(AutoplanSearch, ContextParallelOnlyWhenAsked) {
+  const Hardware& hw = hardware("h100_sxm");
+  const Transformer m = small_llama();
+  SearchConstraints c;
+  c.world = 16;
+  c.top_k = 1000;
+  const SearchResult plain = search(m, hw, c);
+  for (const auto& x : plain.ranked) EXPECT_EQ(x.estimate.config.cp, 1);
+  c.max_cp = 4;
+  const SearchResult open = search(m, hw, c);
+  EXPECT_GT(open.enumerated, plain.enumerated);
+  bool some = false;
+  for (const auto& x : open.ranked) {
+    EXPECT_LE(x.estimate.config.cp, 4);
+    EXPECT_EQ(x.estimate.config.world(), 16);
+    some = some || x.estimate.config.cp > 1;
+  }
+  EXPECT_TRUE(some);
+  c.cp = 2;
+  for (const auto& x : search(m, hw, c).ranked) EXPECT_EQ(x.estimate.config.cp, 2);
+}
+
 TEST(AutoplanSearch, RespectsEveryConstraintAndTheMemoryLimit) {
   const Hardware& hw = hardware("h100_sxm");
   const Transformer m = small_llama();

@@ -154,21 +154,24 @@ SELENE_RUNS = (
 )
 
 # Known-good Llama-3-70B layouts on H100: Megatron-Bridge's recipes
-# (recipes/llama/llama3_perf.py: bf16 TP4 PP4 VP5 with context parallelism 2, which this
-# planner does not model; FP8 TP4 PP8 VP5) and issue 12's "TP8 PP8 with virtual stages".
-# vp None: any number of virtual stages > 1.
+# (recipes/llama/llama3_perf.py: bf16 TP4 PP4 VP5 with context parallelism 2; FP8 TP4 PP8
+# VP5) and issue 12's "TP8 PP8 with virtual stages". vp None: any number of virtual
+# stages > 1.
 LLAMA3_70B_RECIPES = (
-    ("Megatron-Bridge bf16 TP4 PP4 VP5 (CP2 aside)", dict(tp=4, pp=4, vp=5)),
-    ("Megatron-Bridge fp8 TP4 PP8 VP5", dict(tp=4, pp=8, vp=5)),
-    ("TP8 PP8 interleaved", dict(tp=8, pp=8, vp=None)),
+    ("Megatron-Bridge bf16 TP4 PP4 VP5 CP2", dict(tp=4, pp=4, vp=5, cp=2)),
+    ("Megatron-Bridge fp8 TP4 PP8 VP5", dict(tp=4, pp=8, vp=5, cp=1)),
+    ("TP8 PP8 interleaved", dict(tp=8, pp=8, vp=None, cp=1)),
 )
 
 
-def matches_recipe(config: dict, *, exact_vp: bool = True) -> str | None:
+def matches_recipe(config: dict, *, exact_vp: bool = True, exact_cp: bool = True) -> str | None:
     """The name of the known-good Llama-3-70B recipe ``config`` follows, or None. With
-    ``exact_vp=False`` any interleaved schedule (vp > 1) on the recipe's TP and PP counts."""
+    ``exact_vp=False`` any interleaved schedule (vp > 1) on the recipe's TP and PP counts;
+    with ``exact_cp=False`` any context parallelism (for searches that leave CP out)."""
     for name, want in LLAMA3_70B_RECIPES:
         if config["tp"] != want["tp"] or config["pp"] != want["pp"] or config["vp"] < 2:
+            continue
+        if exact_cp and config.get("cp", 1) != want["cp"]:
             continue
         if want["vp"] is None or not exact_vp or config["vp"] == want["vp"]:
             return name
@@ -191,6 +194,7 @@ def parse_bytes(value) -> float:
 # constraint key -> C++ search field; values checked below.
 _SIZES = {"tensor_parallel.size": "tp", "mesh.TP": "tp", "pipeline_parallel.size": "pp", "mesh.PP": "pp",
           "data_parallel.size": "dp", "mesh.DP": "dp", "pipeline_parallel.virtual_stages": "vp",
+          "context_parallel.size": "cp", "context_parallel.max_size": "max_cp",
           "pipeline_parallel.microbatches": "microbatches", "micro_batch_size": "micro_batch"}
 _KEYS = set(_SIZES) | {"world_size", "memory_per_device", "pipeline_parallel.schedule",
                        "pipeline_parallel.split_method", "data_parallel.zero_stage",
@@ -259,7 +263,7 @@ def _hardware(hardware) -> dict:
 
 
 class Candidate:
-    """One configuration the planner priced: ``config`` (dp, tp, pp, vp, micro_batch, zero,
+    """One configuration the planner priced: ``config`` (dp, tp, pp, cp, vp, micro_batch, zero,
     sequence_parallel, recompute, layers_per_stage), ``step_s``, ``memory`` (bytes by kind,
     of the GPU that holds the most), ``verdict`` (why it lost, or why it was refused)."""
 
@@ -289,8 +293,13 @@ class Candidate:
         """The configuration as a ``vescale.Plan``: mesh (PP, DP, TP, outermost first),
         schedule, micro-batches, virtual stages, split points (when the workload names its
         ``blocks``), ZeRO stage, sequence parallelism, recomputation, global batch. The
-        tensor-parallel sharding plan is left to the caller (e.g. ``Plan.from_hf``)."""
+        tensor-parallel sharding plan is left to the caller (e.g. ``Plan.from_hf``).
+        Context parallelism has no plan: vescale cannot run it yet (a PlanError says so)."""
         c, w = self.config, self.workload
+        if c.get("cp", 1) > 1:
+            raise PlanError(f"{self.label} uses context parallelism (CP {c['cp']}), which the planner simulates but "
+                            f"vescale cannot run yet; plan with constraints={{'context_parallel.size': 1}} (the "
+                            f"default) for a plan vescale can execute")
         plan = Plan({"mesh": {"PP": c["pp"], "DP": c["dp"], "TP": c["tp"]}})
         settings = {
             "pipeline_parallel.schedule": "interleaved_1f1b" if c["vp"] > 1 else "1f1b",
@@ -377,7 +386,10 @@ def plan_at_scale(model, world: int | None = None, *, hardware="h100_sxm", const
     size, ZeRO stage, sequence parallelism and recomputation for ``model`` (a
     ``Workload`` or a Hugging Face style config / model, then ``global_batch`` is needed)
     on simulated ``hardware`` (``"h100_sxm"``, ``"a100_80gb"``, or a dict of a name and
-    overrides of its table entry). ``constraints`` fix what they name."""
+    overrides of its table entry). ``constraints`` fix what they name. Context parallelism
+    (ring attention over CP ranks, Megatron-Core's) is searched only when asked
+    (``"context_parallel.max_size": 8``, or fixed with ``"context_parallel.size"``): vescale
+    cannot run it yet, so such plans are simulations of a Megatron-class stack."""
     hw = _hardware(hardware)
     table = {**_C.autoplan_hardware(hw["name"]), **hw}
     search, batch = _search_constraints(constraints or {}, world, table)
@@ -404,7 +416,7 @@ def simulate_step(model, config: dict, *, hardware="h100_sxm", memory_per_device
     d = _C.autoplan_estimate(workload.to_dict(), hw, dict(config), memory_limit=limit, split=split)
     d["verdict"] = d["reason"]
     d["peak_flops"] = table["peak_flops"]
-    world = d["config"]["dp"] * d["config"]["tp"] * d["config"]["pp"]
+    world = d["config"]["dp"] * d["config"]["tp"] * d["config"]["cp"] * d["config"]["pp"]
     return Candidate(d, workload, world)
 
 
