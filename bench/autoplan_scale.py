@@ -101,7 +101,9 @@ def planning(out: dict, global_batch: int, repeats: int, label: str, tp_overlap:
     exact_cp = max_cp > 1
 
     def recipe(config, exact_vp=True):
-        return matches_recipe(config, exact_vp=exact_vp, exact_cp=exact_cp)
+        name = matches_recipe(config, exact_vp=exact_vp, exact_cp=exact_cp)
+        cp = next((want["cp"] for n, want in LLAMA3_70B_RECIPES if n == name), 1)
+        return f"{name} (without its CP {cp})" if name and cp > 1 and not exact_cp else name
 
     print("| # | configuration | step s | MFU | GiB per GPU | bubble | vs best | recipe |")
     print("|---:|---|---:|---:|---:|---:|---|---|")
@@ -115,7 +117,9 @@ def planning(out: dict, global_batch: int, repeats: int, label: str, tp_overlap:
     print("|---|---|---:|---:|---|")
     recipes = []
     for name, _ in LLAMA3_70B_RECIPES:
-        hit = next(((i, c) for i, c in enumerate(full.ranked, 1) if recipe(c.config) == name), None)
+        hit = next(((i, c) for i, c in enumerate(full.ranked, 1)
+                    if matches_recipe(c.config, exact_cp=exact_cp) == name), None)
+        name = recipe(hit[1].config) if hit else name
         if hit is None:
             print(f"| {name} | none fits | | | |")
             continue
