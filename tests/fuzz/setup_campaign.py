@@ -18,15 +18,15 @@ import tempfile
 import time
 
 from tests.fuzz.campaign import ROOT  # noqa: F401  (puts the repository on sys.path)
-from tests.fuzz.setups import describe, draw, simpler
+from tests.fuzz.setups import WORLD, describe, draw, simpler
 from tests.fuzz.driver import run_cases, shrink as shrink_case
 from tests.opinfo.pool import Ranks
 
 HANDLER = "tests.fuzz.setup_rank:handle"
 
 
-def start_ranks(gloo_timeout_s: float = 60) -> Ranks:
-    ranks = Ranks(4, HANDLER, gloo_timeout_s=gloo_timeout_s, grace_s=gloo_timeout_s / 2)
+def start_ranks(gloo_timeout_s: float = 60, world: int = WORLD) -> Ranks:
+    ranks = Ranks(world, HANDLER, gloo_timeout_s=gloo_timeout_s, grace_s=gloo_timeout_s / 2)
     ranks.start()
     return ranks
 
@@ -40,9 +40,9 @@ def shrink(ranks: Ranks, setup: dict, kind: str, work_dir: str, budget: int = 40
     return shrink_case(setup, kind, simpler, lambda s: run_batch(ranks, [s], work_dir)[0][0], budget)
 
 
-def run_literals(setups: list[dict]) -> list[tuple[str, str]]:
-    """The verdicts of the given set-ups (regression literals), on ranks of their own."""
-    ranks = start_ranks()
+def run_literals(setups: list[dict], world: int = WORLD) -> list[tuple[str, str]]:
+    """The verdicts of the given set-ups (regression literals), on ``world`` ranks of their own."""
+    ranks = start_ranks(world=world)
     try:
         return run_batch(ranks, setups, tempfile.mkdtemp(prefix="vescale-setups-"))
     finally:
@@ -54,8 +54,9 @@ def run_literals(setups: list[dict]) -> list[tuple[str, str]]:
 _SETUPS_PER_START = 50
 
 
-def campaign(count: int, seed: int, batch: int = 5, shrink_findings: bool = True, log=print) -> dict:
-    ranks = start_ranks()
+def campaign(count: int, seed: int, batch: int = 5, shrink_findings: bool = True, log=print,
+             world: int = WORLD) -> dict:
+    ranks = start_ranks(world=world)
     work_dir = tempfile.mkdtemp(prefix="vescale-setups-")
     counts: collections.Counter = collections.Counter()
     findings = []
@@ -65,7 +66,7 @@ def campaign(count: int, seed: int, batch: int = 5, shrink_findings: bool = True
             if first and first % _SETUPS_PER_START < batch:
                 ranks.restart()
             seeds = list(range(seed + first, seed + min(first + batch, count)))
-            setups = [draw(random.Random(s)) for s in seeds]
+            setups = [draw(random.Random(s), world) for s in seeds]
             for s, setup, (kind, detail) in zip(seeds, setups, run_batch(ranks, setups, work_dir)):
                 counts[kind] += 1
                 if kind == "ok":
@@ -76,7 +77,7 @@ def campaign(count: int, seed: int, batch: int = 5, shrink_findings: bool = True
             log(f"{first + len(seeds)}/{count} set-ups, {dict(counts)}, {time.monotonic() - started:.0f}s")
     finally:
         ranks.stop()
-    return {"setups": count, "seed": seed, "counts": dict(counts), "seconds": round(time.monotonic() - started),
+    return {"setups": count, "seed": seed, "world": world, "counts": dict(counts), "seconds": round(time.monotonic() - started),
             "findings": findings}
 
 
@@ -86,10 +87,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, default=5)
     parser.add_argument("--no-shrink", action="store_true")
+    parser.add_argument("--world", type=int, default=WORLD, help="ranks (meshes of every factorisation)")
     parser.add_argument("--out", default=None, help="write counts and findings as JSON")
     args = parser.parse_args()
     result = campaign(args.setups, args.seed, args.batch, not args.no_shrink,
-                      log=lambda *a: print(*a, file=sys.stderr, flush=True))
+                      log=lambda *a: print(*a, file=sys.stderr, flush=True), world=args.world)
     print(json.dumps({k: v for k, v in result.items() if k != "findings"}))
     if args.out:
         with open(args.out, "w") as f:

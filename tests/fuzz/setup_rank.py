@@ -11,6 +11,10 @@ What is compared, and how tightly (fp32; see tests/python/dist_utils.py for why)
   hold rounding noise of 1e-14), within Adam's reach for Adam (``adam_mismatch``).
 With bf16 parameters (fp32 masters in the ZeRO optimizer, and in the reference) every
 tolerance is bf16's: sums round by the order of their terms, which differs on 4 ranks.
+The weights' grows with the steps (1e-2 of the largest element per step, and 1e-2): an
+embedding row's gradient is a bf16 sum over every token that uses it, each rank's part
+summed apart, and momentum carries that error into every later step (seed 60107 on 6
+ranks: 2.4% after 3 steps, while the same set-up in fp32 agrees within 2e-5).
 
 Handler of ``tests.opinfo.pool.Ranks`` ("tests.fuzz.setup_rank:handle"): a message is
 ``(work_dir, [set-up, ...])``, the answer one ``(verdict, detail)`` per set-up: ok,
@@ -365,7 +369,7 @@ def compare(setup: dict, got: dict, ref: dict) -> list[str]:
             problems.append(f"trained weight {name}: dtype {have.dtype}, one device's {want.dtype}")
             continue
         err = (adam_mismatch(have.float(), want.float(), lr=ADAM_LR, steps=applied, atol=2e-2 if low else 1e-6)
-               if adam else mismatch_to_max(have.float(), want.float(), tol=2e-2 if low else 2e-5,
+               if adam else mismatch_to_max(have.float(), want.float(), tol=1e-2 * (applied + 1) if low else 2e-5,
                                             atol=1e-4 if low else 1e-7))
         if err:
             problems.append(f"trained weight {name}: {err}")

@@ -1,5 +1,6 @@
 """Training set-ups as data: a model, a ``vescale.Plan``, an optimizer and a training loop,
-drawn at random over 4 ranks, for differential fuzzing of whole training runs.
+drawn at random over 4 ranks (or another world size), for differential fuzzing of whole
+training runs.
 
 The op-chain fuzzer (chains.py) checks the engine one value at a time; what users run
 is the composition of everything above it: ``vescale.parallelize`` with a mesh of
@@ -21,7 +22,7 @@ import random
 WORLD = 4
 
 # Meshes over the 4 ranks, outermost dim first. Dims of one rank are legal and are
-# drawn too (a pipeline stage's mesh may have them).
+# drawn too (a pipeline stage's mesh may have them). Other worlds: meshes_of(world).
 MESHES = [
     {"DP": 4}, {"TP": 4}, {"PP": 4},
     {"DP": 2, "TP": 2}, {"TP": 2, "DP": 2},
@@ -35,22 +36,56 @@ OPTIMIZERS = ("sgd", "sgd_momentum", "adamw", "adamw_groups", "adam_fused")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 
 
-def draw(rng: random.Random) -> dict:
-    """One set-up (see the module docstring)."""
-    mesh = dict(rng.choice(MESHES))
+def meshes_of(world: int) -> list[dict]:
+    """Every mesh of PP, DP and TP over ``world`` ranks (outermost first, PP outside DP
+    outside TP, or DP and TP swapped), dims of one rank left out. ``MESHES`` for 4."""
+    if world == WORLD:
+        return MESHES
+    out = []
+    for pp in range(1, world + 1):
+        for tp in range(1, world // pp + 1):
+            if world % (pp * tp):
+                continue
+            dp = world // (pp * tp)
+            sizes = {"PP": pp, "DP": dp, "TP": tp}
+            for order in (("PP", "DP", "TP"), ("PP", "TP", "DP")):
+                mesh = {d: sizes[d] for d in order if sizes[d] > 1} or {"DP": 1}
+                if mesh not in out:
+                    out.append(mesh)
+    return out
+
+
+def _head_counts(world: int) -> tuple[list[int], list[int]]:
+    """Attention heads, and key/value head counts, that every TP size of ``world`` can
+    split (query heads divide by TP; key/value heads divide by it or it by them)."""
+    if world == WORLD:
+        return [2, 4], []
+    tps = [t for t in range(2, world + 1) if world % t == 0]
+    heads = [h for h in (2, 3, 4, 6, 8, 12) if all(h % t == 0 for t in tps)][:2]
+    kv = [k for k in range(1, max(heads) + 1) if all(k % t == 0 or t % k == 0 for t in tps)]
+    return heads, kv
+
+
+def draw(rng: random.Random, world: int = WORLD) -> dict:
+    """One set-up over ``world`` ranks (see the module docstring)."""
+    meshes = meshes_of(world)
+    mesh = dict(rng.choice(meshes))
     pp, tp, dp = mesh.get("PP", 1), mesh.get("TP", 1), mesh.get("DP", 1)
     kind = rng.choice(MODELS)
-    heads = rng.choice([2, 4])
+    head_counts, kv_counts = _head_counts(world)
+    heads = rng.choice(head_counts)
     width = heads * rng.choice([4, 6, 8])
     model = {"kind": kind, "width": width, "heads": heads, "vocab": rng.choice([48, 64, 70]),
              "layers": rng.randint(1, 4)}
     if kind == "gpt":
         model["bias"] = rng.random() < 0.5
+    # (key/value projections of fewer rows than TP ranks would leave some empty: refused)
+    kv_choices = [h for h in (kv_counts or (1, 2, heads)) if heads % h == 0 and h * (width // heads) >= world]
     if kind in ("hf_llama", "hf_qwen2"):
         model["tied"] = rng.random() < 0.3
-        model["kv_heads"] = rng.choice([h for h in (1, 2, heads) if heads % h == 0])
+        model["kv_heads"] = rng.choice(kv_choices)
     if kind == "llama":
-        model["kv_heads"] = rng.choice([h for h in (1, 2, heads) if heads % h == 0])
+        model["kv_heads"] = rng.choice(kv_choices)
 
     plan: dict = {"mesh": mesh}
     if "TP" in mesh:
@@ -90,7 +125,7 @@ def draw(rng: random.Random) -> dict:
     if rng.random() < 0.5:  # shuffled, and epochs of one or two global batches (the loop crosses them)
         loop["data"] = {"shuffle": True, "seed": rng.randrange(100), "epoch_batches": rng.choice([1, 2])}
     if rng.random() < 0.3:
-        other = draw_resume_plan(rng, model, batch, pipeline=accumulation == 1)
+        other = draw_resume_plan(rng, model, batch, pipeline=accumulation == 1, meshes=meshes)
         if other is not None:
             loop["resume"] = {"after": 1, "plan": other}
     if plan.get("data_parallel.zero_stage", 0) and loop["resume"] is None and rng.random() < 0.25:
@@ -108,12 +143,13 @@ def draw(rng: random.Random) -> dict:
             "init_seed": rng.randrange(1000), "data_seed": rng.randrange(1000)}
 
 
-def draw_resume_plan(rng: random.Random, model: dict, batch: int, pipeline: bool) -> dict | None:
+def draw_resume_plan(rng: random.Random, model: dict, batch: int, pipeline: bool,
+                     meshes: list[dict] = MESHES) -> dict | None:
     """A second plan to resume the checkpoint under, that divides the same global batch
     and fits the model's layers (no pipeline when ``pipeline`` is False: the run
     accumulates gradients); None when none of a few draws does."""
     for _ in range(10):
-        mesh = dict(rng.choice([m for m in MESHES if pipeline or m.get("PP", 1) == 1]))
+        mesh = dict(rng.choice([m for m in meshes if pipeline or m.get("PP", 1) == 1]))
         pp, dp = mesh.get("PP", 1), mesh.get("DP", 1)
         plan: dict = {"mesh": mesh}
         if "TP" in mesh:

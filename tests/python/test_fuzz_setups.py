@@ -1,13 +1,15 @@
 """Whole training set-ups against one device (tests/fuzz/setups.py): a model (the
-project's GPT and Llama, Hugging Face Llama and GPT-2), a ``vescale.Plan`` over 4 ranks
-(pipeline, tensor and sequence, data parallelism, ZeRO 0-3, accumulation, clipping,
-recomputation), an optimizer (SGD, momentum, AdamW, parameter groups, fused Adam), an LR
-scheduler, evaluation between steps and a checkpoint resumed under another plan; the
-losses of every step, the evaluation losses and the trained weights are compared.
+project's GPT and Llama, Hugging Face Llama, Qwen2, GPT-2 and BERT), a ``vescale.Plan``
+over 4 ranks (pipeline, tensor and sequence, data parallelism, ZeRO 0-3, accumulation,
+clipping, recomputation), an optimizer (SGD, momentum, AdamW, parameter groups, fused
+Adam), an LR scheduler, shuffled data, evaluation between steps and a checkpoint resumed
+under another plan; the losses of every step, the evaluation losses and the trained
+weights are compared.
 
-First the set-ups that found bugs (shrunk, as literals), then a short campaign with fixed
-seeds (VESCALE_FUZZ_SETUPS and VESCALE_FUZZ_SETUP_SEED pick others). The long campaign
-is ``python -m tests.fuzz.setup_campaign --setups 1000`` (docs/fuzzing.md)."""
+First the set-ups that found bugs (shrunk, as literals), then short campaigns with fixed
+seeds on 4 ranks and on 3 (VESCALE_FUZZ_SETUPS and VESCALE_FUZZ_SETUP_SEED pick others
+for the first). The long campaign is ``python -m tests.fuzz.setup_campaign --setups 1000
+[--world 6]`` (docs/setup_fuzzing.md)."""
 
 from __future__ import annotations
 
@@ -146,10 +148,18 @@ def test_setups_that_found_bugs():
     assert failures == []
 
 
-def test_random_setups_match_single_device():
-    count = int(os.environ.get("VESCALE_FUZZ_SETUPS", "30"))
-    seed = int(os.environ.get("VESCALE_FUZZ_SETUP_SEED", "9000000"))
-    result = campaign(count, seed, log=lambda *a: None)
+def _campaign_is_clean(count: int, seed: int, world: int = 4) -> None:
+    result = campaign(count, seed, log=lambda *a: None, world=world)
     findings = "\n\n".join(f"seed {f['seed']}: {f['kind']}: {f['detail']}\nliteral: {f['setup']}"
                            for f in result["findings"])
     assert result["counts"].get("ok", 0) == count, f"{result['counts']}\n\n{findings}"
+
+
+def test_random_setups_match_single_device():
+    _campaign_is_clean(int(os.environ.get("VESCALE_FUZZ_SETUPS", "30")),
+                       int(os.environ.get("VESCALE_FUZZ_SETUP_SEED", "9000000")))
+
+
+def test_random_setups_on_three_ranks_match_single_device():
+    """Odd meshes (DP3, TP3, PP3): every shard of an even width is uneven."""
+    _campaign_is_clean(int(os.environ.get("VESCALE_FUZZ_SETUPS_3", "10")), 9100000, world=3)
