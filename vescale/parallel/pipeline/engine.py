@@ -226,7 +226,7 @@ class PipelineParallel(nn.Module):
         # ZeRO-3: the root unit's parameters this stage uses (embeddings, head) are whole
         # for its backward; the root's own hooks fire only where the root's forward ends,
         # and another stage of this rank may have emptied them since this one's forward.
-        with self._whole(self._sharded.owned_by_root(weights) if self._sharded is not None else []):
+        with self._whole(weights, root_only=True):
             if split and not spec.first:
                 # torch's split of the autograd graph into input- and weight-gradient parts
                 from torch.distributed.pipelining._backward import stage_backward_input
@@ -246,14 +246,12 @@ class PipelineParallel(nn.Module):
             with self._whole(weights):
                 stage_backward_weight(iter(weights), state["param_groups"])
 
-    @property
-    def _sharded(self):
-        """ZeRO-3's ShardedParameters when the optimizer shards parameters, else None."""
-        return getattr(self._data_parallel, "sharded_parameters", None)
-
-    def _whole(self, params: list[nn.Parameter]):
-        """ZeRO-3: ``params`` whole for the duration (a no-op without ZeRO-3)."""
-        sharded = self._sharded
+    def _whole(self, params: list[nn.Parameter], *, root_only: bool = False):
+        """ZeRO-3: ``params`` (with ``root_only``, those the model's root unit owns) whole
+        for the duration; a no-op without ZeRO-3."""
+        sharded = getattr(self._data_parallel, "sharded_parameters", None)
+        if sharded is not None and root_only:
+            params = sharded.owned_by_root(params)
         return sharded.whole_for(params) if sharded is not None and params else contextlib.nullcontext()
 
     def _stage_parameters(self, s: int) -> list[nn.Parameter]:
