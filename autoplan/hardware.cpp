@@ -58,6 +58,12 @@ Hardware h100() {
   // No published H100 run is fitted: the A100's fitted fraction is carried over (large
   // bf16 GEMMs on H100 reach 650-750 TFLOP/s in cuBLAS benchmarks, 0.66-0.76 of peak).
   h.gemm_efficiency = 0.744;
+  // FP8 (E4M3/E5M2) dense: 1,979 TFLOP/s (the datasheet's 3,958 is with sparsity). Its
+  // efficiency is fitted, as the A100's bf16 one, to published runs: NeMo 24.12's FP8
+  // pre-training runs on DGX H100 (vescale.autoplan.fit_fp8_gemm_efficiency,
+  // docs/benchmarks.md gives the fit and each run's error when left out of it).
+  h.fp8_peak_flops = 1979e12;
+  h.fp8_gemm_efficiency = 0.478;
   // cuDNN / FlashAttention-3 fused attention on H100: 500-650 TFLOP/s forward, less backward.
   h.attention_efficiency = 0.5;
   h.hbm_bw = 3.35e12;

@@ -20,6 +20,8 @@ struct Hardware {
   double reserved_bytes = 0;        // not usable by tensors: CUDA context, NCCL buffers, allocator slack
   double peak_flops = 0;            // dense bf16/fp16 tensor-core FLOP/s
   double gemm_efficiency = 0;       // achieved fraction of peak_flops on a training step's large GEMMs
+  double fp8_peak_flops = 0;        // dense FP8 tensor-core FLOP/s (0: no FP8)
+  double fp8_gemm_efficiency = 0;   // achieved fraction of fp8_peak_flops, as gemm_efficiency
   double attention_efficiency = 0;  // achieved fraction of peak_flops in a fused (flash) attention kernel
   double hbm_bw = 0;                // bytes/s
   double hbm_efficiency = 0;        // achieved fraction of hbm_bw by memory-bound kernels

@@ -121,16 +121,21 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
   const LayerWork layer = layer_work(m, shard), emb = embedding_work(m, shard), head = head_work(m, shard);
 
   // ---- seconds per piece ----
+  if (m.fp8 && hw.fp8_peak_flops <= 0) {
+    est.reason = "FP8 needs FP8 tensor cores, which " + hw.name + " has none of (no fp8_peak_flops)";
+    return est;
+  }
   auto compute = [&](const Work& w) {
     return w.gemm_flops / (hw.peak_flops * hw.gemm_efficiency) +
+           (w.fp8_gemm_flops > 0 ? w.fp8_gemm_flops / (hw.fp8_peak_flops * hw.fp8_gemm_efficiency) : 0) +
            w.attn_flops / (hw.peak_flops * hw.attention_efficiency) + w.hbm_bytes / (hw.hbm_bw * hw.hbm_efficiency);
   };
   // Gradients are reduced (and ZeRO shards) over DP x CP: CP ranks hold the same weights.
   const Group tp_group{c.tp, 1}, dp_group{c.dp * c.cp, c.tp};
-  auto tp_time = [&](const TpCollectives& k, double bytes) {
-    return k.all_reduce * collective_time(hw, Collective::all_reduce, bytes, tp_group) +
-           k.all_gather * collective_time(hw, Collective::all_gather, bytes, tp_group) +
-           k.reduce_scatter * collective_time(hw, Collective::reduce_scatter, bytes, tp_group);
+  auto tp_time = [&](const TpCollectives& k, const LayerWork& w) {
+    return k.all_reduce * collective_time(hw, Collective::all_reduce, w.tp_bytes, tp_group) +
+           k.all_gather * collective_time(hw, Collective::all_gather, w.tp_gather_bytes, tp_group) +
+           k.reduce_scatter * collective_time(hw, Collective::reduce_scatter, w.tp_bytes, tp_group);
   };
   // Collectives overlapped with the GEMMs beside them (hw.tp_overlap of what those cover)
   // leave their hidden part off the critical path and slow the GEMMs by the share of the
@@ -154,8 +159,8 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
     return steps * (transfer - hidden);
   };
   auto piece = [&](const LayerWork& w) {
-    PieceTime t{compute(w.forward),   tp_time(w.tp_forward, w.tp_bytes),   compute(w.backward),
-                tp_time(w.tp_backward, w.tp_bytes), compute(w.recompute), tp_time(w.tp_recompute, w.tp_bytes)};
+    PieceTime t{compute(w.forward),   tp_time(w.tp_forward, w),   compute(w.backward),
+                tp_time(w.tp_backward, w), compute(w.recompute), tp_time(w.tp_recompute, w)};
     overlap(t.f_comp, t.f_tp);
     overlap(t.b_comp, t.b_tp);
     overlap(t.r_comp, t.r_tp);
@@ -179,7 +184,10 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
   const double head_p = head_params(m, c.tp) + (m.tied_embeddings && S > 1
                                                     ? static_cast<double>(m.vocab * m.hidden) / static_cast<double>(c.tp)
                                                     : 0);
-  const double zero3_buffer = c.zero >= 3 ? 2 * lp * m.dtype_bytes : 0;  // gathered layer + prefetched next
+  // FP8 copies of the linear weights, cached over the step (ZeRO-3: of the gathered layers only).
+  const double fp8_weights = layer_fp8_weight_bytes(m, c.tp);
+  const double zero3_buffer = c.zero >= 3 ? 2 * (lp * m.dtype_bytes + fp8_weights) : 0;  // gathered layer + prefetched next
+  const double layer_static = lp * per_param + (c.zero >= 3 ? 0 : fp8_weights);
 
   OrdersCache local;
   const auto orders = (cache ? cache : &local)->get(static_cast<int32_t>(p), static_cast<int32_t>(mbs),
@@ -195,7 +203,7 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
       TORCH_CHECK_VALUE(opt.split == "balanced", "unknown split '", opt.split, "'; use 'balanced' or 'uniform'");
       SplitProblem sp_problem;
       sp_problem.block_time.assign(static_cast<size_t>(L), tl.forward() + tl.backward());
-      sp_problem.block_static.assign(static_cast<size_t>(L), lp * per_param);
+      sp_problem.block_static.assign(static_cast<size_t>(L), layer_static);
       sp_problem.block_saved.assign(static_cast<size_t>(L), layer.saved_bytes);
       sp_problem.stage_time.assign(static_cast<size_t>(S), 0);
       sp_problem.stage_bytes.assign(static_cast<size_t>(S), layer.peak_extra_bytes + zero3_buffer);
@@ -239,7 +247,8 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
   est.config.layers_per_stage = layers;
 
   // ---- per-stage costs ----
-  std::vector<double> stage_params(static_cast<size_t>(S)), saved(static_cast<size_t>(S));
+  std::vector<double> stage_params(static_cast<size_t>(S)), saved(static_cast<size_t>(S)),
+      stage_fp8_weights(static_cast<size_t>(S));
   std::vector<PieceTime> stage_time(static_cast<size_t>(S));
   std::vector<double> zero_comm(static_cast<size_t>(S), 0);
   est.stage_forward.resize(static_cast<size_t>(S));
@@ -249,6 +258,7 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
     const double n = static_cast<double>(layers[us]);
     PieceTime t = tl.times(n);
     stage_params[us] = n * lp;
+    stage_fp8_weights[us] = c.zero >= 3 ? 0 : n * fp8_weights;
     saved[us] = n * layer.saved_bytes;
     if (s == 0) {
       t += te;
@@ -285,9 +295,12 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
   double worst = -1;
   for (int64_t q = 0; q < p; ++q) {
     Memory mem;
-    double params = 0;
-    for (int64_t s = q; s < S; s += p) params += stage_params[static_cast<size_t>(s)];
-    mem.params = params * param_b;
+    double params = 0, fp8_copies = 0;
+    for (int64_t s = q; s < S; s += p) {
+      params += stage_params[static_cast<size_t>(s)];
+      fp8_copies += stage_fp8_weights[static_cast<size_t>(s)];
+    }
+    mem.params = params * param_b + fp8_copies;
     mem.grads = params * grad_b;
     mem.optimizer = params * opt_b;
     mem.activations = held[static_cast<size_t>(q)];
@@ -335,7 +348,8 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
     const Shard one{1, 1, false, Recompute::none};
     const LayerWork l1 = layer_work(m, one), h1 = head_work(m, one);
     return 3.0 * static_cast<double>(m.global_batch) *
-           (static_cast<double>(L) * (l1.forward.gemm_flops + l1.forward.attn_flops) + h1.forward.gemm_flops);
+           (static_cast<double>(L) * (l1.forward.gemm_flops + l1.forward.fp8_gemm_flops + l1.forward.attn_flops) +
+            h1.forward.gemm_flops);
   }();
   est.feasible = true;
   if (!opt.simulate) {

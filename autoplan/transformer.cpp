@@ -17,6 +17,7 @@ Recompute parse_recompute(const std::string& s) {
 
 Work& Work::operator+=(const Work& o) {
   gemm_flops += o.gemm_flops;
+  fp8_gemm_flops += o.fp8_gemm_flops;
   attn_flops += o.attn_flops;
   hbm_bytes += o.hbm_bytes;
   return *this;
@@ -25,8 +26,17 @@ Work& Work::operator+=(const Work& o) {
 namespace {
 
 Work scaled(const Work& w, double gemm, double attn, double hbm) {
-  return {w.gemm_flops * gemm, w.attn_flops * attn, w.hbm_bytes * hbm};
+  Work out;
+  out.gemm_flops = w.gemm_flops * gemm;
+  out.fp8_gemm_flops = w.fp8_gemm_flops * gemm;
+  out.attn_flops = w.attn_flops * attn;
+  out.hbm_bytes = w.hbm_bytes * hbm;
+  return out;
 }
+
+// Quantising one element of an FP8 GEMM operand with current scaling: read for the scale
+// (amax), read again to cast, write the FP8 value as is and transposed.
+double fp8_cast_bytes(const Transformer& m) { return 2 * m.dtype_bytes + 2; }
 
 // Backward costs two matmuls per forward matmul (input and weight gradients); a fused
 // attention backward runs five block matmuls against the forward's two (it recomputes the
@@ -51,9 +61,11 @@ LayerWork layer_work(const Transformer& m, const Shard& sh) {
 
   LayerWork out;
   Work& fwd = out.forward;
-  fwd.gemm_flops = 2 * T * h * (hq + 2 * hkv) / t  // QKV
-                   + 2 * T * hq * h / t            // output projection
-                   + 2 * T * h * f * (m.gated_mlp ? 3 : 2) / t;
+  const double mlp_in = m.gated_mlp ? 2 * f : f;  // gate and up projections, or one
+  const double linear_flops = 2 * T * h * (hq + 2 * hkv) / t  // QKV
+                              + 2 * T * hq * h / t            // output projection
+                              + 2 * T * h * (mlp_in + f) / t;  // MLP in and out
+  (m.fp8 ? fwd.fp8_gemm_flops : fwd.gemm_flops) = linear_flops;
   const double core_flops = 4 * b * Sl * S * hq / t;  // Q K^T and scores x V (this rank's queries, all keys)
   Work core;  // the attention between the QKV and output projections
   if (m.flash_attention) {
@@ -68,23 +80,35 @@ LayerWork layer_work(const Transformer& m, const Shard& sh) {
                    + (m.gated_mlp ? 3 : 2) * T * f * e / t       // (bias-)activation
                    + (m.learned_positions ? 0 : 2 * T * (hq + hkv) * e / t);  // rotary on q, k
   out.backward = backward_of(fwd);
+  if (m.fp8) {
+    // Operands quantised: forward, the four layers' inputs (with sequence parallelism the
+    // QKV and MLP inputs on the local shard, before the gather); backward, the gradients
+    // of their outputs. The weights are quantised once a step (not counted).
+    const double in = T * (2 * h * r + hq / t + f / t);
+    const double grad_out = T * ((hq + 2 * hkv) / t + mlp_in / t + 2 * h * r);
+    fwd.hbm_bytes += in * fp8_cast_bytes(m);
+    out.backward.hbm_bytes += grad_out * fp8_cast_bytes(m);
+  }
 
   // Saved for backward (Korthikanti et al. 2022, section 4.1, term by term).
+  // A linear layer's input is kept in FP8 (1 byte) when it runs in FP8.
+  const double lin_e = m.fp8 ? 1.0 : e;
   double saved_core = 0, s2 = 0;
   if (m.flash_attention) {
     saved_core = T * (hq + 2 * hkv) * e / t + T * hq * e / t  // q, k, v and the output (= projection input)
-                 + b * (heads / t) * Sl * 4;                  // fp32 log-sum-exp per row
+                 + b * (heads / t) * Sl * 4                   // fp32 log-sum-exp per row
+                 + (m.fp8 ? T * hq / t : 0);                  // the projection's own FP8 copy of its input
   } else {
     saved_core = T * (hq + hkv) * e / t      // q, k for Q K^T
                  + T * hkv * e / t           // v for scores x V
-                 + T * hq * e / t;           // context: the output projection's input
+                 + T * hq * lin_e / t;       // context: the output projection's input
     s2 = P * e + (m.dropout ? P * (1 + e) : 0);  // softmax output; dropout mask and output
   }
   const double saved_outside = 2 * x * r  // norm inputs
-                               + x * r    // QKV input
-                               + x * r    // MLP input
+                               + x * r * lin_e / e  // QKV input
+                               + x * r * lin_e / e  // MLP input
                                + (m.dropout ? 2 * T * h * r : 0)  // the two hidden-dropout masks, 1 byte
-                               + (m.gated_mlp ? 3 : 2) * T * f * e / t;  // activation input(s) and output
+                               + T * (mlp_in * e + f * lin_e) / t;  // activation input(s), and output (MLP out's input)
   const double saved_all = saved_outside + saved_core + s2;
 
   if (sh.tp > 1) {
@@ -97,6 +121,9 @@ LayerWork layer_work(const Transformer& m, const Shard& sh) {
     }
   }
   out.tp_bytes = x;
+  // With sequence parallelism Transformer Engine gathers the FP8 copies (inputs forward,
+  // output gradients backward); the reduce-scatters and all-reduces stay in dtype_bytes.
+  out.tp_gather_bytes = m.fp8 ? x / e : x;
 
   if (sh.cp > 1) {
     out.cp_forward = out.cp_backward = static_cast<int>(sh.cp - 1);
@@ -147,7 +174,7 @@ LayerWork embedding_work(const Transformer& m, const Shard& sh) {
       out.tp_forward = {1, 0, 0};
     }
   }
-  out.tp_bytes = T * h * e;
+  out.tp_bytes = out.tp_gather_bytes = T * h * e;
   out.saved_bytes = m.dropout ? T * h * r : 0;
   return out;
 }
@@ -171,7 +198,7 @@ LayerWork head_work(const Transformer& m, const Shard& sh) {
       out.tp_backward = {1, 0, 0};  // the gradient of the head's (replicated) input
     }
   }
-  out.tp_bytes = T * h * e;
+  out.tp_bytes = out.tp_gather_bytes = T * h * e;
   out.saved_bytes = T * h * e * r  // norm input
                     + T * h * e * r  // head input
                     + 4 * T * V / t; // fp32 softmax for the cross-entropy gradient
@@ -187,6 +214,16 @@ double layer_params(const Transformer& m, int64_t tp) {
   const double replicated = (m.biases ? 2 * h : 0)  // row-parallel biases
                             + (m.biases ? 4 * h : 2 * h);  // two norms (LayerNorm: weight and bias)
   return split / t + replicated;
+}
+
+double layer_linear_weights(const Transformer& m, int64_t tp) {
+  const double h = static_cast<double>(m.hidden), f = static_cast<double>(m.ffn);
+  const double hq = static_cast<double>(m.q_dim()), hkv = static_cast<double>(m.kv_dim());
+  return (h * (hq + 2 * hkv) + hq * h + h * (m.gated_mlp ? 2 * f : f) + f * h) / static_cast<double>(tp);
+}
+
+double layer_fp8_weight_bytes(const Transformer& m, int64_t tp) {
+  return m.fp8 ? 2 * layer_linear_weights(m, tp) : 0;  // as is and transposed, 1 byte each
 }
 
 double embedding_params(const Transformer& m, int64_t tp) {

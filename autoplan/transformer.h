@@ -18,6 +18,16 @@
 // block steps; before each of the cp-1 later ones a rank passes the K/V block it holds to
 // its ring neighbour, while computing on the current block (in backward, K/V and their
 // gradients: twice the bytes).
+//
+// FP8 (Transformer::fp8) is Transformer Engine's per-tensor recipe as Megatron runs it: the
+// four linear layers of every transformer layer run their forward, input-gradient and
+// weight-gradient GEMMs in FP8 (E4M3 values, E5M2 gradients); attention, the embedding,
+// the head and everything memory-bound stay in dtype_bytes. Every FP8 GEMM operand is
+// quantised first (with current scaling: read once for the scale, once to cast, written
+// twice in FP8, as is and transposed, since Hopper's FP8 GEMM takes only one layout); the
+// linear layers keep their FP8 inputs for backward (1 byte an element instead of 2) and
+// cache FP8 copies of their weights (both layouts) across a step's micro-batches; with
+// sequence parallelism the all-gathers move the FP8 copies.
 
 #include <cstdint>
 #include <string>
@@ -43,6 +53,7 @@ struct Transformer {
   bool biases = true;           // linear layers and norms with biases (GPT), none (Llama)
   bool learned_positions = true;  // GPT's position embedding table; false: rotary (RoPE)
   bool tied_embeddings = true;    // the head reuses the input embedding
+  bool fp8 = false;               // the layers' linear GEMMs in FP8 (Transformer Engine), see above
 
   int64_t head_dim() const { return hidden / heads; }
   int64_t q_dim() const { return heads * head_dim(); }
@@ -52,6 +63,7 @@ struct Transformer {
 // The things one piece of the model does, per micro-batch, on one tensor-parallel rank.
 struct Work {
   double gemm_flops = 0;  // dense matmuls (the linear layers, and s x s matmuls without fused attention)
+  double fp8_gemm_flops = 0;  // the linear layers' matmuls when they run in FP8
   double attn_flops = 0;  // inside a fused attention kernel
   double hbm_bytes = 0;   // traffic of memory-bound kernels (norms, activations, softmax, dropout, adds)
   Work& operator+=(const Work& o);
@@ -67,6 +79,7 @@ struct LayerWork {
   Work recompute;            // forward work redone inside the backward
   TpCollectives tp_forward, tp_backward, tp_recompute;
   double tp_bytes = 0;       // one collective's buffer: b * s * h * dtype_bytes
+  double tp_gather_bytes = 0;  // one all-gather's buffer: tp_bytes, or its FP8 copy (1 byte an element)
   double saved_bytes = 0;    // kept from forward to backward for this micro-batch
   double peak_extra_bytes = 0;  // transient during its own backward: gradients, recomputed activations
   // Context-parallel ring attention: steps of a K/V block of cp_bytes passed to the ring
@@ -93,6 +106,10 @@ LayerWork head_work(const Transformer& m, const Shard& s);
 
 // Parameters of one tensor-parallel rank (tp = 1: the whole piece).
 double layer_params(const Transformer& m, int64_t tp);
+// Of these, the linear layers' weights (those FP8 keeps quantised copies of).
+double layer_linear_weights(const Transformer& m, int64_t tp);
+// Bytes of the FP8 weight copies one layer caches (0 without FP8).
+double layer_fp8_weight_bytes(const Transformer& m, int64_t tp);
 double embedding_params(const Transformer& m, int64_t tp);  // token (and position) tables
 double head_params(const Transformer& m, int64_t tp);       // final norm, and the head when untied
 double total_params(const Transformer& m);

@@ -66,7 +66,7 @@ const std::vector<Field<Transformer>>& transformer_fields() {
       field("gated_mlp", &Transformer::gated_mlp), field("flash_attention", &Transformer::flash_attention),
       field("causal", &Transformer::causal),     field("dropout", &Transformer::dropout),
       field("biases", &Transformer::biases),     field("learned_positions", &Transformer::learned_positions),
-      field("tied_embeddings", &Transformer::tied_embeddings)};
+      field("tied_embeddings", &Transformer::tied_embeddings), field("fp8", &Transformer::fp8)};
   return f;
 }
 
@@ -78,6 +78,8 @@ const std::vector<Field<Hardware>>& hardware_fields() {
       field("reserved_bytes", &Hardware::reserved_bytes),
       field("peak_flops", &Hardware::peak_flops),
       field("gemm_efficiency", &Hardware::gemm_efficiency),
+      field("fp8_peak_flops", &Hardware::fp8_peak_flops),
+      field("fp8_gemm_efficiency", &Hardware::fp8_gemm_efficiency),
       field("attention_efficiency", &Hardware::attention_efficiency),
       field("hbm_bw", &Hardware::hbm_bw),
       field("hbm_efficiency", &Hardware::hbm_efficiency),

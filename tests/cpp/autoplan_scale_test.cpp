@@ -381,6 +381,69 @@ TEST(AutoplanStep, ContextParallelRingByHand) {
   EXPECT_NE(estimate_step(m, hw, c).reason.find("multiple of 2 x CP"), std::string::npos);
 }
 
+TEST(AutoplanTransformer, Fp8RunsTheLinearLayersAndKeepsTheirInputsInOneByte) {
+  // TP 2 with sequence parallelism on a Llama-like layer, by hand: the linear layers' FLOPs
+  // move to FP8 (attention stays), their saved inputs take 1 byte instead of 2, the
+  // all-gathers move FP8 copies, and every FP8 operand is quantised (2e + 2 bytes).
+  Transformer m = small_llama();
+  const Shard sh{1, 2, true, Recompute::none};
+  const LayerWork bf16 = layer_work(m, sh);
+  m.fp8 = true;
+  const LayerWork fp8 = layer_work(m, sh);
+  const double T = 2048, h = 1024, f = 4096, t = 2, hq = 1024, hkv = 512, e = 2;
+  EXPECT_DOUBLE_EQ(fp8.forward.gemm_flops, 0);
+  EXPECT_DOUBLE_EQ(fp8.forward.fp8_gemm_flops, bf16.forward.gemm_flops);
+  EXPECT_DOUBLE_EQ(fp8.backward.fp8_gemm_flops, 2 * bf16.forward.gemm_flops);
+  EXPECT_DOUBLE_EQ(fp8.forward.attn_flops, bf16.forward.attn_flops);
+  const double cast = 2 * e + 2;
+  EXPECT_DOUBLE_EQ(fp8.forward.hbm_bytes - bf16.forward.hbm_bytes, cast * T * (2 * h / t + hq / t + f / t));
+  EXPECT_DOUBLE_EQ(fp8.backward.hbm_bytes - bf16.backward.hbm_bytes,
+                   cast * T * ((hq + 2 * hkv) / t + 2 * f / t + 2 * h / t));
+  // Saved: QKV and MLP inputs (local shards) and the MLP output's input halve; the output
+  // projection keeps an FP8 copy beside the attention output flash attention keeps.
+  const double saved_delta = -(2 * T * h / t) * (e - 1) - T * f / t * (e - 1) + T * hq / t;
+  EXPECT_DOUBLE_EQ(fp8.saved_bytes - bf16.saved_bytes, saved_delta);
+  EXPECT_DOUBLE_EQ(fp8.tp_bytes, bf16.tp_bytes);
+  EXPECT_DOUBLE_EQ(fp8.tp_gather_bytes, bf16.tp_bytes / e);
+  // The head and the embedding stay in bf16.
+  EXPECT_DOUBLE_EQ(head_work(m, sh).forward.gemm_flops, head_work(small_llama(), sh).forward.gemm_flops);
+  EXPECT_DOUBLE_EQ(head_work(m, sh).tp_gather_bytes, head_work(m, sh).tp_bytes);
+  EXPECT_DOUBLE_EQ(layer_fp8_weight_bytes(m, 2), 2 * (h * (hq + 2 * hkv) + hq * h + 3 * h * f) / t);
+  EXPECT_DOUBLE_EQ(layer_fp8_weight_bytes(small_llama(), 2), 0);
+}
+
+TEST(AutoplanStep, Fp8TimesItsGemmsAtFp8RateAndCachesItsWeights) {
+  // One rank: FP8 GEMMs at fp8_peak_flops x fp8_gemm_efficiency; every layer's FP8 weight
+  // copies counted with the parameters (ZeRO-3: only the two gathered layers' ones).
+  Hardware hw = round_hardware();
+  hw.fp8_peak_flops = 4e6;
+  hw.fp8_gemm_efficiency = 0.25;
+  Transformer m = small_llama();
+  m.fp8 = true;
+  ParallelConfig c;
+  c.micro_batch = 4;
+  const StepEstimate e = estimate_step(m, hw, c);
+  ASSERT_TRUE(e.feasible) << e.reason;
+  const Shard sh{4, 1, false, Recompute::none};
+  auto secs = [&](const Work& w) {
+    return w.gemm_flops / 5e5 + w.fp8_gemm_flops / 1e6 + w.attn_flops / 2.5e5 + w.hbm_bytes / 5e4;
+  };
+  const LayerWork l = layer_work(m, sh), emb = embedding_work(m, sh), head = head_work(m, sh);
+  const double F = 8 * secs(l.forward) + secs(emb.forward) + secs(head.forward);
+  EXPECT_NEAR(e.stage_forward[0], F, 1e-12 * F);
+  EXPECT_NEAR(e.memory.params, total_params(m) * 2 + 8 * layer_fp8_weight_bytes(m, 1), 1e-3);
+  c.dp = 2;
+  c.micro_batch = 2;
+  c.zero = 3;
+  const StepEstimate z3 = estimate_step(m, hw, c);
+  ASSERT_TRUE(z3.feasible) << z3.reason;
+  EXPECT_NEAR(z3.memory.params, total_params(m), 1e-3);
+  EXPECT_NEAR(z3.memory.other, l.peak_extra_bytes / 2 + 2 * (layer_params(m, 1) * 2 + layer_fp8_weight_bytes(m, 1)),
+              1e-3);
+  // Hardware without FP8 refuses it, saying why.
+  EXPECT_NE(estimate_step(m, round_hardware(), c).reason.find("FP8 tensor cores"), std::string::npos);
+}
+
 TEST(AutoplanSearch, ContextParallelOnlyWhenAsked) {
   const Hardware& hw = hardware("h100_sxm");
   const Transformer m = small_llama();

@@ -9,8 +9,9 @@ import re
 import pytest
 
 from vescale import Plan, PlanError, _C
-from vescale.autoplan import (SELENE_RUNS, Workload, fit_gemm_efficiency, matches_recipe, parse_bytes, plan_at_scale,
-                              simulate_step, validate_selene)
+from vescale.autoplan import (NEMO_H100_FP8_RUNS, SELENE_RUNS, Workload, fit_fp8_gemm_efficiency, fit_gemm_efficiency,
+                              matches_recipe, parse_bytes, plan_at_scale, simulate_step, validate_nemo_fp8,
+                              validate_selene)
 from vescale.parallel.pipeline.schedules import make_schedule
 
 
@@ -47,6 +48,42 @@ def test_selene_fit_is_the_table_value_and_holds_out():
     for h in fit["held_out"]:
         print(f"{h['name']:9s} held out: efficiency {h['efficiency']:.3f}, error {100 * h['error']:+.1f}%")
     assert fit["held_out_mean_abs_error"] <= 0.10
+
+
+def test_nemo_fp8_runs_are_the_published_configurations():
+    for run in NEMO_H100_FP8_RUNS:
+        c = run.config
+        assert c["dp"] * c["tp"] * c["pp"] * c["cp"] == run.gpus
+        assert run.workload.fp8 and run.workload.global_batch % (c["dp"] * c["micro_batch"]) == 0
+        assert run.workload.layers % (c["pp"] * c["vp"]) == 0  # Megatron's equal split
+
+
+def test_fp8_fit_is_the_table_value_and_holds_out():
+    """The H100's FP8 GEMM efficiency in the hardware table is the fit to NeMo's eight FP8
+    runs; each run left out of the fit is predicted within the target, on average."""
+    fit = fit_fp8_gemm_efficiency()
+    assert _C.autoplan_hardware("h100_sxm")["fp8_gemm_efficiency"] == pytest.approx(fit["all"]["efficiency"],
+                                                                                    abs=0.0021)
+    rows = validate_nemo_fp8()
+    for r, h in zip(rows, fit["held_out"]):
+        print(f"{r['name']:15s} {r['gpus']:4d} GPUs {r['predicted_s']:7.3f} s predicted, {r['published_s']:7.3f} s "
+              f"published, {100 * r['error']:+.1f}%; held out {100 * h['error']:+.1f}%")
+    assert sum(abs(r["error"]) for r in rows) / len(rows) <= 0.10
+    assert fit["held_out_mean_abs_error"] <= 0.10
+
+
+def test_fp8_is_simulated_not_planned():
+    """FP8 speeds the layers' GEMMs up; hardware without FP8 refuses it; vescale cannot run
+    it, so an FP8 candidate has no vescale.Plan."""
+    config = dict(dp=32, tp=4, pp=8, vp=5, micro_batch=1, zero=1, sequence_parallel=True)
+    bf16 = simulate_step(Workload.llama3_70b(), config)
+    fp8 = simulate_step(Workload.llama3_70b(fp8=True), config)
+    assert fp8.feasible and fp8.step_s < 0.85 * bf16.step_s
+    assert fp8.memory["params"] > bf16.memory["params"]  # the cached FP8 weight copies
+    a100 = simulate_step(Workload.llama3_70b(fp8=True), config, hardware="a100_80gb")
+    assert not a100.feasible and "FP8 tensor cores" in a100.verdict
+    with pytest.raises(PlanError, match="FP8, which the planner simulates but vescale cannot run"):
+        fp8.to_plan()
 
 
 def test_llama3_70b_on_1024_h100_has_a_known_recipe_in_its_top_three():

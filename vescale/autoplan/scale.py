@@ -56,6 +56,7 @@ class Workload:
     biases: bool = False
     learned_positions: bool = False  # False: rotary
     tied_embeddings: bool = False
+    fp8: bool = False  # the layers' linear GEMMs in FP8 (Transformer Engine's recipe; simulated only)
     blocks: str | None = None
 
     def to_dict(self) -> dict:
@@ -108,11 +109,18 @@ class Workload:
 
     # Published shapes.
     @classmethod
-    def llama3_70b(cls, *, global_batch: int = 512, seq: int = 8192) -> "Workload":
+    def llama3_70b(cls, *, global_batch: int = 512, seq: int = 8192, fp8: bool = False) -> "Workload":
         """Llama-3-70B (Meta's config) with Megatron-Bridge's pretraining recipe batch:
         global batch 512 sequences of 8192 tokens (``llama3_70b.pretrain_config``)."""
         return cls(name="llama3-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256,
-                   seq=seq, global_batch=global_batch, blocks="model.layers")
+                   seq=seq, global_batch=global_batch, fp8=fp8, blocks="model.layers")
+
+    @classmethod
+    def llama(cls, name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq: int,
+              global_batch: int, **kw) -> "Workload":
+        """A Llama-family model: SwiGLU, RMSNorm, rotary positions, no biases, untied head."""
+        return cls(name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab,
+                   seq=seq, global_batch=global_batch, blocks="model.layers", **kw)
 
     @classmethod
     def megatron_gpt(cls, name: str, layers: int, hidden: int, heads: int, global_batch: int) -> "Workload":
@@ -133,6 +141,14 @@ class PublishedRun:
     step_s: float
     source: str
 
+    @classmethod
+    def from_throughput(cls, workload: Workload, gpus: int, config: dict, tokens_per_s_per_gpu: float,
+                        source: str) -> "PublishedRun":
+        """A run published as tokens per second per GPU (NeMo's tables): the step is the
+        global batch's tokens over the whole machine's throughput."""
+        step = workload.global_batch * workload.seq / (gpus * tokens_per_s_per_gpu)
+        return cls(workload, gpus, config, step, source)
+
 
 # Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
 # Table 3 (models and parallel sizes, all on Selene's DGX A100 80GB nodes, sequence 2048)
@@ -151,6 +167,45 @@ SELENE_RUNS = (
     PublishedRun(Workload.megatron_gpt("gpt-1T", 128, 25600, 160, 512), 512,
                  dict(dp=1, tp=8, pp=64, vp=1, micro_batch=1, zero=0, recompute="full"), 94.42,
                  "Korthikanti et al. 2022, Tables 3 and 5"),
+)
+
+# NeMo 24.12's FP8 pre-training table ("Performance Benchmarks", NeMo Framework user guide
+# 24.12: tokens/s/GPU), measured on DGX H100 (the page names no system; it predates NeMo's
+# multi-system tables, and its GPT3-175B row at 512 GPUs, 825 tokens/s/GPU, sits beside
+# 25.02's DGX-H100 row, 866, not B200's 1,600). Every row uses Transformer Engine FP8 with
+# current scaling, the distributed optimizer (ZeRO-1), sequence parallelism and TP
+# communication overlap wherever TP > 1, flash attention, no recomputation, and Megatron's
+# equal split of layers; these are the recipes' defaults, not stated per row. Shapes: the
+# models' published configs (GPT-3 175B as NeMo's GPTConfig175B: vocabulary 51,200,
+# learned positions, biases, tied embeddings, no dropout; Nemotron-4 340B: squared-ReLU
+# MLP 73,728, 8 KV heads, vocabulary 256,000).
+_NEMO = "NeMo 24.12 performance summary (FP8, DGX H100)"
+
+
+def _nemo_run(workload: Workload, gpus: int, tokens_per_s: float, tp: int, pp: int, cp: int = 1, vp: int = 1,
+              micro_batch: int = 1) -> PublishedRun:
+    dp = gpus // (tp * pp * cp)
+    config = dict(dp=dp, tp=tp, pp=pp, cp=cp, vp=vp, micro_batch=micro_batch, zero=1, sequence_parallel=tp > 1,
+                  recompute="none")
+    return PublishedRun.from_throughput(dataclasses.replace(workload, fp8=True), gpus, config, tokens_per_s, _NEMO)
+
+
+def _gpt3_175b(global_batch: int) -> Workload:
+    return Workload(name="gpt3-175B", layers=96, hidden=12288, heads=96, ffn=4 * 12288, vocab=51200, seq=2048,
+                    global_batch=global_batch, gated_mlp=False, biases=True, learned_positions=True,
+                    tied_embeddings=True, blocks="layers")
+
+
+NEMO_H100_FP8_RUNS = (
+    _nemo_run(Workload.llama("llama2-7B", 32, 4096, 32, 32, 11008, 32000, 4096, 128), 8, 16934, tp=1, pp=1),
+    _nemo_run(Workload.llama("llama2-13B", 40, 5120, 40, 40, 13824, 32000, 4096, 128), 16, 8715, tp=1, pp=4, vp=10),
+    _nemo_run(Workload.llama("llama2-70B", 80, 8192, 64, 8, 28672, 32000, 4096, 128), 64, 1728, tp=4, pp=4, vp=20),
+    _nemo_run(Workload.llama("llama3-8B", 32, 4096, 32, 8, 14336, 128256, 8192, 128), 8, 12273, tp=1, pp=1, cp=2),
+    _nemo_run(Workload.llama3_70b(global_batch=128), 64, 1524, tp=4, pp=4, cp=2, vp=5),
+    _nemo_run(_gpt3_175b(256), 128, 716, tp=4, pp=8, vp=6),
+    _nemo_run(_gpt3_175b(2048), 512, 825, tp=4, pp=8, vp=6, micro_batch=2),
+    _nemo_run(Workload(name="nemotron4-340B", layers=96, hidden=18432, heads=96, kv_heads=8, ffn=73728,
+                       vocab=256000, seq=4096, global_batch=32, gated_mlp=False), 128, 326, tp=8, pp=8, vp=12),
 )
 
 # Known-good Llama-3-70B layouts on H100: Megatron-Bridge's recipes
@@ -294,8 +349,12 @@ class Candidate:
         schedule, micro-batches, virtual stages, split points (when the workload names its
         ``blocks``), ZeRO stage, sequence parallelism, recomputation, global batch. The
         tensor-parallel sharding plan is left to the caller (e.g. ``Plan.from_hf``).
-        Context parallelism has no plan: vescale cannot run it yet (a PlanError says so)."""
+        Context parallelism and FP8 have no plan: vescale cannot run them yet (a PlanError
+        says so)."""
         c, w = self.config, self.workload
+        if w.fp8:
+            raise PlanError(f"{self.label} trains {w.name or 'the model'} in FP8, which the planner simulates but "
+                            f"vescale cannot run yet; plan the workload with fp8=False for a plan vescale can execute")
         if c.get("cp", 1) > 1:
             raise PlanError(f"{self.label} uses context parallelism (CP {c['cp']}), which the planner simulates but "
                             f"vescale cannot run yet; plan with constraints={{'context_parallel.size': 1}} (the "
@@ -420,22 +479,42 @@ def simulate_step(model, config: dict, *, hardware="h100_sxm", memory_per_device
     return Candidate(d, workload, world)
 
 
-def validate_selene(gemm_efficiency: float | None = None) -> list[dict]:
-    """The published Selene runs (``SELENE_RUNS``) against the simulator on ``a100_80gb``:
-    per run the prediction, the measurement and the relative error. ``gemm_efficiency``
-    overrides the hardware table's (for fitting it)."""
-    hw = {"name": "a100_80gb"}
-    if gemm_efficiency is not None:
-        hw["gemm_efficiency"] = gemm_efficiency
+def validate_runs(runs, hardware) -> list[dict]:
+    """Published runs against the simulator on ``hardware`` (a name, or a dict of a name and
+    overrides): per run the prediction, the measurement, the relative error and the
+    predicted memory of the fullest GPU. Memory is not a limit here (the runs did fit);
+    ``fits`` says whether the model agrees that they do."""
+    hw = _hardware(hardware)
+    table = {**_C.autoplan_hardware(hw["name"]), **hw}
     out = []
-    for run in SELENE_RUNS:
-        c = simulate_step(run.workload, run.config, hardware=hw, split="uniform")
+    for run in runs:
+        c = simulate_step(run.workload, run.config, hardware=hw, split="uniform", memory_per_device=1 << 50)
         if not c.feasible:
             raise RuntimeError(f"{run.workload.name}: {c.verdict}")
         out.append(dict(name=run.workload.name, gpus=run.gpus, config=c.config, published_s=run.step_s,
                         predicted_s=c.step_s, error=c.step_s / run.step_s - 1, memory=c.memory["total"],
+                        fits=c.memory["total"] <= table["hbm_bytes"] - table["reserved_bytes"],
                         mfu=c.mfu, bubble=c.bubble, breakdown=c.breakdown))
     return out
+
+
+def validate_selene(gemm_efficiency: float | None = None) -> list[dict]:
+    """The published Selene runs (``SELENE_RUNS``) against the simulator on ``a100_80gb``.
+    ``gemm_efficiency`` overrides the hardware table's (for fitting it)."""
+    hw = {"name": "a100_80gb"}
+    if gemm_efficiency is not None:
+        hw["gemm_efficiency"] = gemm_efficiency
+    return validate_runs(SELENE_RUNS, hw)
+
+
+def validate_nemo_fp8(fp8_gemm_efficiency: float | None = None, *, tp_overlap: float = 1.0) -> list[dict]:
+    """NeMo's published FP8 runs (``NEMO_H100_FP8_RUNS``) against the simulator on
+    ``h100_sxm`` with TP communication overlapped (as those recipes run).
+    ``fp8_gemm_efficiency`` overrides the hardware table's (for fitting it)."""
+    hw = {"name": "h100_sxm", "tp_overlap": tp_overlap}
+    if fp8_gemm_efficiency is not None:
+        hw["fp8_gemm_efficiency"] = fp8_gemm_efficiency
+    return validate_runs(NEMO_H100_FP8_RUNS, hw)
 
 
 def fit_gemm_efficiency(*, low: float = 0.5, high: float = 0.9, step: float = 0.002) -> dict:
@@ -443,9 +522,19 @@ def fit_gemm_efficiency(*, low: float = 0.5, high: float = 0.9, step: float = 0.
     the Selene runs by grid search on the mean absolute relative error: over all four
     (``"all"``: efficiency, mean error), and leaving each run out in turn (``"held_out"``:
     per run, the efficiency fitted on the other three and that run's error with it)."""
+    return _fit(SELENE_RUNS, validate_selene, low, high, step)
+
+
+def fit_fp8_gemm_efficiency(*, low: float = 0.3, high: float = 0.9, step: float = 0.002) -> dict:
+    """Fits the H100's FP8 GEMM efficiency to NeMo's published FP8 runs, as
+    ``fit_gemm_efficiency`` fits the A100's to Selene's (the same keys)."""
+    return _fit(NEMO_H100_FP8_RUNS, validate_nemo_fp8, low, high, step)
+
+
+def _fit(runs, validate, low: float, high: float, step: float) -> dict:
     grid = [low + step * i for i in range(int(round((high - low) / step)) + 1)]
-    errors = [[r["error"] for r in validate_selene(e)] for e in grid]
-    n = len(SELENE_RUNS)
+    errors = [[r["error"] for r in validate(e)] for e in grid]
+    n = len(runs)
 
     def fit(idx):
         i = min(range(len(grid)), key=lambda k: sum(abs(errors[k][j]) for j in idx))
@@ -455,7 +544,7 @@ def fit_gemm_efficiency(*, low: float = 0.5, high: float = 0.9, step: float = 0.
     held_out = []
     for j in range(n):
         i, _ = fit([k for k in range(n) if k != j])
-        held_out.append(dict(name=SELENE_RUNS[j].workload.name, efficiency=grid[i], error=errors[i][j]))
+        held_out.append(dict(name=runs[j].workload.name, efficiency=grid[i], error=errors[i][j]))
     return {"all": dict(efficiency=grid[i_all], mean_abs_error=err_all), "held_out": held_out,
             "held_out_mean_abs_error": sum(abs(h["error"]) for h in held_out) / n}
 
