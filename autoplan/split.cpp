@@ -90,6 +90,39 @@ Split split_stages(const SplitProblem& p, int64_t S) {
   return out;
 }
 
+std::vector<int64_t> balance_ranks(std::vector<int64_t> counts, double layer_time,
+                                   const std::vector<double>& stage_extra, int64_t ranks) {
+  const auto S = static_cast<int64_t>(counts.size());
+  TORCH_CHECK_VALUE(ranks >= 1 && S % ranks == 0, "balance_ranks: ", S, " stages over ", ranks, " ranks");
+  TORCH_CHECK_VALUE(stage_extra.empty() || static_cast<int64_t>(stage_extra.size()) == S,
+                    "balance_ranks: one extra per stage");
+  auto load = [&](int64_t r) {
+    double t = 0;
+    for (int64_t s = r; s < S; s += ranks)
+      t += static_cast<double>(counts[static_cast<size_t>(s)]) * layer_time +
+           (stage_extra.empty() ? 0 : stage_extra[static_cast<size_t>(s)]);
+    return t;
+  };
+  for (int64_t moves = 0; moves < S * 64; ++moves) {
+    int64_t busy = 0, idle = 0;
+    for (int64_t r = 1; r < ranks; ++r) {
+      if (load(r) > load(busy)) busy = r;
+      if (load(r) < load(idle)) idle = r;
+    }
+    if (!(load(idle) + layer_time < load(busy))) break;
+    int64_t from = -1, to = -1;
+    for (int64_t s = busy; s < S; s += ranks)
+      if (counts[static_cast<size_t>(s)] > 1 && (from < 0 || counts[static_cast<size_t>(s)] >= counts[static_cast<size_t>(from)]))
+        from = s;
+    for (int64_t s = idle; s < S; s += ranks)
+      if (to < 0 || counts[static_cast<size_t>(s)] < counts[static_cast<size_t>(to)]) to = s;
+    if (from < 0) break;  // the busiest rank is down to one layer a stage
+    --counts[static_cast<size_t>(from)];
+    ++counts[static_cast<size_t>(to)];
+  }
+  return counts;
+}
+
 Split split_brute_force(const SplitProblem& p, int64_t S) {
   const auto L = static_cast<int64_t>(p.block_time.size());
   const Stages st(p, S);

@@ -35,6 +35,16 @@ struct Split {
 // `stages` stages, each with at least one block.
 Split split_stages(const SplitProblem& p, int64_t stages);
 
+// Interleaved schedules: a rank runs all of its chunks (stages r, r + ranks, r + 2 ranks,
+// ...), so the step waits on the busiest rank more than on the slowest stage. Starting
+// from `counts` (layers per stage, identical layers of `layer_time` each; `stage_extra`:
+// seconds a stage has besides its layers, e.g. the embedding and the head), moves one
+// layer at a time from the busiest rank's fullest stage to the least busy rank's emptiest
+// one while the move leaves both below the busiest rank's load before it (each move lowers
+// the sum of squared loads, so it ends). Every stage keeps at least one layer.
+std::vector<int64_t> balance_ranks(std::vector<int64_t> counts, double layer_time,
+                                   const std::vector<double>& stage_extra, int64_t ranks);
+
 // Every split tried, for tests on small problems.
 Split split_brute_force(const SplitProblem& p, int64_t stages);
 

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <sstream>
 
 namespace vescale::autoplan {
@@ -227,20 +228,31 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
       const Split split = split_stages(sp_problem, S);
       // No split fits: fall back to equal counts, so that the memory check below says by how much.
       layers = split.feasible ? split.blocks : uniform_split(L, S);
-      const auto even = uniform_split(L, S);
-      if (c.vp > 1 && layers != even) {
+      if (c.vp > 1) {
         // A rank runs all its chunks: evening out the slowest chunk can load one rank more
-        // than equal counts do, or stall the interleaved rounds less. Both are evaluated
-        // (simulated when simulating) and the faster kept; without a timeline the smaller
-        // lower bound, which stays a lower bound of the step kept when simulating.
-        ParallelConfig a = c, b = c;
-        a.layers_per_stage = layers;
-        b.layers_per_stage = even;
-        StepEstimate ea = estimate_step(m, hw, a, opt, cache), eb = estimate_step(m, hw, b, opt, cache);
-        if (!ea.feasible) return eb;
-        if (!eb.feasible) return ea;
-        if (!opt.simulate) return ea.lower_bound_s < eb.lower_bound_s ? ea : eb;
-        return ea.step_s < eb.step_s ? ea : eb;
+        // than equal counts do, or stall the interleaved rounds less; evening out the ranks
+        // (balance_ranks, from equal counts: the head's rank gives layers to the others)
+        // can stall the rounds more. Each is evaluated (simulated when simulating) and the
+        // fastest kept; without a timeline the smallest lower bound, which stays a lower
+        // bound of the step kept when simulating.
+        std::vector<double> extra(static_cast<size_t>(S), 0);
+        extra.front() += te.forward() + te.backward();
+        extra.back() += th.forward() + th.backward();
+        const auto even = uniform_split(L, S);
+        std::vector<std::vector<int64_t>> splits = {even};
+        for (auto cand : {layers, balance_ranks(even, tl.forward() + tl.backward(), extra, p)})
+          if (std::find(splits.begin(), splits.end(), cand) == splits.end()) splits.push_back(cand);
+        if (splits.size() > 1) {
+          const auto time = [&](const StepEstimate& y) { return opt.simulate ? y.step_s : y.lower_bound_s; };
+          std::optional<StepEstimate> best;  // none feasible: equal counts' reason
+          for (const auto& cand : splits) {
+            ParallelConfig x = c;
+            x.layers_per_stage = cand;
+            StepEstimate e = estimate_step(m, hw, x, opt, cache);
+            if (!best || (e.feasible && (!best->feasible || time(e) < time(*best)))) best = std::move(e);
+          }
+          return *best;
+        }
       }
     }
   }

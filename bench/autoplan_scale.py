@@ -22,7 +22,16 @@ Selene, and planning Llama-3-70B for 1,024 simulated H100s.
    (hardware tp_overlap = 1), as Megatron-Bridge's recipes run with tp_comm_overlap.
    3c: as 3b, with context parallelism (ring attention) searched up to CP 8, as the bf16
    recipe uses CP 2 (vescale cannot run CP: these plans are simulations).
+   3d: as 3c, training in FP8 (the other recipe's precision; vescale cannot run FP8 either),
+   at global batch 512 and at 2,048 (the FP8 recipe's batch on 1,024 GPUs in NVIDIA's DGX
+   Cloud benchmarks: two sequences per GPU).
 4. --sensitivity: the same at global batch 1024 and 2048.
+5. FP8 validation: NeMo 24.12's eight published FP8 pre-training runs on DGX H100 (Llama 2
+   7B / 13B / 70B, Llama 3 8B / 70B, GPT-3 175B on 128 and 512 GPUs, Nemotron-4 340B;
+   tokens per second per GPU), simulated with their configurations on "h100_sxm" with TP
+   overlap: predicted vs published step, the error, whether the memory model agrees that
+   the run fits; and the fit of the H100's FP8 GEMM efficiency (the one number fitted to
+   them), with each run left out in turn.
 
 A benchmark, never a test: it reports, it does not assert (the deterministic parts are
 also in tests/python/test_autoplan_scale.py).
@@ -39,8 +48,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from vescale.autoplan import (LLAMA3_70B_RECIPES, SELENE_RUNS, Workload, fit_gemm_efficiency,  # noqa: E402
-                              matches_recipe, plan_at_scale, validate_selene)
+from vescale.autoplan import (LLAMA3_70B_RECIPES, NEMO_H100_FP8_RUNS, SELENE_RUNS, Workload,  # noqa: E402
+                              fit_fp8_gemm_efficiency, fit_gemm_efficiency, matches_recipe, plan_at_scale,
+                              validate_nemo_fp8, validate_selene)
 
 GiB = 1024 ** 3
 
@@ -80,8 +90,36 @@ def validation(out: dict) -> None:
     out["prior_mean_abs_error"] = prior_mean
 
 
-def planning(out: dict, global_batch: int, repeats: int, label: str, tp_overlap: float = 0.0, max_cp: int = 1) -> None:
-    w = Workload.llama3_70b(global_batch=global_batch)
+def fp8_validation(out: dict) -> None:
+    print("## 5. FP8 validation (NeMo 24.12's published FP8 runs, DGX H100, TP overlap on)\n")
+    print("| model | GPUs | TP | PP | CP | VP | DP | batch | micro-batch | published s | predicted s | error | "
+          "memory GiB | fits 80 GB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    rows = validate_nemo_fp8()
+    for run, r in zip(NEMO_H100_FP8_RUNS, rows):
+        c = r["config"]
+        print(f"| {r['name']} | {r['gpus']} | {c['tp']} | {c['pp']} | {c['cp']} | {c['vp']} | {c['dp']} | "
+              f"{run.workload.global_batch} | {c['micro_batch']} | {r['published_s']:.3f} | {r['predicted_s']:.3f} | "
+              f"{100 * r['error']:+.1f}% | {r['memory'] / GiB:.1f} | {'yes' if r['fits'] else 'no'} |")
+    mean = statistics.mean(abs(r["error"]) for r in rows)
+    print(f"\nmean absolute error {100 * mean:.2f}%, max {100 * max(abs(r['error']) for r in rows):.2f}%\n")
+    fit = fit_fp8_gemm_efficiency()
+    print(f"FP8 GEMM efficiency fitted over all eight: {fit['all']['efficiency']:.3f} (mean absolute error "
+          f"{100 * fit['all']['mean_abs_error']:.2f}%); each left out:\n")
+    print("| model | GPUs | efficiency fitted without it | its error then |")
+    print("|---|---:|---:|---:|")
+    for run, h in zip(NEMO_H100_FP8_RUNS, fit["held_out"]):
+        print(f"| {h['name']} | {run.gpus} | {h['efficiency']:.3f} | {100 * h['error']:+.1f}% |")
+    print(f"\nheld-out mean absolute error {100 * fit['held_out_mean_abs_error']:.2f}%\n")
+    out["fp8_validation"] = [dict(name=r["name"], gpus=r["gpus"], published_s=r["published_s"],
+                                  predicted_s=r["predicted_s"], error=r["error"], memory=r["memory"], fits=r["fits"])
+                             for r in rows]
+    out["fp8_fit"] = fit
+
+
+def planning(out: dict, global_batch: int, repeats: int, label: str, tp_overlap: float = 0.0, max_cp: int = 1,
+             fp8: bool = False) -> None:
+    w = Workload.llama3_70b(global_batch=global_batch, fp8=fp8)
     hardware = {"name": "h100_sxm", "tp_overlap": tp_overlap}
     constraints = {"context_parallel.max_size": max_cp}
     times, result = [], None
@@ -92,6 +130,7 @@ def planning(out: dict, global_batch: int, repeats: int, label: str, tp_overlap:
     s = result.stats
     overlap = f", tensor-parallel collectives {100 * tp_overlap:.0f}% overlapped" if tp_overlap else ""
     overlap += f", context parallelism searched up to {max_cp}" if max_cp > 1 else ""
+    overlap += ", FP8" if fp8 else ""
     print(f"## {label}: Llama-3-70B, global batch {global_batch} x 8192, 1,024 x h100_sxm{overlap}\n")
     print(f"planning wall time: median {statistics.median(times):.2f} s of {repeats} (min {min(times):.2f}, max "
           f"{max(times):.2f}); {s['enumerated']} configurations: {s['invalid']} do not divide, "
@@ -134,7 +173,7 @@ def planning(out: dict, global_batch: int, repeats: int, label: str, tp_overlap:
     print("```")
     print(result)
     print("```\n")
-    out.setdefault("planning", []).append(dict(global_batch=global_batch, tp_overlap=tp_overlap, max_cp=max_cp,
+    out.setdefault("planning", []).append(dict(global_batch=global_batch, tp_overlap=tp_overlap, max_cp=max_cp, fp8=fp8,
                                                seconds=times, stats=s,
                                                top=[dict(label=c.label, step_s=c.step_s,
                                                          memory_gib=c.memory["total"] / GiB) for c in result.ranked],
@@ -157,9 +196,13 @@ def main() -> None:
     # and the bf16 recipe splits every sequence over 2 ranks (context parallelism)
     planning(out, 512, 1 if args.quick else 3, "3c. Planning as Megatron-Bridge runs, with context parallelism",
              tp_overlap=1.0, max_cp=8)
+    for gbs in (512, 2048):
+        planning(out, gbs, 1 if args.quick else 3, "3d. Planning in FP8 as Megatron-Bridge runs", tp_overlap=1.0,
+                 max_cp=8, fp8=True)
     if args.sensitivity:
         for gbs in (1024, 2048):
             planning(out, gbs, 1, "4. Sensitivity")
+    fp8_validation(out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

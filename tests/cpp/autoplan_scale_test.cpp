@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include <limits>
+#include <numeric>
 #include <random>
 
 namespace vescale::autoplan {
@@ -327,6 +328,37 @@ Transformer small_llama() {
   m.learned_positions = false;
   m.tied_embeddings = false;
   return m;
+}
+
+TEST(AutoplanSplit, InterleavedRanksGiveTheHeadRankFewerLayers) {
+  // 8 chunks of 2 layers over 4 ranks (rank r runs chunks r and r + 4); the last chunk also
+  // runs a head worth 1.6 layers. By hand: rank 3 (5.6) gives a layer of its last chunk
+  // to rank 0's first (4 -> 5); then no move lowers the busiest rank (5) any more.
+  std::vector<double> extra(8, 0);
+  extra[7] = 1.6;
+  EXPECT_EQ(balance_ranks(std::vector<int64_t>(8, 2), 1.0, extra, 4), (std::vector<int64_t>{3, 2, 2, 2, 2, 2, 2, 1}));
+  // Every stage keeps a layer, and nothing moves when the ranks are even already.
+  extra[7] = 30;
+  const auto out = balance_ranks(std::vector<int64_t>(8, 2), 1.0, extra, 4);
+  EXPECT_EQ(out[3], 1);
+  EXPECT_EQ(out[7], 1);
+  EXPECT_EQ(std::accumulate(out.begin(), out.end(), int64_t{0}), 16);
+  EXPECT_EQ(balance_ranks(std::vector<int64_t>(8, 2), 1.0, {}, 4), std::vector<int64_t>(8, 2));
+  // In the step model, an interleaved plan's split is never slower than equal counts.
+  Transformer m = small_llama();
+  m.layers = 16;
+  m.vocab = 256000;  // a head worth a few layers
+  m.global_batch = 64;
+  ParallelConfig c;
+  c.pp = 4;
+  c.vp = 2;
+  const Hardware& hw = hardware("h100_sxm");
+  const StepEstimate chosen = estimate_step(m, hw, c);
+  c.layers_per_stage = std::vector<int64_t>(8, 2);
+  const StepEstimate even = estimate_step(m, hw, c);
+  ASSERT_TRUE(chosen.feasible && even.feasible);
+  EXPECT_NE(chosen.config.layers_per_stage, c.layers_per_stage);
+  EXPECT_LT(chosen.step_s, even.step_s);
 }
 
 TEST(AutoplanTransformer, ContextParallelSplitsTheTokensAndPassesKvBlocks) {

@@ -78,7 +78,8 @@ def test_fp8_is_simulated_not_planned():
     config = dict(dp=32, tp=4, pp=8, vp=5, micro_batch=1, zero=1, sequence_parallel=True)
     bf16 = simulate_step(Workload.llama3_70b(), config)
     fp8 = simulate_step(Workload.llama3_70b(fp8=True), config)
-    assert fp8.feasible and fp8.step_s < 0.85 * bf16.step_s
+    # The linear GEMMs (~3/4 of the compute) at 0.478 x 1,979 TFLOP/s against 0.744 x 989.
+    assert fp8.feasible and fp8.breakdown["compute"] < 0.9 * bf16.breakdown["compute"] and fp8.step_s < bf16.step_s
     assert fp8.memory["params"] > bf16.memory["params"]  # the cached FP8 weight copies
     a100 = simulate_step(Workload.llama3_70b(fp8=True), config, hardware="a100_80gb")
     assert not a100.feasible and "FP8 tensor cores" in a100.verdict
