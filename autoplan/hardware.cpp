@@ -63,7 +63,7 @@ Hardware h100() {
   // pre-training runs on DGX H100 (vescale.autoplan.fit_fp8_gemm_efficiency,
   // docs/benchmarks.md gives the fit and each run's error when left out of it).
   h.fp8_peak_flops = 1979e12;
-  h.fp8_gemm_efficiency = 0.478;
+  h.fp8_gemm_efficiency = 0.472;
   // cuDNN / FlashAttention-3 fused attention on H100: 500-650 TFLOP/s forward, less backward.
   h.attention_efficiency = 0.5;
   h.hbm_bw = 3.35e12;

@@ -22,9 +22,10 @@ Selene, and planning Llama-3-70B for 1,024 simulated H100s.
    (hardware tp_overlap = 1), as Megatron-Bridge's recipes run with tp_comm_overlap.
    3c: as 3b, with context parallelism (ring attention) searched up to CP 8, as the bf16
    recipe uses CP 2 (vescale cannot run CP: these plans are simulations).
-   3d: as 3c, training in FP8 (the other recipe's precision; vescale cannot run FP8 either),
-   at global batch 512 and at 2,048 (the FP8 recipe's batch on 1,024 GPUs in NVIDIA's DGX
-   Cloud benchmarks: two sequences per GPU).
+   3d: as 3c, training in FP8 (the other recipe's precision; vescale cannot run FP8 either)
+   with gradients reduced in bf16 (as Megatron-Bridge's performance configs set), at global
+   batch 512 and at 2,048 (the FP8 recipe's batch on 1,024 GPUs in NVIDIA's DGX Cloud
+   benchmarks: two sequences per GPU).
 4. --sensitivity: the same at global batch 1024 and 2048.
 5. FP8 validation: NeMo 24.12's eight published FP8 pre-training runs on DGX H100 (Llama 2
    7B / 13B / 70B, Llama 3 8B / 70B, GPT-3 175B on 128 and 512 GPUs, Nemotron-4 340B;
@@ -40,6 +41,7 @@ also in tests/python/test_autoplan_scale.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -118,8 +120,8 @@ def fp8_validation(out: dict) -> None:
 
 
 def planning(out: dict, global_batch: int, repeats: int, label: str, tp_overlap: float = 0.0, max_cp: int = 1,
-             fp8: bool = False) -> None:
-    w = Workload.llama3_70b(global_batch=global_batch, fp8=fp8)
+             fp8: bool = False, grad_bytes: float = 4) -> None:
+    w = dataclasses.replace(Workload.llama3_70b(global_batch=global_batch, fp8=fp8), grad_bytes=grad_bytes)
     hardware = {"name": "h100_sxm", "tp_overlap": tp_overlap}
     constraints = {"context_parallel.max_size": max_cp}
     times, result = [], None
@@ -131,6 +133,7 @@ def planning(out: dict, global_batch: int, repeats: int, label: str, tp_overlap:
     overlap = f", tensor-parallel collectives {100 * tp_overlap:.0f}% overlapped" if tp_overlap else ""
     overlap += f", context parallelism searched up to {max_cp}" if max_cp > 1 else ""
     overlap += ", FP8" if fp8 else ""
+    overlap += ", gradients reduced in bf16" if grad_bytes == 2 else ""
     print(f"## {label}: Llama-3-70B, global batch {global_batch} x 8192, 1,024 x h100_sxm{overlap}\n")
     print(f"planning wall time: median {statistics.median(times):.2f} s of {repeats} (min {min(times):.2f}, max "
           f"{max(times):.2f}); {s['enumerated']} configurations: {s['invalid']} do not divide, "
@@ -198,7 +201,7 @@ def main() -> None:
              tp_overlap=1.0, max_cp=8)
     for gbs in (512, 2048):
         planning(out, gbs, 1 if args.quick else 3, "3d. Planning in FP8 as Megatron-Bridge runs", tp_overlap=1.0,
-                 max_cp=8, fp8=True)
+                 max_cp=8, fp8=True, grad_bytes=2)
     if args.sensitivity:
         for gbs in (1024, 2048):
             planning(out, gbs, 1, "4. Sensitivity")

@@ -174,8 +174,11 @@ SELENE_RUNS = (
 # multi-system tables, and its GPT3-175B row at 512 GPUs, 825 tokens/s/GPU, sits beside
 # 25.02's DGX-H100 row, 866, not B200's 1,600). Every row uses Transformer Engine FP8 with
 # current scaling, the distributed optimizer (ZeRO-1), sequence parallelism and TP
-# communication overlap wherever TP > 1, flash attention, no recomputation, and Megatron's
-# equal split of layers; these are the recipes' defaults, not stated per row. Shapes: the
+# communication overlap wherever TP > 1, flash attention, no recomputation, Megatron's
+# equal split of layers, and gradients reduced in bf16 (Megatron-Bridge's performance
+# configs, the successors of these recipes, set grad_reduce_in_fp32 = False:
+# scripts/performance/configs/llama/llama3_llm_pretrain.py); these are the recipes'
+# defaults, not stated per row. Shapes: the
 # models' published configs (GPT-3 175B as NeMo's GPTConfig175B: vocabulary 51,200,
 # learned positions, biases, tied embeddings, no dropout; Nemotron-4 340B: squared-ReLU
 # MLP 73,728, 8 KV heads, vocabulary 256,000).
@@ -187,7 +190,8 @@ def _nemo_run(workload: Workload, gpus: int, tokens_per_s: float, tp: int, pp: i
     dp = gpus // (tp * pp * cp)
     config = dict(dp=dp, tp=tp, pp=pp, cp=cp, vp=vp, micro_batch=micro_batch, zero=1, sequence_parallel=tp > 1,
                   recompute="none")
-    return PublishedRun.from_throughput(dataclasses.replace(workload, fp8=True), gpus, config, tokens_per_s, _NEMO)
+    return PublishedRun.from_throughput(dataclasses.replace(workload, fp8=True, grad_bytes=2), gpus, config,
+                                        tokens_per_s, _NEMO)
 
 
 def _gpt3_175b(global_batch: int) -> Workload:
