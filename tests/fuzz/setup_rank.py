@@ -9,8 +9,11 @@ What is compared, and how tightly (fp32; see tests/python/dist_utils.py for why)
   a single-device model: tightly for SGD (``mismatch_to_max``, with a floor of 1e-7 for
   tensors that are all near zero: BERT's key biases get an exact gradient of zero, and
   hold rounding noise of 1e-14), within Adam's reach for Adam (``adam_mismatch``).
-With bf16 parameters (fp32 masters in the ZeRO optimizer, and in the reference) every
-tolerance is bf16's: sums round by the order of their terms, which differs on 4 ranks.
+With bf16 or fp16 parameters (fp32 masters in the ZeRO optimizer, and in the reference;
+fp16 with vescale's dynamic loss scaling, which the reference follows step for step), or under
+bf16 autocast (the loop's ``autocast``: every forward, the one device's and the ranks',
+under ``torch.autocast("cpu", torch.bfloat16)``, backward outside it as torch advises),
+every tolerance is bf16's: sums round by the order of their terms, which differs on 4 ranks.
 The weights' grows with the steps (1e-2 of the largest element per step, and 1e-2): an
 embedding row's gradient is a bf16 sum over every token that uses it, each rank's part
 summed apart, and momentum carries that error into every later step (seed 60107 on 6
@@ -204,6 +207,16 @@ class _Samples(torch.utils.data.Dataset):
         return row[:-1].contiguous(), row[1:].contiguous()
 
 
+def _autocast(setup: dict):
+    """The loop's autocast around a forward (off unless the set-up draws one)."""
+    dtype = setup["loop"].get("autocast")
+    return torch.autocast("cpu", dtype=getattr(torch, dtype or "bfloat16"), enabled=dtype is not None)
+
+
+def _low_precision(setup: dict) -> bool:
+    return setup["plan"].get("mixed_precision.param_dtype") is not None or "autocast" in setup["loop"]
+
+
 def _loss_of(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.loss
 
@@ -223,6 +236,7 @@ def reference(setup: dict) -> dict:
     k = setup["plan"].get("gradient.accumulation_steps", 1)
     clip = setup["plan"].get("gradient.clip_norm")
     low = setup["plan"].get("mixed_precision.param_dtype")
+    scaler = _Scaler(setup["plan"].get("mixed_precision.loss_scale"))
     model = build_model(spec, setup["init_seed"])
     masters = model
     if low is not None:
@@ -238,28 +252,58 @@ def reference(setup: dict) -> dict:
         if i % k == 0:
             opt.zero_grad()
             model.zero_grad()
-        loss = _single_loss(model, rows, _hf(spec))
-        (loss / k).backward()
+        with _autocast(setup):
+            loss = _single_loss(model, rows, _hf(spec))
+        scaler.backward(loss, k)
         losses.append(float(loss))
         if i % k == k - 1:
             if low is not None:
                 for master, p in pairs:
                     master.grad = None if p.grad is None else p.grad.float()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(masters.parameters(), clip)
-            opt.step()
-            if low is not None:
-                with torch.no_grad():
-                    for master, p in pairs:
-                        p.copy_(master)
+            if scaler.unscale_and_check([m.grad for m in masters.parameters() if m.grad is not None]):
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(masters.parameters(), clip)
+                opt.step()
+                if low is not None:
+                    with torch.no_grad():
+                        for master, p in pairs:
+                            p.copy_(master)
             if loop["eval_after"] == i // k:
                 model.eval()
-                with torch.no_grad():
+                with torch.no_grad(), _autocast(setup):
                     evals.append(float(_single_loss(model, batches[0], _hf(spec))))
                 model.train()
         if sched:
             sched.step()
     return {"losses": losses, "evals": evals, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+class _Scaler:
+    """vescale's dynamic loss scaling (``mixed_precision.loss_scale``), on one device:
+    the loss's gradient is the scale over the accumulation steps (in the loss's dtype, as
+    vescale multiplies it); the fp32 gradients are divided by the scale, and an inf or NaN
+    anywhere skips the step and halves the scale. Without a loss scale, plain backward."""
+
+    def __init__(self, loss_scale):
+        self.scale = None if loss_scale is None else 2.0 ** 16 if loss_scale == "dynamic" else float(loss_scale)
+        self.dynamic = loss_scale == "dynamic"
+
+    def backward(self, loss: torch.Tensor, k: int) -> None:
+        if self.scale is None:
+            (loss / k).backward()
+        else:
+            loss.backward(torch.ones_like(loss) * (self.scale / k))
+
+    def unscale_and_check(self, grads: list) -> bool:
+        if self.scale is None:
+            return True
+        ok = True
+        for g in grads:
+            g.div_(self.scale)
+            ok = ok and bool(torch.isfinite(g).all())
+        if not ok and self.dynamic:
+            self.scale /= 2.0
+        return ok
 
 
 def _single_loss(model, rows: torch.Tensor, hf: bool) -> torch.Tensor:
@@ -306,7 +350,8 @@ def on_ranks(setup: dict, work_dir: str) -> dict:
         b = next(batches)
         first = b if first is None else first
         optimizer.zero_grad()
-        loss = _loss_of(model(b))
+        with _autocast(setup):
+            loss = _loss_of(model(b))
         loss.backward()
         optimizer.step()
         losses.append(_value(loss))
@@ -317,7 +362,7 @@ def on_ranks(setup: dict, work_dir: str) -> dict:
             continue
         if loop["eval_after"] == i // k - 1:
             model.eval()
-            with torch.no_grad():
+            with torch.no_grad(), _autocast(setup):
                 evals.append(_value(_loss_of(model(first))))
             model.train()
         if resume is not None and i // k == resume["after"] and i < micro_total:
@@ -346,7 +391,7 @@ def compare(setup: dict, got: dict, ref: dict) -> list[str]:
     """The losses (rtol 1e-5; 2e-2 with bf16 parameters, whose sums round by the order
     of their terms) and the trained weights (see the module docstring)."""
     problems = []
-    low = setup["plan"].get("mixed_precision.param_dtype") is not None
+    low = _low_precision(setup)
     adam = setup["optimizer"]["kind"].startswith("adam")
     rtol, atol = (2e-2, 1e-3) if low else (1e-5, 1e-6)
     # bf16 with Adam: Adam turns the bf16 rounding noise of near-zero gradients into

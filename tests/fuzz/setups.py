@@ -139,8 +139,17 @@ def draw(rng: random.Random, world: int = WORLD) -> dict:
         # order) only where every rank sees the whole batch: no data parallelism, no
         # pipeline micro-batches.
         model["dropout"] = 0.2
-    return {"model": model, "plan": plan, "optimizer": optimizer, "loop": loop,
-            "init_seed": rng.randrange(1000), "data_seed": rng.randrange(1000)}
+    setup = {"model": model, "plan": plan, "optimizer": optimizer, "loop": loop,
+             "init_seed": rng.randrange(1000), "data_seed": rng.randrange(1000)}
+    # Drawn last, so that every seed drawn before autocast was keeps its set-up.
+    if "mixed_precision.param_dtype" not in plan and rng.random() < 0.2:
+        loop["autocast"] = "bfloat16"  # fp32 parameters, the forward under CPU autocast (both sides)
+    if (plan.get("data_parallel.zero_stage", 0) and pp == 1 and loop["resume"] is None
+            and "mixed_precision.param_dtype" not in plan and "autocast" not in loop and rng.random() < 0.25):
+        # fp16 parameters need loss scaling; vescale's is dynamic (2^16 first, halved on an
+        # overflow, which skips the step on every rank) and lives in the ZeRO optimizer
+        plan.update({"mixed_precision.param_dtype": "float16", "mixed_precision.loss_scale": "dynamic"})
+    return setup
 
 
 def draw_resume_plan(rng: random.Random, model: dict, batch: int, pipeline: bool,
@@ -198,11 +207,13 @@ def simpler(setup: dict):
         changes.append(lambda s: s["loop"].update(eval_after=None))
     if loop["scheduler"] is not None:
         changes.append(lambda s: s["loop"].update(scheduler=None))
-    if "data" in loop:
-        changes.append(lambda s: s["loop"].pop("data"))
+    for key in ("data", "autocast"):
+        if key in loop:
+            changes.append(lambda s, k=key: s["loop"].pop(k))
     if loop["steps"] > 1:
         changes.append(lambda s: s["loop"].update(steps=s["loop"]["steps"] - 1))
-    for key, plain in (("mixed_precision.param_dtype", None), ("gradient.clip_norm", None), ("recompute.modules", None), ("gradient.accumulation_steps", None),
+    for key, plain in (("mixed_precision.param_dtype", None), ("mixed_precision.loss_scale", None),
+                       ("gradient.clip_norm", None), ("recompute.modules", None), ("gradient.accumulation_steps", None),
                        ("data_parallel.bucket_cap_mb", None), ("tensor_parallel.sequence_parallel", False),
                        ("data_parallel.zero_stage", 0), ("pipeline_parallel.split_method", "uniform"),
                        ("pipeline_parallel.schedule", "1f1b")):
