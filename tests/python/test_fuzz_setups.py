@@ -138,6 +138,17 @@ REGRESSIONS = [
       "optimizer": {"kind": "sgd"},
       "loop": {"steps": 1, "seq": 12, "batch": 8, "scheduler": None, "eval_after": None, "resume": None},
       "init_seed": 2, "data_seed": 290}),
+    # Wrong (a skipped step): fp16 parameters with dynamic loss scaling, DP4. DDP summed
+    # the ranks' loss-scaled fp16 gradients and divided after: the sum overflowed where
+    # the average (one device's gradient) does not, so every rank skipped the step one
+    # device takes. It divides before the sum now, as torch's DDP does.
+    ("fp16 loss scaling over DP4, ZeRO-3, GPT-2",
+     {"model": {"kind": "hf_gpt2", "width": 8, "heads": 2, "vocab": 64, "layers": 1},
+      "plan": {"mesh": {"DP": 4}, "data_parallel.zero_stage": 3, "mixed_precision.param_dtype": "float16",
+               "mixed_precision.loss_scale": "dynamic"},
+      "optimizer": {"kind": "sgd"},
+      "loop": {"steps": 1, "seq": 12, "batch": 4, "scheduler": None, "eval_after": None, "resume": None},
+      "init_seed": 207, "data_seed": 252}),
 ]
 
 

@@ -155,6 +155,24 @@ def test_fp16_loss_scaling_skips_on_every_rank(pool4):
         assert res[1] == (False, 0.5)  # one rank's overflow: nobody updates, the scale halves
 
 
+def _case_fp16_average_does_not_overflow(reduce_scatter: bool):
+    """Every rank's fp16 gradient is 30,000: their sum (120,000) is past fp16's 65,504,
+    their average is not. DDP divides before it sums, as torch's DDP does."""
+    m = mesh("1d4")
+    layer = torch.nn.Linear(1, 4, bias=False).half()
+    model = DDP(layer, m, reduce_scatter=reduce_scatter)
+    (model(torch.ones(1, 1, dtype=torch.float16)) * 30000).sum().backward()
+    grad = next(iter(model.grad_shards.values())) if reduce_scatter else layer.weight.grad
+    return grad.float().tolist()
+
+
+@pytest.mark.parametrize("reduce_scatter", [False, True], ids=["all_reduce", "reduce_scatter"])
+def test_fp16_gradient_average_does_not_overflow_in_the_sum(pool4, reduce_scatter):
+    for grad in pool4.run(_case_fp16_average_does_not_overflow, reduce_scatter):
+        flat = torch.tensor(grad).flatten()
+        assert flat.numel() >= 1 and torch.equal(flat, torch.full_like(flat, 30000.0)), grad
+
+
 def _case_two_models():
     """An actor on a 2-way TP mesh inside the 2x2 mesh and a critic on the 4-way mesh,
     trained alternately in one program."""

@@ -277,6 +277,7 @@ class DDP(nn.Module):
         b.buffer = b.kept[:total]
         if flat:
             torch.cat(flat, out=b.buffer)
+        b.buffer.div_(self.world)  # before the sum (see _launch_reduce_scatter)
         token = _trace.collective_started("all_reduce", self.group, b.buffer, source="ddp")
         b.work = (_trace.traced(dist.all_reduce(b.buffer, group=self.group, async_op=True), token), b.buffer)
 
@@ -324,6 +325,10 @@ class DDP(nn.Module):
             if earlier is not b and earlier.work is not None and earlier.work[0] is not None:
                 earlier.work[0].wait()
                 earlier.work = (None, earlier.work[1])
+        # The average divides before the sum, as torch's DDP does: an fp16 sum of DP ranks'
+        # loss-scaled gradients can overflow where their average does not, and skip a step
+        # one device would take (set-up fuzzer, seed 13083: ZeRO-3 over DP4 in fp16).
+        b.buffer.div_(self.world)
         out = torch.empty(b.chunk_total, dtype=b.dtype, device=b.device)
         token = _trace.collective_started("reduce_scatter", self.group, b.buffer, source="zero")
         b.work = (_trace.traced(_reduce_scatter(out, b.buffer.view(-1), self.group), token), out)
@@ -341,7 +346,6 @@ class DDP(nn.Module):
             work, result = b.work
             if work is not None:  # (None: a reduce-scatter waited for already)
                 work.wait()
-            result.div_(self.world)
             offset = 0
             for s in b.in_buffer:
                 if self.reduce_scatter:  # a view: the bucket's slice buffer lives until zero_grad

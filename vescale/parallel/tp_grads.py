@@ -131,7 +131,7 @@ class PartialGradients:
             if b.pending:
                 self.launch(b.params, b)
             b.pending = 0
-            self.last_reduced += [p for _, _, ps, _, _ in b.launched for p in ps]
+            self.last_reduced += [p for _, _, ps, _ in b.launched for p in ps]
             land(b.launched)
 
 
@@ -140,7 +140,9 @@ def launch_partial_sums(params, *, over_world: bool = False, divide_by: int = 1)
     mesh dims (normally one): through the world group when ``over_world`` (the caller
     knows that it spans those dims and the data-parallel one, and divides by the
     data-parallel size) or when they are Partial over all of a mesh that spans the world;
-    else over the first dim now and the others when landed. Returns what ``land`` takes."""
+    else over the first dim now and the others when landed. ``divide_by`` divides before
+    the sum, as torch's DDP does: an fp16 sum of scaled gradients may overflow where their
+    average does not. Returns what ``land`` takes."""
     by_dims: dict[tuple, list] = {}
     for p in params:
         if p.grad is not None and _C.is_dtensor(p.grad):
@@ -150,6 +152,8 @@ def launch_partial_sums(params, *, over_world: bool = False, divide_by: int = 1)
     launched = []
     for (_, dims), ps in by_dims.items():
         buffer = torch.cat([local_of(p.grad).reshape(-1) for p in ps])
+        if divide_by != 1:
+            buffer.div_(divide_by)
         mesh = ps[0].device_mesh
         if over_world or (len(dims) > 1 and len(dims) == sum(s > 1 for s in mesh.shape) and mesh._c.flat_group_name):
             group, rest = dist.group.WORLD, ()
@@ -157,7 +161,7 @@ def launch_partial_sums(params, *, over_world: bool = False, divide_by: int = 1)
             group, rest = mesh.get_group(dims[0]), dims[1:]
         token = _trace.collective_started("all_reduce", group, buffer, source="tp")
         work = _trace.traced(dist.all_reduce(buffer, group=group, async_op=True), token)
-        launched.append((work, buffer, ps, rest, divide_by))
+        launched.append((work, buffer, ps, rest))
     return launched
 
 
@@ -165,11 +169,9 @@ def land(launched: list) -> None:
     """Waits for ``launch_partial_sums``' collectives (running the remaining dims' ones),
     writes each sum back into its gradient's shard and relabels the gradient with its
     parameter's placements. Empties ``launched``."""
-    for work, buffer, ps, rest, divide_by in launched:
+    for work, buffer, ps, rest in launched:
         work.wait()
         sum_over_dims(buffer, ps[0].device_mesh, rest)
-        if divide_by != 1:
-            buffer.div_(divide_by)
         copy_back(buffer, [local_of(p.grad) for p in ps])
         for p in ps:
             _C.relabel(p.grad, _C.placements_of(p))
