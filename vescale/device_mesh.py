@@ -25,7 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh as _TorchDeviceMesh
 from . import _C
 from .debug import install_failure_notes
 
-__all__ = ["DeviceMesh", "init_device_mesh", "get_device_mesh", "set_device_mesh", "collective_timeout"]
+__all__ = ["DeviceMesh", "init_device_mesh", "get_device_mesh", "set_device_mesh", "collective_timeout",
+           "process_group"]
 
 
 class DeviceMesh:
@@ -287,6 +288,9 @@ def _init_world_from_env(device_type: str) -> None:
 
 
 _global_mesh: DeviceMesh | None = None
+# Meshes init_device_mesh made, by (device, shape, names, timeout): each with the world
+# group it was made in (a new world, after destroy_process_group, makes them anew).
+_made: dict[tuple, tuple[object, DeviceMesh]] = {}
 
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
@@ -300,6 +304,12 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
     becomes the collective timeout of every process group vescale creates from now on
     (see ``collective_timeout``): a rank that dies or stops taking part makes the others
     raise after that long instead of hanging.
+
+    The same shape, names and timeout in the same world give the same mesh: its process
+    groups are made once. They are threads and sockets (gloo) or communicators (NCCL) that
+    torch never frees, so a program that parallelizes again and again (a sweep, the
+    planner's measured trials, ``vescale.parallelize`` per model) would otherwise gather
+    new ones every time (2,200 threads a rank after 360 set-ups of the set-up fuzzer).
     """
     global _timeout
     if timeout is not None:
@@ -313,9 +323,34 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
         raise ValueError(f"a mesh of shape {mesh_shape} needs {n} ranks but the world has "
                          f"{dist.get_world_size()}; launch more processes (torchrun --nproc-per-node) "
                          f"or use a smaller mesh")
-    mesh = DeviceMesh(device_type, torch.arange(n).reshape(mesh_shape), mesh_dim_names=mesh_dim_names)
+    names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
+    key = (device_type, mesh_shape, names, collective_timeout())
+    world = dist.group.WORLD if dist.is_initialized() else None
+    made = _made.get(key)
+    if made is not None and made[0] is world:
+        mesh = made[1]
+    else:
+        mesh = DeviceMesh(device_type, torch.arange(n).reshape(mesh_shape), mesh_dim_names=names)
+        _made[key] = (world, mesh)
     set_device_mesh(mesh)
     return mesh
+
+
+_groups: dict[tuple, tuple[object, dist.ProcessGroup]] = {}
+
+
+def process_group(ranks: Sequence[int]) -> dist.ProcessGroup:
+    """The process group over ``ranks`` (global ranks), with the vescale collective
+    timeout, made once per world (``init_device_mesh`` says why: torch never frees one).
+    As with torch's ``new_group``, every rank of the world calls it for every group, in
+    the same order, whether or not it is a member."""
+    key = (tuple(int(r) for r in ranks), collective_timeout())
+    world = dist.group.WORLD
+    made = _groups.get(key)
+    if made is None or made[0] is not world:
+        made = (world, dist.new_group(list(key[0]), timeout=key[1]))
+        _groups[key] = made
+    return made[1]
 
 
 def get_device_mesh() -> DeviceMesh:

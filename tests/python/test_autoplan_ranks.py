@@ -157,6 +157,7 @@ def test_a_generated_plan_trains_to_single_device_losses(pool4, constraints, lik
 def _case_trials():
     """Plans the GPT with 3 finalists trained, the second of them made to fail; returns what
     the caller can check on every rank."""
+    import vescale.autoplan.eager as eager
     import vescale.autoplan.trials as trials
     model = gpt()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -172,10 +173,15 @@ def _case_trials():
         return train(result, candidate, *args, **kwargs)
 
     trials._train = failing_second
+    # Three finalists whatever the profile measured: under load the third distinct plan
+    # can be predicted past the 50% margin, and this test is about the trials themselves.
+    pick = eager.finalists
+    eager.finalists = lambda ranked, problem, count: pick(ranked, problem, count, margin=100.0)
     try:
         result = plan_eager(model, tokens(), world=4, steps=1, trials=3)
     finally:
         trials._train = train
+        eager.finalists = pick
     untouched = (torch.equal(rng, torch.get_rng_state()),
                  all(torch.equal(before[n], p.detach()) for n, p in model.named_parameters()),
                  all(p.grad is None for p in model.parameters()))

@@ -5,6 +5,7 @@ under another one; accumulation, clipping, parameter groups, recomputation and t
 errors for plans that do not fit."""
 
 import functools
+import os
 
 import pytest
 import torch
@@ -101,6 +102,29 @@ def _case_gpt(name: str) -> tuple[list[float], list[float]]:
 def test_rfc_loop_matches_single_device(pool4, name):
     for losses, ref in pool4.run(_case_gpt, name):
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+
+
+def _case_parallelize_again_and_again() -> tuple[list[int], bool, bool]:
+    """Threads of this rank after each of six parallelize calls (two meshes, in turn),
+    and whether the same mesh comes back for the same shape and names."""
+    threads = []
+    for i in range(6):
+        plan = Plan(PLANS["dp2-tp2-sp-zero2" if i % 2 else "pp2-tp2"])
+        plan.update({"data.global_batch_size": GLOBAL_BATCH})
+        vescale.parallelize(plan, _gpt({"n_layer": 2}), _adamw, None, _dataset())
+        threads.append(len(os.listdir("/proc/self/task")))
+    a = vescale.init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
+    same = vescale.init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP")) is a
+    other = vescale.init_device_mesh("cpu", (2, 2), mesh_dim_names=("PP", "TP")) is not a
+    return threads, same, other
+
+
+def test_parallelize_again_and_again_keeps_its_process_groups(pool4):
+    """Each parallelize used to make its mesh's process groups anew, which torch never
+    frees (gloo: threads and sockets): a sweep or the planner's trials gathered them."""
+    for threads, same, other in pool4.run(_case_parallelize_again_and_again):
+        assert same and other
+        assert threads[2:] == [threads[1]] * 4, threads  # both meshes made once: no thread more after
 
 
 # ---- a Hugging Face model, its plan from its config ----------------------------------------------

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..device_mesh import process_group
+
 __all__ = ["CommModel", "measure_comm", "KINDS"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
@@ -126,7 +128,7 @@ def _groups(world: int, g: int):
     me = dist.get_rank()
     for start in range(0, world, g):
         ranks = list(range(start, start + g))
-        pg = dist.new_group(ranks) if g < world else dist.group.WORLD
+        pg = process_group(ranks) if g < world else dist.group.WORLD
         if me in ranks:
             mine = (pg, ranks)
     return mine

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ... import _trace
 from ...deferred import has_deferred, is_deferred, materialize_module
-from ...device_mesh import DeviceMesh
+from ...device_mesh import DeviceMesh, process_group
 from ...dtensor import DTensor
 from ..._local import local_of
 from .p2p import Boundary
@@ -132,7 +132,7 @@ class PipelineParallel(nn.Module):
         ranks = self.mesh.mesh.movedim(pp, -1).reshape(-1, self.pp_size)
         for members in sets:
             for row in ranks.tolist():
-                g = dist.new_group([row[m] for m in members])
+                g = process_group([row[m] for m in members])
                 if dist.get_rank() in row:
                     groups[members] = g
         return [(name, groups[tuple(r)]) for name, r in shared]
