@@ -220,16 +220,19 @@ class _Steps:
 # ---- what parallelize returns ----------------------------------------------------------------
 
 class _ScaleGrad(torch.autograd.Function):
-    """The identity whose backward multiplies the gradient (loss scaling, 1/k)."""
+    """The identity whose backward multiplies the gradient (loss scaling, 1/k, 1/DP) and
+    first calls ``on_backward`` (DDP's ``mark_shares``, when it divides by the DP size)."""
 
     @staticmethod
-    def forward(ctx, x, factor):
-        ctx.factor = factor
+    def forward(ctx, x, factor, on_backward):
+        ctx.factor, ctx.on_backward = factor, on_backward
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return g * ctx.factor, None
+        if ctx.on_backward is not None:
+            ctx.on_backward()
+        return g * ctx.factor, None, None
 
 
 class ParallelModel(nn.Module):
@@ -271,10 +274,18 @@ class ParallelModel(nn.Module):
         return out
 
     def _for_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss whose gradient is this rank's share of one device's: over the
+        accumulation steps and the DP ranks (DDP then sums; see ``DDP.mark_shares``), and
+        loss-scaled."""
         factor = 1.0 / self._steps.k
         if self._scaler is not None:
             factor *= self._scaler.scale
-        return _ScaleGrad.apply(loss, factor) if factor != 1.0 and loss.requires_grad else loss
+        ddp = self.ddp if self.ddp is not None and self.ddp.world > 1 else None
+        if ddp is not None:
+            factor /= ddp.world
+        if not loss.requires_grad or (factor == 1.0 and ddp is None):
+            return loss
+        return _ScaleGrad.apply(loss, factor, ddp.mark_shares if ddp is not None else None)
 
     def _global(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean over DP ranks as the value; the gradient is this rank's loss's."""

@@ -19,9 +19,13 @@ as backward has produced it, so whole gradients never pile up.
 Tensor-parallel parameters replicated over a TP dim get gradients Partial over it (see
 ``vescale.parallel.tp_grads``); DDP reduces those too, in the same buckets: when the DP
 and TP groups together are the world, by one all-reduce over the world group (the sum
-over both at once, then divided by the DP size); otherwise the TP sum follows the DP
-one, one collective per bucket. Under ZeRO-2 the TP sum is taken of each rank's slices
-only, after the reduce-scatter.
+over both at once); otherwise the TP sum follows the DP one, one collective per bucket.
+Under ZeRO-2 the TP sum is taken of each rank's slices only, after the reduce-scatter.
+
+The average divides before it sums, as torch's DDP does (an fp16 sum of loss-scaled
+gradients can overflow where their average does not); a backward whose loss gradient was
+divided by the DP size already (``mark_shares``: ``vescale.parallelize``'s model) is
+summed only.
 """
 
 from __future__ import annotations
@@ -108,6 +112,7 @@ class DDP(nn.Module):
         self._cap_mb = bucket_cap_mb
         self._sync = True
         self._callback_queued = False
+        self._shares = False  # this backward's gradients are shares of the average (mark_shares)
         self.sharded_parameters = None  # ZeRO-3's, set by DistributedOptimizer
         self.buckets = self._make_buckets(bucket_cap_mb, by_unit=reduce_scatter)
         from .pipeline.engine import is_pipeline  # (the pipeline imports this module)
@@ -237,6 +242,19 @@ class DDP(nn.Module):
 
     # ---- backward ----
 
+    def mark_shares(self) -> None:
+        """The gradients of the backward now running are each rank's share of the average
+        already: the loss's gradient was divided by the DP size at the root of the graph
+        (``vescale.parallelize``'s model does so), so they are summed, not averaged.
+        Dividing at the root keeps a local batch's loss-scaled fp16 gradients as small as
+        one device's: the gradient of a local mean is DP times larger and can overflow
+        inside the backward where one device's does not (set-up fuzzer, seed 14332)."""
+        self._shares = True
+
+    @property
+    def _divisor(self) -> int:
+        return 1 if self._shares else self.world
+
     def _grad_ready(self, param: nn.Parameter) -> None:
         if not self._sync:
             return
@@ -260,7 +278,7 @@ class DDP(nn.Module):
         # over DP x TP at once where one group (the world) holds both
         over_world = [self._sums_over_world(s.param) for s in b.slots]
         b.tp = launch_partial_sums([s.param for s, w in zip(b.slots, over_world) if w],
-                                   over_world=True, divide_by=self.world)
+                                   over_world=True, divide_by=self._divisor)
         b.in_buffer = [s for s, w in zip(b.slots, over_world) if not w]
         if self.world == 1:  # one DP rank: its gradients are their average; only TP sums remain
             b.tp += launch_partial_sums([s.param for s in b.in_buffer if self._is_partial(s.param)])
@@ -277,7 +295,8 @@ class DDP(nn.Module):
         b.buffer = b.kept[:total]
         if flat:
             torch.cat(flat, out=b.buffer)
-        b.buffer.div_(self.world)  # before the sum (see _launch_reduce_scatter)
+        if self._divisor != 1:
+            b.buffer.div_(self._divisor)  # before the sum (see _launch_reduce_scatter)
         token = _trace.collective_started("all_reduce", self.group, b.buffer, source="ddp")
         b.work = (_trace.traced(dist.all_reduce(b.buffer, group=self.group, async_op=True), token), b.buffer)
 
@@ -328,7 +347,8 @@ class DDP(nn.Module):
         # The average divides before the sum, as torch's DDP does: an fp16 sum of DP ranks'
         # loss-scaled gradients can overflow where their average does not, and skip a step
         # one device would take (set-up fuzzer, seed 13083: ZeRO-3 over DP4 in fp16).
-        b.buffer.div_(self.world)
+        if self._divisor != 1:
+            b.buffer.div_(self._divisor)
         out = torch.empty(b.chunk_total, dtype=b.dtype, device=b.device)
         token = _trace.collective_started("reduce_scatter", self.group, b.buffer, source="zero")
         b.work = (_trace.traced(_reduce_scatter(out, b.buffer.view(-1), self.group), token), out)
@@ -338,6 +358,7 @@ class DDP(nn.Module):
 
     def _finish(self) -> None:
         self._callback_queued = False
+        self._shares = False  # read by every launch of this backward; the next one says again
         for b in self.buckets:
             if b.work is None:
                 self._launch(b)  # a parameter did not get a gradient this step
