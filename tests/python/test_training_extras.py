@@ -5,6 +5,7 @@ their own meshes in one program, and parallelize_module's errors."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -153,6 +154,27 @@ def test_fp16_loss_scaling_skips_on_every_rank(pool4):
     for res in pool4.run(_case_loss_scaling):
         assert res[0] == (True, 1.0)   # a clean step updates and keeps the scale
         assert res[1] == (False, 0.5)  # one rank's overflow: nobody updates, the scale halves
+
+
+def _case_fixed_scale_overflow():
+    m = mesh("1d4")
+    model = DDP(torch.nn.Linear(8, 8), m)
+    opt = DistributedOptimizer(torch.optim.SGD, models=[model], zero_stage=1, loss_scale=1024.0, lr=0.1)
+    opt.scale_loss(model(torch.ones(2, 8)).sum()).backward()
+    for p in model.parameters():
+        p.grad.fill_(float("inf"))
+    before = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    return (all(torch.equal(b, p) for b, p in zip(before, model.parameters())), opt.scaler.scale,
+            [str(w.message) for w in caught])
+
+
+def test_a_fixed_loss_scale_that_overflows_says_so(pool4):
+    for unchanged, scale, messages in pool4.run(_case_fixed_scale_overflow):
+        assert unchanged and scale == 1024.0
+        assert any("fixed loss_scale 1024 skipped this step" in m for m in messages), messages
 
 
 def _case_fp16_average_does_not_overflow(reduce_scatter: bool):

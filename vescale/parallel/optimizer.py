@@ -25,6 +25,7 @@ gradient, and adapts the scale.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -345,6 +346,10 @@ class _LossScaler:
                 found.fill_(1.0)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)  # any rank's overflow skips the step everywhere
         ok = found.item() == 0.0
+        if not ok and not self.dynamic:
+            warnings.warn(f"vescale: an inf or NaN gradient at the fixed loss_scale {self.scale:g} skipped this step "
+                          f"on every rank; a scale that overflows every step never trains: lower it, or use "
+                          f"loss_scale='dynamic', which halves on overflow", stacklevel=3)
         if self.dynamic:
             if not ok:
                 self.scale /= 2.0
