@@ -22,10 +22,10 @@ and TP groups together are the world, by one all-reduce over the world group (th
 over both at once); otherwise the TP sum follows the DP one, one collective per bucket.
 Under ZeRO-2 the TP sum is taken of each rank's slices only, after the reduce-scatter.
 
-The average divides before it sums, as torch's DDP does (an fp16 sum of loss-scaled
-gradients can overflow where their average does not); a backward whose loss gradient was
-divided by the DP size already (``mark_shares``: ``vescale.parallelize``'s model) is
-summed only.
+In fp16 the average divides before it sums, as torch's DDP does (an fp16 sum of
+loss-scaled gradients can overflow where their average does not); in wider types it
+divides the (smaller) result. A backward whose loss gradient was divided by the DP size
+already (``mark_shares``: ``vescale.parallelize``'s model) is summed only.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ class Bucket:
     # world x chunk_total, it also takes ZeRO-1's gather of the updated parameters.
     kept: torch.Tensor | None = None
     cap_bytes: int = 0  # what counts against bucket_cap_mb (_even_share_bytes)
+    divide_after: int = 1  # what the collective's result is divided by (see DDP._divide)
 
     def numel(self) -> int:
         return self.chunk_total
@@ -251,9 +252,17 @@ class DDP(nn.Module):
         inside the backward where one device's does not (set-up fuzzer, seed 14332)."""
         self._shares = True
 
-    @property
-    def _divisor(self) -> int:
-        return 1 if self._shares else self.world
+    def _divide(self, b: Bucket, buffer: torch.Tensor) -> None:
+        """The average's division, at a bucket's launch: before the sum in fp16, whose
+        range a sum of DP ranks' loss-scaled gradients can overflow where their average
+        does not (as torch's DDP divides first); after it otherwise, on the collective's
+        result, which a reduce-scatter makes DP times smaller. None for shares."""
+        divisor = 1 if self._shares else self.world
+        b.divide_after = 1
+        if divisor != 1 and buffer.dtype == torch.float16:
+            buffer.div_(divisor)
+        else:
+            b.divide_after = divisor
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         if not self._sync:
@@ -278,7 +287,7 @@ class DDP(nn.Module):
         # over DP x TP at once where one group (the world) holds both
         over_world = [self._sums_over_world(s.param) for s in b.slots]
         b.tp = launch_partial_sums([s.param for s, w in zip(b.slots, over_world) if w],
-                                   over_world=True, divide_by=self._divisor)
+                                   over_world=True, divide_by=1 if self._shares else self.world)
         b.in_buffer = [s for s, w in zip(b.slots, over_world) if not w]
         if self.world == 1:  # one DP rank: its gradients are their average; only TP sums remain
             b.tp += launch_partial_sums([s.param for s in b.in_buffer if self._is_partial(s.param)])
@@ -295,8 +304,7 @@ class DDP(nn.Module):
         b.buffer = b.kept[:total]
         if flat:
             torch.cat(flat, out=b.buffer)
-        if self._divisor != 1:
-            b.buffer.div_(self._divisor)  # before the sum (see _launch_reduce_scatter)
+        self._divide(b, b.buffer)
         token = _trace.collective_started("all_reduce", self.group, b.buffer, source="ddp")
         b.work = (_trace.traced(dist.all_reduce(b.buffer, group=self.group, async_op=True), token), b.buffer)
 
@@ -344,11 +352,9 @@ class DDP(nn.Module):
             if earlier is not b and earlier.work is not None and earlier.work[0] is not None:
                 earlier.work[0].wait()
                 earlier.work = (None, earlier.work[1])
-        # The average divides before the sum, as torch's DDP does: an fp16 sum of DP ranks'
-        # loss-scaled gradients can overflow where their average does not, and skip a step
-        # one device would take (set-up fuzzer, seed 13083: ZeRO-3 over DP4 in fp16).
-        if self._divisor != 1:
-            b.buffer.div_(self._divisor)
+        # (an fp16 sum dividing after overflowed and skipped a step one device takes: set-up
+        # fuzzer, seed 13083, ZeRO-3 over DP4)
+        self._divide(b, b.buffer)
         out = torch.empty(b.chunk_total, dtype=b.dtype, device=b.device)
         token = _trace.collective_started("reduce_scatter", self.group, b.buffer, source="zero")
         b.work = (_trace.traced(_reduce_scatter(out, b.buffer.view(-1), self.group), token), out)
@@ -367,6 +373,8 @@ class DDP(nn.Module):
             work, result = b.work
             if work is not None:  # (None: a reduce-scatter waited for already)
                 work.wait()
+            if b.divide_after != 1:
+                result.div_(b.divide_after)
             offset = 0
             for s in b.in_buffer:
                 if self.reduce_scatter:  # a view: the bucket's slice buffer lives until zero_grad
