@@ -274,13 +274,17 @@ class ParallelModel(nn.Module):
         return out
 
     def _for_backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss whose gradient is this rank's share of one device's: over the
-        accumulation steps and the DP ranks (DDP then sums; see ``DDP.mark_shares``), and
-        loss-scaled."""
+        """The loss whose gradient is over the accumulation steps and, with loss scaling,
+        scaled and over the DP ranks too: each rank then backpropagates its share of one
+        device's gradient, which overflows fp16 no sooner than one device's does (the
+        gradient of a local mean is DP times larger), and DDP sums the shares
+        (``DDP.mark_shares``). Without loss scaling DDP averages, so that a term added to
+        the loss outside the model's output still gets the average its gradient needs."""
         factor = 1.0 / self._steps.k
         if self._scaler is not None:
             factor *= self._scaler.scale
-        ddp = self.ddp if self.ddp is not None and self.ddp.world > 1 else None
+        scaled = self._scaler is not None and self.ddp is not None and self.ddp.world > 1
+        ddp = self.ddp if scaled else None
         if ddp is not None:
             factor /= ddp.world
         if not loss.requires_grad or (factor == 1.0 and ddp is None):

@@ -104,6 +104,37 @@ def test_rfc_loop_matches_single_device(pool4, name):
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
 
 
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _with_l2(model, *args):
+    """The model's loss plus a term computed outside it (an L2 penalty on the parameters)."""
+    loss = model(*args)
+    l2 = sum((p.full_tensor() if isinstance(p, vescale.DTensor) else p).pow(2).sum() for p in model.parameters())
+    return loss + 1e-3 * l2
+
+
+def _case_term_outside_the_model(name: str) -> tuple[list[float], list[float]]:
+    plan = Plan(PLANS[name])
+    plan.update({"data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 2}), _sgd, None, _dataset())
+    losses = _rfc_loop(model, optimizer, loader, STEPS, call=_with_l2)
+    data = _dataset()
+    batches = [(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+               for i in range(0, GLOBAL_BATCH * STEPS, GLOBAL_BATCH)]
+    return losses, _single_device(lambda: _gpt({"n_layer": 2}), _sgd, batches, call=_with_l2)
+
+
+@pytest.mark.parametrize("name", ["dp4", "dp2-tp2-sp-zero2"])
+def test_a_loss_term_outside_the_model_is_averaged_like_the_rest(pool4, name):
+    """A term added to the returned loss (its gradient the same on every DP rank) trains as
+    on one device: DDP averages it with the model's gradients (SGD, so that the penalty's
+    gradient moves the losses at once)."""
+    for losses, ref in pool4.run(_case_term_outside_the_model, name):
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+
+
 def _case_parallelize_again_and_again() -> tuple[list[int], bool, bool]:
     """Threads of this rank after each of six parallelize calls (two meshes, in turn),
     and whether the same mesh comes back for the same shape and names."""
