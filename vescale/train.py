@@ -220,19 +220,16 @@ class _Steps:
 # ---- what parallelize returns ----------------------------------------------------------------
 
 class _ScaleGrad(torch.autograd.Function):
-    """The identity whose backward multiplies the gradient (loss scaling, 1/k, 1/DP) and
-    first calls ``on_backward`` (DDP's ``mark_shares``, when it divides by the DP size)."""
+    """The identity whose backward multiplies the gradient (loss scaling, 1/k)."""
 
     @staticmethod
-    def forward(ctx, x, factor, on_backward):
-        ctx.factor, ctx.on_backward = factor, on_backward
+    def forward(ctx, x, factor):
+        ctx.factor = factor
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        if ctx.on_backward is not None:
-            ctx.on_backward()
-        return g * ctx.factor, None, None
+        return g * ctx.factor, None
 
 
 class ParallelModel(nn.Module):
@@ -274,22 +271,14 @@ class ParallelModel(nn.Module):
         return out
 
     def _for_backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss whose gradient is over the accumulation steps and, with loss scaling,
-        scaled and over the DP ranks too: each rank then backpropagates its share of one
-        device's gradient, which overflows fp16 no sooner than one device's does (the
-        gradient of a local mean is DP times larger), and DDP sums the shares
-        (``DDP.mark_shares``). Without loss scaling DDP averages, so that a term added to
-        the loss outside the model's output still gets the average its gradient needs."""
+        """The loss whose gradient is over the accumulation steps and loss-scaled. Each DP
+        rank backpropagates its own batch's mean and DDP averages, as torch's DDP does: in
+        fp16 that local gradient, DP times one device's, can overflow where one device's
+        does not (docs/setup_fuzzing.md, seed 14332: open)."""
         factor = 1.0 / self._steps.k
         if self._scaler is not None:
             factor *= self._scaler.scale
-        scaled = self._scaler is not None and self.ddp is not None and self.ddp.world > 1
-        ddp = self.ddp if scaled else None
-        if ddp is not None:
-            factor /= ddp.world
-        if not loss.requires_grad or (factor == 1.0 and ddp is None):
-            return loss
-        return _ScaleGrad.apply(loss, factor, ddp.mark_shares if ddp is not None else None)
+        return _ScaleGrad.apply(loss, factor) if factor != 1.0 and loss.requires_grad else loss
 
     def _global(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean over DP ranks as the value; the gradient is this rank's loss's."""

@@ -24,8 +24,7 @@ Under ZeRO-2 the TP sum is taken of each rank's slices only, after the reduce-sc
 
 In fp16 the average divides before it sums, as torch's DDP does (an fp16 sum of
 loss-scaled gradients can overflow where their average does not); in wider types it
-divides the (smaller) result. A backward whose loss gradient was divided by the DP size
-already (``mark_shares``: ``vescale.parallelize``'s model) is summed only.
+divides the (smaller) result.
 """
 
 from __future__ import annotations
@@ -113,7 +112,6 @@ class DDP(nn.Module):
         self._cap_mb = bucket_cap_mb
         self._sync = True
         self._callback_queued = False
-        self._shares = False  # this backward's gradients are shares of the average (mark_shares)
         self.sharded_parameters = None  # ZeRO-3's, set by DistributedOptimizer
         self.buckets = self._make_buckets(bucket_cap_mb, by_unit=reduce_scatter)
         from .pipeline.engine import is_pipeline  # (the pipeline imports this module)
@@ -243,26 +241,16 @@ class DDP(nn.Module):
 
     # ---- backward ----
 
-    def mark_shares(self) -> None:
-        """The gradients of the backward now running are each rank's share of the average
-        already: the loss's gradient was divided by the DP size at the root of the graph
-        (``vescale.parallelize``'s model does so), so they are summed, not averaged.
-        Dividing at the root keeps a local batch's loss-scaled fp16 gradients as small as
-        one device's: the gradient of a local mean is DP times larger and can overflow
-        inside the backward where one device's does not (set-up fuzzer, seed 14332)."""
-        self._shares = True
-
     def _divide(self, b: Bucket, buffer: torch.Tensor) -> None:
         """The average's division, at a bucket's launch: before the sum in fp16, whose
         range a sum of DP ranks' loss-scaled gradients can overflow where their average
         does not (as torch's DDP divides first); after it otherwise, on the collective's
-        result, which a reduce-scatter makes DP times smaller. None for shares."""
-        divisor = 1 if self._shares else self.world
+        result, which a reduce-scatter makes DP times smaller."""
         b.divide_after = 1
-        if divisor != 1 and buffer.dtype == torch.float16:
-            buffer.div_(divisor)
+        if buffer.dtype == torch.float16:
+            buffer.div_(self.world)
         else:
-            b.divide_after = divisor
+            b.divide_after = self.world
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         if not self._sync:
@@ -287,7 +275,7 @@ class DDP(nn.Module):
         # over DP x TP at once where one group (the world) holds both
         over_world = [self._sums_over_world(s.param) for s in b.slots]
         b.tp = launch_partial_sums([s.param for s, w in zip(b.slots, over_world) if w],
-                                   over_world=True, divide_by=1 if self._shares else self.world)
+                                   over_world=True, divide_by=self.world)
         b.in_buffer = [s for s, w in zip(b.slots, over_world) if not w]
         if self.world == 1:  # one DP rank: its gradients are their average; only TP sums remain
             b.tp += launch_partial_sums([s.param for s in b.in_buffer if self._is_partial(s.param)])
@@ -364,7 +352,6 @@ class DDP(nn.Module):
 
     def _finish(self) -> None:
         self._callback_queued = False
-        self._shares = False  # read by every launch of this backward; the next one says again
         for b in self.buckets:
             if b.work is None:
                 self._launch(b)  # a parameter did not get a gradient this step
