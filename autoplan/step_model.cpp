@@ -185,10 +185,12 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
   const double head_p = head_params(m, c.tp) + (m.tied_embeddings && S > 1
                                                     ? static_cast<double>(m.vocab * m.hidden) / static_cast<double>(c.tp)
                                                     : 0);
-  // FP8 copies of the linear weights, cached over the step (ZeRO-3: of the gathered layers only).
+  // FP8 copies of the linear weights, cached over the step: per layer held, or (ZeRO-3)
+  // of the gathered layers only.
   const double fp8_weights = layer_fp8_weight_bytes(m, c.tp);
+  const double fp8_held = c.zero >= 3 ? 0 : fp8_weights;
   const double zero3_buffer = c.zero >= 3 ? 2 * (lp * m.dtype_bytes + fp8_weights) : 0;  // gathered layer + prefetched next
-  const double layer_static = lp * per_param + (c.zero >= 3 ? 0 : fp8_weights);
+  const double layer_static = lp * per_param + fp8_held;
 
   OrdersCache local;
   const auto orders = (cache ? cache : &local)->get(static_cast<int32_t>(p), static_cast<int32_t>(mbs),
@@ -259,8 +261,7 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
   est.config.layers_per_stage = layers;
 
   // ---- per-stage costs ----
-  std::vector<double> stage_params(static_cast<size_t>(S)), saved(static_cast<size_t>(S)),
-      stage_fp8_weights(static_cast<size_t>(S));
+  std::vector<double> stage_params(static_cast<size_t>(S)), saved(static_cast<size_t>(S));
   std::vector<PieceTime> stage_time(static_cast<size_t>(S));
   std::vector<double> zero_comm(static_cast<size_t>(S), 0);
   est.stage_forward.resize(static_cast<size_t>(S));
@@ -270,7 +271,6 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
     const double n = static_cast<double>(layers[us]);
     PieceTime t = tl.times(n);
     stage_params[us] = n * lp;
-    stage_fp8_weights[us] = c.zero >= 3 ? 0 : n * fp8_weights;
     saved[us] = n * layer.saved_bytes;
     if (s == 0) {
       t += te;
@@ -307,12 +307,12 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
   double worst = -1;
   for (int64_t q = 0; q < p; ++q) {
     Memory mem;
-    double params = 0, fp8_copies = 0;
+    double params = 0, rank_layers = 0;
     for (int64_t s = q; s < S; s += p) {
       params += stage_params[static_cast<size_t>(s)];
-      fp8_copies += stage_fp8_weights[static_cast<size_t>(s)];
+      rank_layers += static_cast<double>(layers[static_cast<size_t>(s)]);
     }
-    mem.params = params * param_b + fp8_copies;
+    mem.params = params * param_b + rank_layers * fp8_held;
     mem.grads = params * grad_b;
     mem.optimizer = params * opt_b;
     mem.activations = held[static_cast<size_t>(q)];

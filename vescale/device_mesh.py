@@ -288,9 +288,19 @@ def _init_world_from_env(device_type: str) -> None:
 
 
 _global_mesh: DeviceMesh | None = None
-# Meshes init_device_mesh made, by (device, shape, names, timeout): each with the world
-# group it was made in (a new world, after destroy_process_group, makes them anew).
-_made: dict[tuple, tuple[object, DeviceMesh]] = {}
+# Meshes init_device_mesh made, by (device, shape, names, timeout), and process groups
+# process_group made, by (ranks, timeout): each with the world group it was made in (a new
+# world, after destroy_process_group, makes them anew).
+_meshes: dict[tuple, tuple[object, DeviceMesh]] = {}
+_groups: dict[tuple, tuple[object, dist.ProcessGroup]] = {}
+
+
+def _once_per_world(made: dict, key: tuple, make):
+    world = dist.group.WORLD if dist.is_initialized() else None
+    hit = made.get(key)
+    if hit is None or hit[0] is not world:
+        hit = made[key] = (world, make())
+    return hit[1]
 
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
@@ -324,19 +334,10 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
                          f"{dist.get_world_size()}; launch more processes (torchrun --nproc-per-node) "
                          f"or use a smaller mesh")
     names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
-    key = (device_type, mesh_shape, names, collective_timeout())
-    world = dist.group.WORLD if dist.is_initialized() else None
-    made = _made.get(key)
-    if made is not None and made[0] is world:
-        mesh = made[1]
-    else:
-        mesh = DeviceMesh(device_type, torch.arange(n).reshape(mesh_shape), mesh_dim_names=names)
-        _made[key] = (world, mesh)
+    mesh = _once_per_world(_meshes, (device_type, mesh_shape, names, collective_timeout()),
+                           lambda: DeviceMesh(device_type, torch.arange(n).reshape(mesh_shape), mesh_dim_names=names))
     set_device_mesh(mesh)
     return mesh
-
-
-_groups: dict[tuple, tuple[object, dist.ProcessGroup]] = {}
 
 
 def process_group(ranks: Sequence[int]) -> dist.ProcessGroup:
@@ -344,13 +345,8 @@ def process_group(ranks: Sequence[int]) -> dist.ProcessGroup:
     timeout, made once per world (``init_device_mesh`` says why: torch never frees one).
     As with torch's ``new_group``, every rank of the world calls it for every group, in
     the same order, whether or not it is a member."""
-    key = (tuple(int(r) for r in ranks), collective_timeout())
-    world = dist.group.WORLD
-    made = _groups.get(key)
-    if made is None or made[0] is not world:
-        made = (world, dist.new_group(list(key[0]), timeout=key[1]))
-        _groups[key] = made
-    return made[1]
+    members, timeout = [int(r) for r in ranks], collective_timeout()
+    return _once_per_world(_groups, (tuple(members), timeout), lambda: dist.new_group(members, timeout=timeout))
 
 
 def get_device_mesh() -> DeviceMesh:

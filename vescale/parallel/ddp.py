@@ -74,7 +74,6 @@ class Bucket:
     # world x chunk_total, it also takes ZeRO-1's gather of the updated parameters.
     kept: torch.Tensor | None = None
     cap_bytes: int = 0  # what counts against bucket_cap_mb (_even_share_bytes)
-    divide_after: int = 1  # what the collective's result is divided by (see DDP._divide)
 
     def numel(self) -> int:
         return self.chunk_total
@@ -241,16 +240,13 @@ class DDP(nn.Module):
 
     # ---- backward ----
 
-    def _divide(self, b: Bucket, buffer: torch.Tensor) -> None:
-        """The average's division, at a bucket's launch: before the sum in fp16, whose
-        range a sum of DP ranks' loss-scaled gradients can overflow where their average
-        does not (as torch's DDP divides first); after it otherwise, on the collective's
-        result, which a reduce-scatter makes DP times smaller."""
-        b.divide_after = 1
-        if buffer.dtype == torch.float16:
-            buffer.div_(self.world)
-        else:
-            b.divide_after = self.world
+    @staticmethod
+    def _divides_first(b: Bucket) -> bool:
+        """Whether the average divides before the sum: in fp16, whose range a sum of DP
+        ranks' loss-scaled gradients can overflow where their average does not (as torch's
+        DDP divides first); otherwise after it, on the collective's result, which a
+        reduce-scatter makes DP times smaller."""
+        return b.dtype == torch.float16
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         if not self._sync:
@@ -292,7 +288,8 @@ class DDP(nn.Module):
         b.buffer = b.kept[:total]
         if flat:
             torch.cat(flat, out=b.buffer)
-        self._divide(b, b.buffer)
+        if self._divides_first(b):
+            b.buffer.div_(self.world)
         token = _trace.collective_started("all_reduce", self.group, b.buffer, source="ddp")
         b.work = (_trace.traced(dist.all_reduce(b.buffer, group=self.group, async_op=True), token), b.buffer)
 
@@ -340,9 +337,8 @@ class DDP(nn.Module):
             if earlier is not b and earlier.work is not None and earlier.work[0] is not None:
                 earlier.work[0].wait()
                 earlier.work = (None, earlier.work[1])
-        # (an fp16 sum dividing after overflowed and skipped a step one device takes: set-up
-        # fuzzer, seed 13083, ZeRO-3 over DP4)
-        self._divide(b, b.buffer)
+        if self._divides_first(b):  # (dividing after, an fp16 sum overflowed: set-up fuzzer seed 13083)
+            b.buffer.div_(self.world)
         out = torch.empty(b.chunk_total, dtype=b.dtype, device=b.device)
         token = _trace.collective_started("reduce_scatter", self.group, b.buffer, source="zero")
         b.work = (_trace.traced(_reduce_scatter(out, b.buffer.view(-1), self.group), token), out)
@@ -360,8 +356,8 @@ class DDP(nn.Module):
             work, result = b.work
             if work is not None:  # (None: a reduce-scatter waited for already)
                 work.wait()
-            if b.divide_after != 1:
-                result.div_(b.divide_after)
+            if not self._divides_first(b):
+                result.div_(self.world)
             offset = 0
             for s in b.in_buffer:
                 if self.reduce_scatter:  # a view: the bucket's slice buffer lives until zero_grad
