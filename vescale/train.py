@@ -56,6 +56,7 @@ from .parallel.ddp import DDP, local_of
 from .parallel.optimizer import DistributedOptimizer, grad_norm_power
 from .parallel.parallelize import parallelize_module
 from .parallel.pipeline.engine import PipelineParallel
+from .placement_types import Replicate
 from .plan import Plan, PlanError
 
 __all__ = ["parallelize", "ParallelModel", "ParallelOptimizer"]
@@ -220,16 +221,40 @@ class _Steps:
 # ---- what parallelize returns ----------------------------------------------------------------
 
 class _ScaleGrad(torch.autograd.Function):
-    """The identity whose backward multiplies the gradient (loss scaling, 1/k)."""
+    """The identity whose backward multiplies the gradient by ``factor`` (loss scaling,
+    1/k), then divides it by ``shares`` (the DP size, with loss scaling), first calling
+    ``on_backward`` (DDP's ``mark_shares``). Multiplying first, in the loss's dtype, keeps
+    one device's overflow: an fp16 loss's gradient at the scale 2^16 is inf on one device,
+    which skips the step there; dividing first would not overflow, and the ranks would step."""
 
     @staticmethod
-    def forward(ctx, x, factor):
-        ctx.factor = factor
+    def forward(ctx, x, factor, shares, on_backward):
+        ctx.factor, ctx.shares, ctx.on_backward = factor, shares, on_backward
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return g * ctx.factor, None
+        if ctx.on_backward is not None:
+            ctx.on_backward()
+        g = g * ctx.factor
+        return (g / ctx.shares if ctx.shares != 1 else g), None, None, None
+
+
+class _GlobalLoss(torch.autograd.Function):
+    """``value`` (the loss's mean over the DP ranks, the same bits on every rank) forward,
+    and this rank's loss's gradient backward. Adding ``mean - mine`` to the loss instead
+    rounds differently on each rank in fp16 (a Partial loss's sum rounds once per TP rank),
+    and ranks that log, or branch on, different losses drift apart."""
+
+    @staticmethod
+    def forward(ctx, loss, value):
+        if isinstance(loss, DTensor):
+            return DTensor.from_local(value, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
 
 
 class ParallelModel(nn.Module):
@@ -271,14 +296,21 @@ class ParallelModel(nn.Module):
         return out
 
     def _for_backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss whose gradient is over the accumulation steps and loss-scaled. Each DP
-        rank backpropagates its own batch's mean and DDP averages, as torch's DDP does: in
-        fp16 that local gradient, DP times one device's, can overflow where one device's
-        does not (docs/setup_fuzzing.md, seed 14332: open)."""
+        """The loss whose gradient is over the accumulation steps and loss-scaled. With loss
+        scaling, the gradient is over the DP ranks too, and DDP sums the shares
+        (``DDP.mark_shares``): the gradient of a rank's local mean is DP times one device's
+        and overflowed fp16 inside the backward where one device's does not (set-up fuzzer,
+        seed 14332; torch's DDP with a GradScaler does so). Without loss scaling DDP
+        averages, as torch's does, so that a term added to the loss outside the model's
+        output still gets the average its gradient needs."""
         factor = 1.0 / self._steps.k
         if self._scaler is not None:
             factor *= self._scaler.scale
-        return _ScaleGrad.apply(loss, factor) if factor != 1.0 and loss.requires_grad else loss
+        ddp = self.ddp if self._scaler is not None and self.ddp is not None and self.ddp.world > 1 else None
+        shares = ddp.world if ddp is not None else 1
+        if not loss.requires_grad or (factor == 1.0 and ddp is None):
+            return loss
+        return _ScaleGrad.apply(loss, factor, shares, ddp.mark_shares if ddp is not None else None)
 
     def _global(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean over DP ranks as the value; the gradient is this rank's loss's."""
@@ -288,7 +320,7 @@ class ParallelModel(nn.Module):
         mine = mine.full_tensor() if isinstance(mine, DTensor) else mine
         total = mine.clone()  # (mine may share the loss's storage)
         dist.all_reduce(total, group=self._dp_group)
-        return loss + (total / self._dp_size - mine)
+        return _GlobalLoss.apply(loss, total / self._dp_size)
 
     def _pipeline_step(self, args, kwargs) -> torch.Tensor:
         if not (torch.is_grad_enabled() and self.training):

@@ -432,6 +432,7 @@ def check(setup: dict, work_dir: str) -> tuple[str, str]:
     from vescale import PlanError
     os.makedirs(work_dir, exist_ok=True)
     try:
+        got = None
         try:
             got = on_ranks(setup, work_dir)
         except (PlanError, NotImplementedError) as e:
@@ -441,7 +442,14 @@ def check(setup: dict, work_dir: str) -> tuple[str, str]:
             where = next((f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(frames)
                           if "/vescale/" in f.filename), "")
             return "error", f"{type(e).__name__}: {str(e)[:300]} ({where})"
+        finally:
+            # every rank reports the same global losses, bit for bit: replicas that drift
+            # apart by rounding stay within the tolerances against one device, not here
+            seen = [None] * dist.get_world_size()
+            dist.all_gather_object(seen, None if got is None else (got["losses"], got["evals"]))
         problems = compare(setup, got, reference(setup))
+        if any(s is not None and s != seen[dist.get_rank()] for s in seen):
+            problems.append(f"ranks report different losses: {[s[0] for s in seen if s is not None]}")
         return ("wrong", "; ".join(problems)[:1500]) if problems else ("ok", "")
     finally:
         dist.barrier()

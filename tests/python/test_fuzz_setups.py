@@ -149,6 +149,40 @@ REGRESSIONS = [
       "optimizer": {"kind": "sgd"},
       "loop": {"steps": 1, "seq": 12, "batch": 4, "scheduler": None, "eval_after": None, "resume": None},
       "init_seed": 207, "data_seed": 252}),
+    # Wrong (a skipped step): fp16 loss scaling over DP4, ZeRO-1, a tied Qwen2. Each rank
+    # backpropagated 2^16 times the mean of its own 2 sequences, a gradient 4 times one
+    # device's (the mean of 8): it overflowed inside the backward on two ranks, and every
+    # rank skipped the step one device takes. The loss's gradient is divided by the DP size
+    # at the root now, and DDP sums those shares (DDP.mark_shares).
+    ("fp16 loss scaling over DP4, local-mean gradients, Qwen2",
+     {"model": {"kind": "hf_qwen2", "width": 8, "heads": 2, "kv_heads": 2, "vocab": 64, "layers": 1, "tied": True},
+      "plan": {"mesh": {"DP": 4}, "data_parallel.zero_stage": 1, "mixed_precision.param_dtype": "float16",
+               "mixed_precision.loss_scale": "dynamic"},
+      "optimizer": {"kind": "sgd"},
+      "loop": {"steps": 1, "seq": 12, "batch": 8, "scheduler": None, "eval_after": None, "resume": None},
+      "init_seed": 49, "data_seed": 790}),
+    # Wrong (a step taken), with that fix's first version: the ranks stepped where one
+    # device skips. An fp16 loss's gradient at the scale 2^16 is inf (fp16 ends at 65,504),
+    # so one device skips its first step; the ranks' 2^16 / 4 was finite. The root now
+    # multiplies by the scale first, in the loss's dtype, and divides by the DP size after.
+    ("fp16 loss scaling over DP4, the root gradient's own overflow, BERT",
+     {"model": {"kind": "hf_bert", "width": 8, "heads": 2, "vocab": 70, "layers": 1},
+      "plan": {"mesh": {"DP": 4}, "data_parallel.zero_stage": 1, "mixed_precision.param_dtype": "float16",
+               "mixed_precision.loss_scale": "dynamic"},
+      "optimizer": {"kind": "sgd"},
+      "loop": {"steps": 1, "seq": 8, "batch": 4, "scheduler": None, "eval_after": None, "resume": None},
+      "init_seed": 293, "data_seed": 428}),
+    # Ranks that disagree (found once the fuzzer compared the ranks' losses bit for bit):
+    # DP2 x TP2, fp32. The loss returned was this rank's loss + (mean - mine); with a loss
+    # Partial over TP that sum rounds once per TP rank, and the two DP rows reported losses
+    # an ulp apart. The loss's value is now the mean itself (the same bits on every rank).
+    ("the global loss is the same bits on every rank, DP2 x TP2, Llama",
+     {"model": {"kind": "llama", "width": 8, "heads": 2, "kv_heads": 2, "vocab": 48, "layers": 4},
+      "plan": {"mesh": {"DP": 2, "TP": 2}, "data_parallel.zero_stage": 0, "tensor_parallel.sequence_parallel": False},
+      "optimizer": {"kind": "sgd"},
+      "loop": {"steps": 2, "seq": 12, "batch": 4, "scheduler": None, "eval_after": None, "resume": None,
+               "data": {"epoch_batches": 2, "seed": 60, "shuffle": True}},
+      "init_seed": 766, "data_seed": 391}),
 ]
 
 

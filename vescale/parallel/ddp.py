@@ -24,7 +24,9 @@ Under ZeRO-2 the TP sum is taken of each rank's slices only, after the reduce-sc
 
 In fp16 the average divides before it sums, as torch's DDP does (an fp16 sum of
 loss-scaled gradients can overflow where their average does not); in wider types it
-divides the (smaller) result.
+divides the (smaller) result. A backward whose loss gradient was divided by the DP size
+at the root already (``mark_shares``: ``vescale.parallelize``'s model with loss scaling,
+so that a rank's loss-scaled fp16 gradients stay as small as one device's) is summed only.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ class DDP(nn.Module):
         self._cap_mb = bucket_cap_mb
         self._sync = True
         self._callback_queued = False
+        self._shares = False  # this backward's gradients are shares of the average (mark_shares)
         self.sharded_parameters = None  # ZeRO-3's, set by DistributedOptimizer
         self.buckets = self._make_buckets(bucket_cap_mb, by_unit=reduce_scatter)
         from .pipeline.engine import is_pipeline  # (the pipeline imports this module)
@@ -240,6 +243,16 @@ class DDP(nn.Module):
 
     # ---- backward ----
 
+    def mark_shares(self) -> None:
+        """The gradients of the backward now running are each rank's share of the average
+        already (the loss's gradient was divided by the DP size at the root of the graph):
+        they are summed, not averaged. Read by every launch of this backward, reset when
+        it ends."""
+        self._shares = True
+
+    def _divisor(self) -> int:
+        return 1 if self._shares else self.world
+
     @staticmethod
     def _divides_first(b: Bucket) -> bool:
         """Whether the average divides before the sum: in fp16, whose range a sum of DP
@@ -271,7 +284,7 @@ class DDP(nn.Module):
         # over DP x TP at once where one group (the world) holds both
         over_world = [self._sums_over_world(s.param) for s in b.slots]
         b.tp = launch_partial_sums([s.param for s, w in zip(b.slots, over_world) if w],
-                                   over_world=True, divide_by=self.world)
+                                   over_world=True, divide_by=self._divisor())
         b.in_buffer = [s for s, w in zip(b.slots, over_world) if not w]
         if self.world == 1:  # one DP rank: its gradients are their average; only TP sums remain
             b.tp += launch_partial_sums([s.param for s in b.in_buffer if self._is_partial(s.param)])
@@ -288,8 +301,8 @@ class DDP(nn.Module):
         b.buffer = b.kept[:total]
         if flat:
             torch.cat(flat, out=b.buffer)
-        if self._divides_first(b):
-            b.buffer.div_(self.world)
+        if self._divides_first(b) and self._divisor() != 1:
+            b.buffer.div_(self._divisor())
         token = _trace.collective_started("all_reduce", self.group, b.buffer, source="ddp")
         b.work = (_trace.traced(dist.all_reduce(b.buffer, group=self.group, async_op=True), token), b.buffer)
 
@@ -337,8 +350,8 @@ class DDP(nn.Module):
             if earlier is not b and earlier.work is not None and earlier.work[0] is not None:
                 earlier.work[0].wait()
                 earlier.work = (None, earlier.work[1])
-        if self._divides_first(b):  # (dividing after, an fp16 sum overflowed: set-up fuzzer seed 13083)
-            b.buffer.div_(self.world)
+        if self._divides_first(b) and self._divisor() != 1:  # (dividing after, an fp16 sum overflowed: seed 13083)
+            b.buffer.div_(self._divisor())
         out = torch.empty(b.chunk_total, dtype=b.dtype, device=b.device)
         token = _trace.collective_started("reduce_scatter", self.group, b.buffer, source="zero")
         b.work = (_trace.traced(_reduce_scatter(out, b.buffer.view(-1), self.group), token), out)
@@ -356,8 +369,8 @@ class DDP(nn.Module):
             work, result = b.work
             if work is not None:  # (None: a reduce-scatter waited for already)
                 work.wait()
-            if not self._divides_first(b):
-                result.div_(self.world)
+            if not self._divides_first(b) and self._divisor() != 1:
+                result.div_(self._divisor())
             offset = 0
             for s in b.in_buffer:
                 if self.reduce_scatter:  # a view: the bucket's slice buffer lives until zero_grad
@@ -374,6 +387,7 @@ class DDP(nn.Module):
             b.work, b.buffer, b.in_buffer, b.partial = None, None, [], []
         if partial:
             self._sum_partial_slices(partial)
+        self._shares = False  # after every launch above: the next backward says again
 
     def _sum_partial_slices(self, partial: list[tuple[Slot, tuple[int, ...]]]) -> None:
         """ZeRO-2: this rank's slices of Partial (TP) gradients, summed over their TP
