@@ -52,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 from .deferred import cast_deferred
 from .device_mesh import DeviceMesh, init_device_mesh
 from .dtensor import DTensor
-from .parallel.ddp import DDP, local_of
+from .parallel.ddp import DDP, as_shares, local_of
 from .parallel.optimizer import DistributedOptimizer, grad_norm_power
 from .parallel.parallelize import parallelize_module
 from .parallel.pipeline.engine import PipelineParallel
@@ -221,23 +221,16 @@ class _Steps:
 # ---- what parallelize returns ----------------------------------------------------------------
 
 class _ScaleGrad(torch.autograd.Function):
-    """The identity whose backward multiplies the gradient by ``factor`` (loss scaling,
-    1/k), then divides it by ``shares`` (the DP size, with loss scaling), first calling
-    ``on_backward`` (DDP's ``mark_shares``). Multiplying first, in the loss's dtype, keeps
-    one device's overflow: an fp16 loss's gradient at the scale 2^16 is inf on one device,
-    which skips the step there; dividing first would not overflow, and the ranks would step."""
+    """The identity whose backward multiplies the gradient (loss scaling, 1/k)."""
 
     @staticmethod
-    def forward(ctx, x, factor, shares, on_backward):
-        ctx.factor, ctx.shares, ctx.on_backward = factor, shares, on_backward
+    def forward(ctx, x, factor):
+        ctx.factor = factor
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        if ctx.on_backward is not None:
-            ctx.on_backward()
-        g = g * ctx.factor
-        return (g / ctx.shares if ctx.shares != 1 else g), None, None, None
+        return g * ctx.factor, None
 
 
 class _GlobalLoss(torch.autograd.Function):
@@ -298,7 +291,7 @@ class ParallelModel(nn.Module):
     def _for_backward(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss whose gradient is over the accumulation steps and loss-scaled. With loss
         scaling, the gradient is over the DP ranks too, and DDP sums the shares
-        (``DDP.mark_shares``): the gradient of a rank's local mean is DP times one device's
+        (``ddp.as_shares``): the gradient of a rank's local mean is DP times one device's
         and overflowed fp16 inside the backward where one device's does not (set-up fuzzer,
         seed 14332; torch's DDP with a GradScaler does so). Without loss scaling DDP
         averages, as torch's does, so that a term added to the loss outside the model's
@@ -306,11 +299,9 @@ class ParallelModel(nn.Module):
         factor = 1.0 / self._steps.k
         if self._scaler is not None:
             factor *= self._scaler.scale
-        ddp = self.ddp if self._scaler is not None and self.ddp is not None and self.ddp.world > 1 else None
-        shares = ddp.world if ddp is not None else 1
-        if not loss.requires_grad or (factor == 1.0 and ddp is None):
-            return loss
-        return _ScaleGrad.apply(loss, factor, shares, ddp.mark_shares if ddp is not None else None)
+            if self.ddp is not None:
+                loss = as_shares(loss, [self.ddp])
+        return _ScaleGrad.apply(loss, factor) if factor != 1.0 and loss.requires_grad else loss
 
     def _global(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean over DP ranks as the value; the gradient is this rank's loss's."""

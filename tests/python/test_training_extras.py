@@ -195,6 +195,44 @@ def test_fp16_gradient_average_does_not_overflow_in_the_sum(pool4, reduce_scatte
         assert flat.numel() >= 1 and torch.equal(flat, torch.full_like(flat, 30000.0)), grad
 
 
+def _case_loss_scaling_backpropagates_shares(stage: int):
+    """fp16 loss scaling over DP4 at a fixed scale of 2^15: the gradient at the hidden
+    layer is 2^15 / 8 x 8 = 32,768 per sample on one device (the mean of 8 samples); a
+    rank's mean of its own 2 would make it 4 times that, past fp16's 65,504, and skip a
+    step one device takes. ``scale_loss`` starts every rank's backward from its share."""
+    m = mesh("1d4")
+
+    def build():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 1, bias=False)).half()
+        with torch.no_grad():
+            model[0].weight.fill_(0.01)
+            model[1].weight.fill_(8.0)
+        return model
+
+    x = torch.full((8, 4), 0.01, dtype=torch.float16)
+    x[:, 0] = torch.arange(8, dtype=torch.float16) / 100  # samples differ
+    one = build()
+    (one(x).mean() * 2.0**15).backward()
+    want = [p.grad.float() / 2.0**15 for p in one.parameters()]
+    assert all(torch.isfinite(w).all() for w in want)
+    model = DDP(build(), m)
+    opt = DistributedOptimizer(torch.optim.SGD, models=[model], zero_stage=stage, loss_scale=2.0**15, lr=0.1)
+    mine = x.chunk(4)[dist.get_rank()]
+    opt.scale_loss(model(mine).mean()).backward()
+    # ZeRO-1 all-reduces whole gradients (still scaled): one device's, to fp16's rounding
+    got = [p.grad.float() / 2.0**15 for p in model.parameters()] if stage == 1 else want
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()  # warns if an inf skipped it
+    return [mismatch(g, w, rtol=1e-2, atol=1e-7) for g, w in zip(got, want)], [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp16_loss_scaling_backpropagates_each_ranks_share(pool4, stage):
+    for mismatches, warned in pool4.run(_case_loss_scaling_backpropagates_shares, stage):
+        assert warned == [] and mismatches == [None, None], (warned, mismatches)
+
+
 def _case_two_models():
     """An actor on a 2-way TP mesh inside the 2x2 mesh and a critic on the 4-way mesh,
     trained alternately in one program."""

@@ -25,8 +25,8 @@ Under ZeRO-2 the TP sum is taken of each rank's slices only, after the reduce-sc
 In fp16 the average divides before it sums, as torch's DDP does (an fp16 sum of
 loss-scaled gradients can overflow where their average does not); in wider types it
 divides the (smaller) result. A backward whose loss gradient was divided by the DP size
-at the root already (``mark_shares``: ``vescale.parallelize``'s model with loss scaling,
-so that a rank's loss-scaled fp16 gradients stay as small as one device's) is summed only.
+at the root already (``as_shares``, with loss scaling: a rank's loss-scaled fp16
+gradients then stay as small as one device's) is summed only.
 """
 
 from __future__ import annotations
@@ -401,6 +401,37 @@ class DDP(nn.Module):
             buffer = torch.cat(shards)
             sum_over_dims(buffer, slots[0].param.device_mesh, dims)
             copy_back(buffer, shards)
+
+
+class _Shares(torch.autograd.Function):
+    """The identity whose backward divides the gradient by the DP size and marks the
+    DDPs' backward as summing shares (``DDP.mark_shares``)."""
+
+    @staticmethod
+    def forward(ctx, loss, ddps):
+        ctx.ddps = ddps
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, g):
+        for ddp in ctx.ddps:
+            ddp.mark_shares()
+        return g / ctx.ddps[0].world, None
+
+
+def as_shares(loss: torch.Tensor, ddps: list[DDP]) -> torch.Tensor:
+    """``loss`` whose backward starts from this rank's share of the DP average: its
+    gradient is divided by the DP size at the root of the graph, and the DDPs sum. Each
+    rank's backward then holds one device's values for its samples, where the gradient of
+    a local mean is DP times larger and overflows fp16 where one device's does not
+    (set-up fuzzer, seed 14332). Scale the result, not ``loss``: the scale then multiplies
+    the gradient first, in the loss's dtype, and overflows exactly where one device's
+    does (fp16 ends at 65,504: 2^16 is inf). DDPs over different DP sizes average as
+    before (one loss cannot be a share of two averages)."""
+    ddps = [d for d in ddps if d.world > 1]
+    if not ddps or not loss.requires_grad or len({d.world for d in ddps}) != 1:
+        return loss
+    return _Shares.apply(loss, ddps)
 
 
 def _reduce_scatter(out: torch.Tensor, whole: torch.Tensor, group):

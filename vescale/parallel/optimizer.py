@@ -36,7 +36,7 @@ from .. import _trace
 from ..deferred import flat_slice
 from ..dtensor import DTensor
 from .._local import local_of
-from .ddp import DDP, Slot
+from .ddp import DDP, Slot, as_shares
 from .zero3 import ShardedParameters, all_gather_slices, fill_rows
 
 __all__ = ["DistributedOptimizer"]
@@ -131,7 +131,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ---- the step ----
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scaler.scale if self.scaler else loss
+        """``loss`` times the scale, whose backward starts from this rank's share of the DP
+        average (``ddp.as_shares``): a rank's fp16 gradients stay as small as one device's."""
+        return as_shares(loss, self.ddps) * self.scaler.scale if self.scaler else loss
 
     @torch.no_grad()
     def step(self, closure=None):
