@@ -13,7 +13,9 @@ What each section of the plan becomes (``vescale.Plan``):
   schedule interleaves the forward and backward passes of its micro-batches, so under a
   pipeline ``model(batch)`` runs the whole schedule, forward and backward, and returns
   the batch loss with the gradients already accumulated; ``loss.backward()`` then has
-  nothing left to do (the loss is a leaf). Evaluation through a pipeline is not done yet.
+  nothing left to do (the loss is a leaf). In eval mode or under ``torch.no_grad()`` it
+  evaluates: the schedule's forward passes only, and returns the batch loss (not the
+  outputs).
 - ``tensor_parallel``: ``parallelize_module`` with the plan's sharding plan on its dim
   (a ``deferred_init`` model is materialised straight into its shards).
 - ``mixed_precision.param_dtype``: the model's floating parameters take that dtype; the
@@ -314,15 +316,15 @@ class ParallelModel(nn.Module):
         return _GlobalLoss.apply(loss, total / self._dp_size)
 
     def _pipeline_step(self, args, kwargs) -> torch.Tensor:
-        if not (torch.is_grad_enabled() and self.training):
-            raise NotImplementedError("evaluating through a pipeline (no_grad or eval mode) is not supported yet; "
-                                      "vescale.parallelize's model under a pipeline trains: model(batch) runs the "
-                                      "schedule's forward and backward passes")
-        loss = self.pipeline.step(*args, **kwargs)
+        """Training (grad enabled, train mode): the schedule's forward and backward passes.
+        Otherwise evaluation: its forward passes only, the loss and no gradients."""
+        train = torch.is_grad_enabled() and self.training
+        loss = (self.pipeline.step if train else self.pipeline.evaluate)(*args, **kwargs)
         if self._dp_group is not None:
             dist.all_reduce(loss, group=self._dp_group)
             loss = loss / self._dp_size
-        return loss.float().requires_grad_()  # gradients are in place already: backward() has nothing to do
+        # training: gradients are in place already, backward() has nothing to do
+        return loss.float().requires_grad_() if train else loss.float()
 
     # The inner model's own views: a pipeline stage lists only the parameters it holds.
     def parameters(self, recurse: bool = True):

@@ -149,6 +149,8 @@ def draw(rng: random.Random, world: int = WORLD) -> dict:
         # fp16 parameters need loss scaling; vescale's is dynamic (2^16 first, halved on an
         # overflow, which skips the step on every rank) and lives in the ZeRO optimizer
         plan.update({"mixed_precision.param_dtype": "float16", "mixed_precision.loss_scale": "dynamic"})
+    if pp > 1 and rng.random() < 0.4:
+        loop["eval_after"] = 0  # evaluation through the pipeline: the schedule's forward passes only
     return setup
 
 

@@ -4,6 +4,7 @@ comes from its config; losses equal single device. Checkpoints carry the plan an
 under another one; accumulation, clipping, parameter groups, recomputation and the
 errors for plans that do not fit."""
 
+import contextlib
 import functools
 import os
 
@@ -360,6 +361,52 @@ def test_evaluation_without_an_optimizer(pool4):
     the global loss is the single-device one."""
     for loss, ref in pool4.run(_case_eval):
         assert abs(loss - ref) <= 1e-5 * abs(ref)
+
+
+def _case_pipeline_eval(mesh: dict, extra: dict) -> tuple[list[float], list[float]]:
+    """Train a step, evaluate (eval mode, no_grad) on a batch, train a step more, evaluate
+    in eval mode without no_grad: the pipeline runs its forward passes only, and every
+    number is one device's."""
+    plan = Plan({"mesh": mesh, "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False, **extra})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), _sgd, None, _dataset())
+    data = _dataset()
+    x, y = data.tensors[0][:GLOBAL_BATCH], data.tensors[1][:GLOBAL_BATCH]
+    ref = _gpt({"n_layer": 4})
+    ref_opt = _sgd(ref)
+    got, want = [], []
+    batches = iter(loader)
+    for i in range(2):
+        optimizer.zero_grad()
+        loss = model(next(batches))
+        loss.backward()
+        optimizer.step()
+        got.append(loss.item())
+        ref_opt.zero_grad()
+        ref_loss = ref(data.tensors[0][i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH],
+                       data.tensors[1][i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH])
+        ref_loss.backward()
+        ref_opt.step()
+        want.append(ref_loss.item())
+        model.eval()
+        ref.eval()
+        with torch.no_grad() if i == 0 else contextlib.nullcontext():
+            got.append(float(model((x, y))))
+            want.append(float(ref(x, y)))
+        model.train()
+        ref.train()
+    return got, want
+
+
+@pytest.mark.parametrize("mesh, extra", [
+    ({"PP": 2, "TP": 2}, {"tensor_parallel.sharding_plan": gpt_plan(), "pipeline_parallel.microbatches": 2}),
+    ({"PP": 2, "DP": 2}, {"pipeline_parallel.schedule": "interleaved_1f1b", "pipeline_parallel.virtual_stages": 2,
+                          "pipeline_parallel.microbatches": 2}),
+    ({"PP": 2, "DP": 2}, {"pipeline_parallel.schedule": "zbv", "pipeline_parallel.virtual_stages": 2,
+                          "pipeline_parallel.microbatches": 2, "data_parallel.zero_stage": 1}),
+], ids=["pp2-tp2-1f1b", "pp2-dp2-interleaved", "pp2-dp2-zbv-zero1"])
+def test_evaluation_through_a_pipeline_matches_single_device(pool4, mesh, extra):
+    for got, want in pool4.run(_case_pipeline_eval, mesh, extra):
+        assert mismatch(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6) is None, (got, want)
 
 
 def _case_two_models() -> tuple[list[float], list[float], list[float], list[float]]:

@@ -170,14 +170,7 @@ class PipelineParallel(nn.Module):
         The loss is ``loss_fn(output, target)`` on the micro-batch, else what the model
         returns (a scalar, or an output with ``.loss``); the batch loss is the mean over
         micro-batches weighted by their size. Returns it on every rank."""
-        if has_deferred(self.module):
-            materialize_module(self.module)
-        mbs = _microbatches(args, kwargs, target, self.schedule.microbatches)
-        if not self._checked:  # every stage on meta once: a bad cut fails on every rank alike
-            self.runner.install_hooks()  # outermost again, around parallelize_module's
-            a, k, t = mbs[0][:3]
-            self.runner.dry_run(self.specs, a, k, lambda out: _loss_of(out, t, loss_fn))
-            self._checked = True
+        mbs = self._microbatches(args, kwargs, target, loss_fn)
         ddp = self._data_parallel
         sync = ddp is not None and ddp._sync  # False inside the user's ddp.no_sync(): accumulate
         # gradients accumulated by earlier steps must not be summed among the holders again
@@ -200,6 +193,38 @@ class PipelineParallel(nn.Module):
         if sync:
             ddp.sync_gradients()
         return self._batch_loss(losses)
+
+    def evaluate(self, *args, target=None, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor:
+        """The batch's loss as ``step`` computes it, forward only (evaluation: call it under
+        ``model.eval()`` for dropout's sake): every micro-batch through the stages in the
+        schedule's forward order, no backward, no gradients. Returns it on every rank."""
+        sends, states, losses = [], {}, []
+        # Grad mode stays on: what crosses a cut is what requires grad (a stage's own
+        # results, not the batch's constants), on both sides alike, and the first call's
+        # check of the cuts sees it too. Each forward's graph goes once its outputs are sent.
+        with torch.enable_grad():
+            mbs = self._microbatches(args, kwargs, target, loss_fn)
+            # the forwards of any schedule, in its order, are a valid order on their own: a
+            # forward waits only for the previous stage's forward of its micro-batch
+            for action in self.schedule.orders[self.pp_rank]:
+                if action.kind == "F":
+                    self._forward(action.stage, action.mb, mbs[action.mb], loss_fn, states, sends, losses)
+                    del states[(action.stage, action.mb)]
+                    sends[:] = [w for w in sends if not w[0].is_completed()]
+        for work, _ in sends:
+            work.wait()
+        return self._batch_loss(losses)
+
+    def _microbatches(self, args, kwargs, target, loss_fn) -> list[tuple]:
+        if has_deferred(self.module):
+            materialize_module(self.module)
+        mbs = _microbatches(args, kwargs, target, self.schedule.microbatches)
+        if not self._checked:  # every stage on meta once: a bad cut fails on every rank alike
+            self.runner.install_hooks()  # outermost again, around parallelize_module's
+            a, k, t = mbs[0][:3]
+            self.runner.dry_run(self.specs, a, k, lambda out: _loss_of(out, t, loss_fn))
+            self._checked = True
+        return mbs
 
     def _forward(self, s: int, mb: int, batch, loss_fn, states, sends, losses) -> None:
         spec = self.specs[s]
