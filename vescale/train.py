@@ -30,7 +30,9 @@ What each section of the plan becomes (``vescale.Plan``):
   gradient is that of the mean loss over the k micro-steps. ``clip_norm``: the global
   gradient norm over every rank is clipped before each applied step.
 - ``recompute.modules``: those modules (regexes over names) recompute their activations
-  in backward (``torch.utils.checkpoint``, non-reentrant).
+  in backward (``torch.utils.checkpoint``, non-reentrant); under a pipeline with GPipe,
+  1F1B or interleaved 1F1B (the zero-bubble schedules' split backward would recompute a
+  block once per weight-gradient pass: refused).
 - ``data``: with a dataset, a ``vescale.DataLoader`` of ``global_batch_size`` samples per
   step, each DP rank reading its part.
 
@@ -148,11 +150,14 @@ def _check_combination(plan: Plan, size: dict, pp: str, dp: str, zero: int, mp_d
         if plan["gradient.accumulation_steps"] > 1:
             raise PlanError("plan key gradient.accumulation_steps > 1 with a pipeline: a pipeline step already "
                             "accumulates over its micro-batches; raise pipeline_parallel.microbatches instead")
+        if plan["recompute.modules"] and plan["pipeline_parallel.schedule"] in ("zb_h1", "zbv"):
+            raise PlanError(f"plan key recompute.modules with the zero-bubble schedule "
+                            f"{plan['pipeline_parallel.schedule']!r} is not supported: its split backward would "
+                            f"recompute every block once per weight-gradient pass (4 times the forward, not once); "
+                            f"use schedule '1f1b', 'interleaved_1f1b' or 'gpipe' with recomputation")
         if plan["mixed_precision.loss_scale"] is not None:
             raise PlanError("plan key mixed_precision.loss_scale with a pipeline is not supported yet (the "
                             "schedule runs backward itself); use param_dtype 'bfloat16', which needs no scaling")
-        if plan["recompute.modules"]:
-            raise PlanError("plan key recompute.modules with a pipeline is not supported yet")
 
 
 def _sample_microbatch(plan: Plan, split, dataset, dp_size: int):

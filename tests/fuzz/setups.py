@@ -151,6 +151,9 @@ def draw(rng: random.Random, world: int = WORLD) -> dict:
         plan.update({"mixed_precision.param_dtype": "float16", "mixed_precision.loss_scale": "dynamic"})
     if pp > 1 and rng.random() < 0.4:
         loop["eval_after"] = 0  # evaluation through the pipeline: the schedule's forward passes only
+    if pp > 1 and plan["pipeline_parallel.schedule"] not in ("zb_h1", "zbv") and rng.random() < 0.25:
+        # recomputation under a pipeline (the zero-bubble schedules refuse it)
+        plan["recompute.modules"] = [_blocks_regex(kind) + (r"\.\d+" if rng.random() < 0.5 else r"\.0")]
     return setup
 
 

@@ -331,6 +331,8 @@ def _case_errors() -> list[str]:
                                                      "pipeline_parallel.split_points": ["transformer.h.9"]})
     expect(r"split_method is 'flops', which measures the model on a micro-batch: pass the dataset",
            {"mesh": {"PP": 4}, "pipeline_parallel.split_method": "flops"})
+    expect(r"recompute.modules with the zero-bubble schedule 'zb_h1' is not supported.*use schedule '1f1b'",
+           {"mesh": {"PP": 4}, "pipeline_parallel.schedule": "zb_h1", "recompute.modules": [r"transformer\.h\.\d+"]})
     # the process goes on: a good plan afterwards trains
     model, optimizer, _, _ = vescale.parallelize(Plan({"mesh": {"DP": 4}}), _gpt(), _adamw)
     x = torch.randint(0, VOCAB, (2, SEQ))
@@ -407,6 +409,38 @@ def _case_pipeline_eval(mesh: dict, extra: dict) -> tuple[list[float], list[floa
 def test_evaluation_through_a_pipeline_matches_single_device(pool4, mesh, extra):
     for got, want in pool4.run(_case_pipeline_eval, mesh, extra):
         assert mismatch(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6) is None, (got, want)
+
+
+def _case_pipeline_recompute(mesh: dict, extra: dict) -> tuple[list[float], list[float], int, int]:
+    """Recomputation of every block under a pipeline: the losses of three steps, one
+    device's, and how many times this rank's MLPs ran on real values without and with it."""
+    def run(recompute: bool) -> tuple[list[float], int]:
+        plan = Plan({"mesh": mesh, "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False, **extra,
+                     "recompute.modules": [r"transformer\.h\.\d+"] if recompute else []})
+        gpt = _gpt({"n_layer": 4})
+        calls = [0]
+        for block in gpt.transformer.h:  # (a pre-hook: recomputation stops once it has what backward needs)
+            block.mlp.register_forward_pre_hook(lambda m, args: calls.__setitem__(0, calls[0] + (not args[0].is_meta)))
+        model, optimizer, _, loader = vescale.parallelize(plan, gpt, _sgd, None, _dataset())
+        return _rfc_loop(model, optimizer, loader, 3), calls[0]
+
+    plain_losses, plain_calls = run(False)
+    losses, calls = run(True)
+    data = _dataset()
+    batches = [(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+               for i in range(0, GLOBAL_BATCH * 3, GLOBAL_BATCH)]
+    return losses + plain_losses, 2 * _single_device(lambda: _gpt({"n_layer": 4}), _sgd, batches), plain_calls, calls
+
+
+@pytest.mark.parametrize("mesh, extra", [
+    ({"PP": 2, "DP": 2}, {"pipeline_parallel.microbatches": 2, "data_parallel.zero_stage": 3}),
+    ({"PP": 2, "TP": 2}, {"tensor_parallel.sharding_plan": gpt_plan(), "pipeline_parallel.schedule": "interleaved_1f1b",
+                          "pipeline_parallel.virtual_stages": 2, "pipeline_parallel.microbatches": 2}),
+], ids=["pp2-dp2-1f1b-zero3", "pp2-tp2-interleaved"])
+def test_recomputation_under_a_pipeline_matches_single_device(pool4, mesh, extra):
+    for losses, ref, plain_calls, calls in pool4.run(_case_pipeline_recompute, mesh, extra):
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+        assert plain_calls > 0 and calls == 2 * plain_calls, (plain_calls, calls)  # every block ran again
 
 
 def _case_two_models() -> tuple[list[float], list[float], list[float], list[float]]:
