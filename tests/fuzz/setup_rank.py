@@ -27,6 +27,7 @@ rules allow) or error.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
@@ -374,6 +375,7 @@ def on_ranks(setup: dict, work_dir: str) -> dict:
             model, optimizer, sched, loader = _parallel(setup, settings, data, setup["init_seed"] + 1)
             vescale.load(path, _state(model, optimizer, sched, loader))
             batches = _endless(loader)
+    replicas = _replicas_disagree(model, optimizer)
     path = os.path.join(work_dir, "model.pt")
     inner = getattr(optimizer, "inner", None)
     vescale.checkpoint.export_torch(path, model,
@@ -384,7 +386,35 @@ def on_ranks(setup: dict, work_dir: str) -> dict:
     missing, unexpected = single.load_state_dict(torch.load(path, weights_only=True), strict=False)
     dist.barrier()
     return {"losses": losses, "evals": evals, "params": {n: p.detach() for n, p in single.named_parameters()},
-            "missing": [m for m in missing if m in dict(single.named_parameters())], "unexpected": unexpected}
+            "missing": [m for m in missing if m in dict(single.named_parameters())], "unexpected": unexpected,
+            "replicas": replicas}
+
+
+def _bits(t: torch.Tensor) -> tuple[int, int]:
+    """A checksum of a tensor's bits (equal tensors, equal sums; order counts)."""
+    raw = t.detach().contiguous().reshape(-1)
+    raw = raw.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[raw.element_size()]).long()
+    return int(raw.sum()), int((raw * torch.arange(1, raw.numel() + 1)).sum())
+
+
+def _replicas_disagree(model, optimizer) -> str | None:
+    """Ranks that differ only in their DP coordinate hold the same parameters, bit for bit
+    (ZeRO-3's gathered whole): replicas that drift apart by rounding stay within the
+    tolerances against one device, not within this. None when they agree."""
+    mesh = model.mesh
+    inner = getattr(optimizer, "inner", None)
+    whole = inner.full_parameters() if isinstance(inner, vescale.DistributedOptimizer) else contextlib.nullcontext()
+    with whole:
+        sums = {n: _bits(p.to_local() if isinstance(p, vescale.DTensor) else p) for n, p in model.named_parameters()}
+    where = tuple((d, c) for d, c in zip(mesh.mesh_dim_names, mesh.get_coordinate()) if d != "DP")
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (where, sums))
+    for rank, (w, other) in enumerate(seen):
+        first = next(r for r, (w2, _) in enumerate(seen) if w2 == w)
+        if other != seen[first][1]:
+            differ = [n for n in other if other[n] != seen[first][1].get(n)]
+            return f"DP replicas disagree: rank {rank} and rank {first} hold different {differ[:4]}"
+    return None
 
 
 def compare(setup: dict, got: dict, ref: dict) -> list[str]:
@@ -448,6 +478,8 @@ def check(setup: dict, work_dir: str) -> tuple[str, str]:
             seen = [None] * dist.get_world_size()
             dist.all_gather_object(seen, None if got is None else (got["losses"], got["evals"]))
         problems = compare(setup, got, reference(setup))
+        if got["replicas"]:
+            problems.append(got["replicas"])
         if any(s is not None and s != seen[dist.get_rank()] for s in seen):
             problems.append(f"ranks report different losses: {[s[0] for s in seen if s is not None]}")
         return ("wrong", "; ".join(problems)[:1500]) if problems else ("ok", "")
