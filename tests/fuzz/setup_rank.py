@@ -405,7 +405,8 @@ def _replicas_disagree(model, optimizer) -> str | None:
     inner = getattr(optimizer, "inner", None)
     whole = inner.full_parameters() if isinstance(inner, vescale.DistributedOptimizer) else contextlib.nullcontext()
     with whole:
-        sums = {n: _bits(p.to_local() if isinstance(p, vescale.DTensor) else p) for n, p in model.named_parameters()}
+        local = {n: p.to_local() if isinstance(p, vescale.DTensor) else p for n, p in model.named_parameters()}
+        sums = {n: _bits(t) for n, t in local.items() if not t.is_meta}  # (a pipeline: other stages' on meta)
     where = tuple((d, c) for d, c in zip(mesh.mesh_dim_names, mesh.get_coordinate()) if d != "DP")
     seen = [None] * dist.get_world_size()
     dist.all_gather_object(seen, (where, sums))
