@@ -23,8 +23,15 @@ struct Orders {
 // 1F1B, micro-batches in rounds of `ranks` (microbatches must be a multiple of it).
 Orders one_f_one_b(int32_t ranks, int32_t microbatches, int32_t virtual_stages = 1);
 
+// ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"): 1F1B with each backward split in
+// its input pass (I) and weight pass (W); rank r holds back its first r W's, which fill
+// the cool-down (schedules.py _zb_h1).
+Orders zb_h1(int32_t ranks, int32_t microbatches);
+
 // Per rank, the most bytes held at once when an F of stage s keeps `saved[s]` bytes until
-// the B (or W) of the same stage and micro-batch frees them.
-std::vector<double> peak_held(const Orders& o, const std::vector<double>& saved);
+// the B of the same stage and micro-batch frees them; a split backward's I frees them
+// and keeps `weight_held[s]` (what its W reads) until the W (empty: nothing kept).
+std::vector<double> peak_held(const Orders& o, const std::vector<double>& saved,
+                              const std::vector<double>& weight_held = {});
 
 }  // namespace vescale::autoplan

@@ -90,6 +90,8 @@ SearchResult search(const Transformer& m, const Hardware& hw, const SearchConstr
                 if (c.recompute >= 0 && r != c.recompute) continue;
                 // Fused attention keeps no s x s tensors: selective recomputation is no recomputation.
                 if (c.recompute < 0 && m.flash_attention && r == static_cast<int>(Recompute::selective)) continue;
+                for (int zb = 0; zb <= 1; ++zb) {
+                  if (zb ? (p == 1 || v > 1 || c.zero_bubble == 0) : c.zero_bubble == 1 && p > 1) continue;
                 for (int z = 0; z <= 3; ++z) {
                   if ((c.zero >= 0 && z != c.zero) || (c.zero < 0 && d * cp == 1 && z > 0)) continue;
                   ParallelConfig cfg;
@@ -102,6 +104,7 @@ SearchResult search(const Transformer& m, const Hardware& hw, const SearchConstr
                   cfg.zero = z;
                   cfg.sequence_parallel = sp != 0;
                   cfg.recompute = static_cast<Recompute>(r);
+                  cfg.zero_bubble = zb != 0;
                   ++out.enumerated;
                   if (!config_problem(m, cfg).empty()) {
                     ++out.invalid;
@@ -113,6 +116,7 @@ SearchResult search(const Transformer& m, const Hardware& hw, const SearchConstr
                     ++out.over_memory;
                     over.push_back(std::move(e));
                   }
+                }
                 }
               }
             }

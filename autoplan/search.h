@@ -28,6 +28,7 @@ struct SearchConstraints {
   int zero = -1;
   int sequence_parallel = -1;  // 0 or 1
   int recompute = -1;          // Recompute as int
+  int zero_bubble = -1;        // 1: ZB-H1 only, 0: 1F1B (or interleaved) only; -1: both where vp is 1
   int64_t max_tp = 0;          // largest TP searched (0: one node)
   // Context parallelism: fixed when cp > 0; else searched up to max_cp. 1 by default:
   // vescale cannot run it yet, so plans with it are simulations of a Megatron-class stack.

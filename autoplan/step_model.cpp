@@ -19,15 +19,18 @@ std::string ParallelConfig::str() const {
   os << "dp" << dp << " tp" << tp << " pp" << pp;
   if (cp > 1) os << " cp" << cp;
   if (vp > 1) os << " vp" << vp;
+  if (zero_bubble) os << " zb-h1";
   os << " mb" << micro_batch << " zero" << zero << (sequence_parallel ? " sp" : "") << " recompute=" << recompute_name(recompute);
   return os.str();
 }
 
-std::shared_ptr<const Orders> OrdersCache::get(int32_t ranks, int32_t microbatches, int32_t virtual_stages) {
-  const auto key = std::make_tuple(ranks, microbatches, virtual_stages);
+std::shared_ptr<const Orders> OrdersCache::get(int32_t ranks, int32_t microbatches, int32_t virtual_stages,
+                                               bool zero_bubble) {
+  const auto key = std::make_tuple(ranks, microbatches, virtual_stages, zero_bubble);
   for (const auto& [k, o] : made_)
     if (k == key) return o;
-  auto o = std::make_shared<const Orders>(one_f_one_b(ranks, microbatches, virtual_stages));
+  auto o = std::make_shared<const Orders>(zero_bubble ? zb_h1(ranks, microbatches)
+                                                      : one_f_one_b(ranks, microbatches, virtual_stages));
   made_.emplace_back(key, o);
   return o;
 }
@@ -53,6 +56,8 @@ std::string config_problem(const Transformer& m, const ParallelConfig& c) {
     os << "PP " << c.pp << " x " << c.vp << " virtual stages is more stages than the " << m.layers << " layers";
   } else if (c.vp > 1 && c.pp == 1) {
     os << "virtual stages need pipeline parallelism (PP > 1)";
+  } else if (c.zero_bubble && (c.pp == 1 || c.vp > 1)) {
+    os << "ZB-H1 is a schedule of PP > 1 without virtual stages";
   } else if (c.vp > 1 && (m.global_batch / (c.dp * c.micro_batch)) % c.pp) {
     os << "interleaved 1F1B needs the micro-batches (" << m.global_batch / (c.dp * c.micro_batch)
        << ") to be a multiple of PP " << c.pp;
@@ -73,15 +78,17 @@ constexpr double GiB = 1024.0 * 1024.0 * 1024.0;
 struct PieceTime {
   double f_comp = 0, f_tp = 0, b_comp = 0, b_tp = 0, r_comp = 0, r_tp = 0;
   double f_cp = 0, b_cp = 0, r_cp = 0;  // context-parallel ring transfers not hidden
+  double w_comp = 0;                     // the weight-gradient matmuls, part of b_comp
   double forward() const { return f_comp + f_tp + f_cp; }
   double backward() const { return b_comp + b_tp + r_comp + r_tp + b_cp + r_cp; }
+  double weight_backward() const { return w_comp; }
   PieceTime& operator+=(const PieceTime& x) {
     f_comp += x.f_comp; f_tp += x.f_tp; b_comp += x.b_comp; b_tp += x.b_tp; r_comp += x.r_comp; r_tp += x.r_tp;
-    f_cp += x.f_cp; b_cp += x.b_cp; r_cp += x.r_cp;
+    f_cp += x.f_cp; b_cp += x.b_cp; r_cp += x.r_cp; w_comp += x.w_comp;
     return *this;
   }
   PieceTime times(double n) const {
-    return {n * f_comp, n * f_tp, n * b_comp, n * b_tp, n * r_comp, n * r_tp, n * f_cp, n * b_cp, n * r_cp};
+    return {n * f_comp, n * f_tp, n * b_comp, n * b_tp, n * r_comp, n * r_tp, n * f_cp, n * b_cp, n * r_cp, n * w_comp};
   }
 };
 
@@ -168,6 +175,7 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
     t.f_cp = ring(w.cp_forward, w.cp_bytes, w.forward, t.f_comp);
     t.b_cp = ring(w.cp_backward, 2 * w.cp_bytes, w.backward, t.b_comp);
     t.r_cp = ring(w.cp_recompute, w.cp_bytes, w.recompute, t.r_comp);
+    t.w_comp = compute(w.wgrad);
     return t;
   };
   const PieceTime tl = piece(layer), te = piece(emb), th = piece(head);
@@ -194,7 +202,7 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
 
   OrdersCache local;
   const auto orders = (cache ? cache : &local)->get(static_cast<int32_t>(p), static_cast<int32_t>(mbs),
-                                                    static_cast<int32_t>(c.vp));
+                                                    static_cast<int32_t>(c.vp), c.zero_bubble);
   const double limit = opt.memory_limit > 0 ? opt.memory_limit : hw.hbm_bytes - hw.reserved_bytes;
 
   // ---- split ----
@@ -266,6 +274,7 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
   std::vector<double> zero_comm(static_cast<size_t>(S), 0);
   est.stage_forward.resize(static_cast<size_t>(S));
   est.stage_backward.resize(static_cast<size_t>(S));
+  est.stage_weight_backward.assign(static_cast<size_t>(S), 0);
   for (int64_t s = 0; s < S; ++s) {
     const auto us = static_cast<size_t>(s);
     const double n = static_cast<double>(layers[us]);
@@ -284,6 +293,8 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
     }
     stage_time[us] = t;
     double F = t.forward(), B = t.backward();
+    // ZB-H1's weight pass: the weight-gradient matmuls (the rest of B is its input pass)
+    double W = c.zero_bubble ? t.weight_backward() : 0;
     // ZeRO-3 gathers a stage's parameters before its forward and its backward and
     // reduce-scatters its gradients after every backward; ZeRO-2 reduce-scatters after
     // every backward (gradients are sharded, so they cannot accumulate over
@@ -294,15 +305,22 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
       const double u = hw.overlap_compute_share;
       const double F2 = std::max(ag, F + u * ag), B2 = std::max(ag + rs, B + u * (ag + rs));
       zero_comm[us] = (F2 - F) + (B2 - B);
+      if (c.zero_bubble) W += B2 - B;  // the gradients leave after the weight pass
       F = F2;
       B = B2;
     }
     est.stage_forward[us] = F;
     est.stage_backward[us] = B;
+    est.stage_weight_backward[us] = W;
   }
 
   // ---- memory of every pipeline rank ----
-  const auto held = peak_held(*orders, saved);
+  std::vector<double> weight_held;  // ZB-H1: what each stage's W reads, kept from its I
+  if (c.zero_bubble)
+    for (int64_t s = 0; s < S; ++s)
+      weight_held.push_back(static_cast<double>(layers[static_cast<size_t>(s)]) * layer.wgrad_held_bytes +
+                            (s == S - 1 ? head.wgrad_held_bytes : 0));
+  const auto held = peak_held(*orders, saved, weight_held);
   const double extra = layer.peak_extra_bytes + zero3_buffer;
   double worst = -1;
   for (int64_t q = 0; q < p; ++q) {
@@ -376,7 +394,9 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
   pm.placement = orders->placement;
   pm.microbatches = static_cast<int32_t>(mbs);
   for (int64_t s = 0; s < S; ++s)
-    pm.costs.push_back({est.stage_forward[static_cast<size_t>(s)], est.stage_backward[static_cast<size_t>(s)], 0, 0});
+    pm.costs.push_back({est.stage_forward[static_cast<size_t>(s)], est.stage_backward[static_cast<size_t>(s)],
+                        est.stage_backward[static_cast<size_t>(s)] - est.stage_weight_backward[static_cast<size_t>(s)],
+                        est.stage_weight_backward[static_cast<size_t>(s)]});
   if (S > 1) {
     // An activation (or its gradient) crosses as 1/tp of it per tensor-parallel rank
     // (Megatron's scatter-gather; with sequence parallelism it is already split), and is
@@ -402,7 +422,8 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
     const auto q = static_cast<size_t>(a.rank);
     rank_end[q] = std::max(rank_end[q], a.end);
     if (a.action.kind == 'F' && first_f_end[q] < 0) first_f_end[q] = a.end;
-    if (a.action.kind == 'B' && a.action.mb == mbs - 1) {
+    // a stage's gradients are done with its last backward: B, or under ZB-H1 its last W
+    if (a.action.kind == (c.zero_bubble ? 'W' : 'B') && a.action.mb == mbs - 1) {
       last_b_start[static_cast<size_t>(a.action.stage)] = a.start;
       last_b_end[static_cast<size_t>(a.action.stage)] = a.end;
     }

@@ -33,6 +33,7 @@ struct ParallelConfig {
   int64_t dp = 1, tp = 1, pp = 1;
   int64_t cp = 1;             // context parallelism: each sequence split over cp ranks (ring attention)
   int64_t vp = 1;             // virtual stages (model chunks) per pipeline rank: > 1 is interleaved 1F1B
+  bool zero_bubble = false;   // ZB-H1 (vp 1): each backward split in input and weight passes
   int64_t micro_batch = 1;    // sequences per micro-batch
   int zero = 0;               // 0: replicated; 1: optimizer state sharded over DP; 2: + gradients; 3: + parameters
   bool sequence_parallel = false;
@@ -83,6 +84,7 @@ struct StepEstimate {
   int64_t memory_rank = 0;        // that pipeline rank
   std::vector<double> rank_memory;  // bytes per GPU, per pipeline rank (the same along TP and DP)
   std::vector<double> stage_forward, stage_backward;  // seconds per micro-batch, per stage
+  std::vector<double> stage_weight_backward;          // ZB-H1: the weight pass's part of stage_backward
   double model_flops = 0;         // 6 * params-per-token FLOPs + attention, the step, all ranks (MFU numerator)
 };
 
@@ -90,10 +92,11 @@ struct StepEstimate {
 // the same few shapes thousands of times.
 class OrdersCache {
  public:
-  std::shared_ptr<const Orders> get(int32_t ranks, int32_t microbatches, int32_t virtual_stages);
+  std::shared_ptr<const Orders> get(int32_t ranks, int32_t microbatches, int32_t virtual_stages,
+                                    bool zero_bubble = false);
 
  private:
-  std::vector<std::pair<std::tuple<int32_t, int32_t, int32_t>, std::shared_ptr<const Orders>>> made_;
+  std::vector<std::pair<std::tuple<int32_t, int32_t, int32_t, bool>, std::shared_ptr<const Orders>>> made_;
 };
 
 StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const ParallelConfig& c,

@@ -80,6 +80,7 @@ LayerWork layer_work(const Transformer& m, const Shard& sh) {
                    + (m.gated_mlp ? 3 : 2) * T * f * e / t       // (bias-)activation
                    + (m.learned_positions ? 0 : 2 * T * (hq + hkv) * e / t);  // rotary on q, k
   out.backward = backward_of(fwd);
+  (m.fp8 ? out.wgrad.fp8_gemm_flops : out.wgrad.gemm_flops) = linear_flops;  // half of backward's
   if (m.fp8) {
     // Operands quantised: forward, the four layers' inputs (with sequence parallelism the
     // QKV and MLP inputs on the local shard, before the gather); backward, the gradients
@@ -110,6 +111,10 @@ LayerWork layer_work(const Transformer& m, const Shard& sh) {
                                + (m.dropout ? 2 * T * h * r : 0)  // the two hidden-dropout masks, 1 byte
                                + T * (mlp_in * e + f * lin_e) / t;  // activation input(s), and output (MLP out's input)
   const double saved_all = saved_outside + saved_core + s2;
+  // The weight pass reads the four linear layers' inputs (as saved) and the gradients of
+  // their outputs (whole: with sequence parallelism gathered before the matmul).
+  out.wgrad_held_bytes = 2 * x * r * lin_e / e + T * (hq + f) * lin_e / t  // inputs
+                         + T * (hq + 2 * hkv + mlp_in) * e / t + 2 * x;    // output gradients
 
   if (sh.tp > 1) {
     if (sh.sequence_parallel) {
@@ -189,6 +194,8 @@ LayerWork head_work(const Transformer& m, const Shard& sh) {
   // reread fp32 exponentials.
   out.forward.hbm_bytes = 2 * T * h * e * r + (e + 8) * T * V / t;
   out.backward.gemm_flops = 2 * out.forward.gemm_flops;
+  out.wgrad.gemm_flops = out.forward.gemm_flops;
+  out.wgrad_held_bytes = T * h * e + T * V * e / t;  // its (gathered) input and the logits' gradient
   out.backward.hbm_bytes = 4 * T * h * e * r + (4 + e) * T * V / t;
   if (sh.tp > 1) {
     if (sh.sequence_parallel) {

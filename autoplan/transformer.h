@@ -77,6 +77,9 @@ struct TpCollectives {
 struct LayerWork {
   Work forward, backward;
   Work recompute;            // forward work redone inside the backward
+  Work wgrad;                // the weight-gradient matmuls inside `backward` (a zero-bubble W pass)
+  double wgrad_held_bytes = 0;  // kept from a zero-bubble input pass to its weight pass: the
+                                // linear layers' inputs and the gradients of their outputs
   TpCollectives tp_forward, tp_backward, tp_recompute;
   double tp_bytes = 0;       // one collective's buffer: b * s * h * dtype_bytes
   double tp_gather_bytes = 0;  // one all-gather's buffer: tp_bytes, or its FP8 copy (1 byte an element)

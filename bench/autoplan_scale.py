@@ -169,6 +169,14 @@ def planning(out: dict, global_batch: int, repeats: int, label: str, tp_overlap:
         gap = "best" if i == 1 else f"+{100 * (c.step_s / full.ranked[0].step_s - 1):.1f}%"
         print(f"| {name} | {c.label} | {i} of {len(full.ranked)} | {c.step_s:.3f} | {gap} |")
         recipes.append(dict(recipe=name, label=c.label, rank=i, step_s=c.step_s))
+    zb = next(((i, c) for i, c in enumerate(full.ranked, 1) if c.config.get("zero_bubble")), None)
+    if zb is None:
+        print(f"\nZB-H1: none fits")
+    else:
+        i, c = zb
+        print(f"\nbest ZB-H1 plan: {c.label}, rank {i} of {len(full.ranked)}, {c.step_s:.3f} s "
+              f"(+{100 * (c.step_s / full.ranked[0].step_s - 1):.1f}%), {c.memory['total'] / GiB:.1f} GiB")
+        out.setdefault("zb_h1", {})[label] = dict(label=c.label, rank=i, step_s=c.step_s)
     top3 = [recipe(c.config, exact_vp=False) for c in result.ranked[:3]]
     print(f"\ntop 3 hold a known layout (TP, PP, {'CP, ' if exact_cp else ''}interleaved): {any(top3)} "
           f"({[t for t in top3 if t]}); exact recipe (VP too): {any(recipe(c.config) for c in result.ranked[:3])}\n")

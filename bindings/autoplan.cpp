@@ -117,11 +117,12 @@ Hardware to_hardware(const py::dict& d) {
 ParallelConfig to_config(const py::dict& d) {
   ParallelConfig c;
   static const std::set<std::string> known = {"dp", "tp", "pp", "cp", "vp", "micro_batch", "zero", "sequence_parallel",
-                                              "recompute", "layers_per_stage"};
+                                              "recompute", "layers_per_stage", "zero_bubble"};
   for (const auto& [k, v] : d) {
     const auto key = k.cast<std::string>();
     TORCH_CHECK_VALUE(known.count(key), "unknown parallel config key '", key,
-                      "'; known: dp, tp, pp, cp, vp, micro_batch, zero, sequence_parallel, recompute, layers_per_stage");
+                      "'; known: dp, tp, pp, cp, vp, micro_batch, zero, sequence_parallel, recompute, layers_per_stage, "
+                      "zero_bubble");
     if (key == "dp") c.dp = v.cast<int64_t>();
     else if (key == "tp") c.tp = v.cast<int64_t>();
     else if (key == "pp") c.pp = v.cast<int64_t>();
@@ -131,6 +132,7 @@ ParallelConfig to_config(const py::dict& d) {
     else if (key == "zero") c.zero = v.cast<int>();
     else if (key == "sequence_parallel") c.sequence_parallel = v.cast<bool>();
     else if (key == "recompute") c.recompute = parse_recompute(v.cast<std::string>());
+    else if (key == "zero_bubble") c.zero_bubble = v.cast<bool>();
     else c.layers_per_stage = v.cast<std::vector<int64_t>>();
   }
   return c;
@@ -147,6 +149,7 @@ py::dict from_config(const ParallelConfig& c) {
   d["zero"] = c.zero;
   d["sequence_parallel"] = c.sequence_parallel;
   d["recompute"] = recompute_name(c.recompute);
+  d["zero_bubble"] = c.zero_bubble;
   d["layers_per_stage"] = c.layers_per_stage;
   return d;
 }
@@ -195,6 +198,7 @@ SearchConstraints to_constraints(const py::dict& d) {
       field("zero", &SearchConstraints::zero),
       field("sequence_parallel", &SearchConstraints::sequence_parallel),
       field("recompute", &SearchConstraints::recompute),
+      field("zero_bubble", &SearchConstraints::zero_bubble),
       field("max_tp", &SearchConstraints::max_tp),
       field("cp", &SearchConstraints::cp),
       field("max_cp", &SearchConstraints::max_cp),
@@ -385,8 +389,8 @@ void bind_autoplan(py::module& m) {
     d["layer_params"] = layer_params(t, 1);
     return d;
   }, "The workload dict completed with defaults, and its parameter counts.");
-  m.def("autoplan_orders", [](int32_t ranks, int32_t microbatches, int32_t virtual_stages) {
-    const Orders o = one_f_one_b(ranks, microbatches, virtual_stages);
+  m.def("autoplan_orders", [](int32_t ranks, int32_t microbatches, int32_t virtual_stages, bool zero_bubble) {
+    const Orders o = zero_bubble ? zb_h1(ranks, microbatches) : one_f_one_b(ranks, microbatches, virtual_stages);
     py::list out;
     for (const auto& order : o.orders) {
       py::list r;
@@ -394,7 +398,8 @@ void bind_autoplan(py::module& m) {
       out.append(r);
     }
     return out;
-  }, "The C++ 1F1B / interleaved 1F1B orders (autoplan/schedule_orders.h), per rank (kind, stage, mb).");
+  }, "The C++ 1F1B / interleaved 1F1B / ZB-H1 orders (autoplan/schedule_orders.h), per rank (kind, stage, mb).",
+  py::arg("ranks"), py::arg("microbatches"), py::arg("virtual_stages") = 1, py::arg("zero_bubble") = false);
   m.def("autoplan_estimate",
         [](const py::dict& workload, const py::dict& hw, const py::dict& config, double memory_limit,
            const std::string& split, bool simulate) {

@@ -199,6 +199,37 @@ TEST(AutoplanStep, TensorParallelOverlapHidesWhatTheGemmsCover) {
   EXPECT_NEAR(shared.breakdown.compute - plain.breakdown.compute, 0.25 * hidden, 1e-9 * plain.step_s);
 }
 
+TEST(AutoplanStep, ZeroBubbleSplitsTheBackwardAndFillsTheCoolDown) {
+  // ZB-H1 on 2 stages of 2 layers, 8 micro-batches: the weight pass is each layer's
+  // weight-gradient matmuls (the head's too); the held-back W's fill 1F1B's cool-down.
+  const Hardware hw = round_hardware();
+  const Transformer m = tiny_gpt();
+  ParallelConfig c;
+  c.pp = 2;
+  const StepEstimate one = estimate_step(m, hw, c);
+  c.zero_bubble = true;
+  const StepEstimate zb = estimate_step(m, hw, c);
+  ASSERT_TRUE(one.feasible && zb.feasible) << one.reason << zb.reason;
+  const Shard sh{1, 1, false, Recompute::none};
+  auto secs = [&](const Work& w) { return w.gemm_flops / 5e5 + w.attn_flops / 2.5e5 + w.hbm_bytes / 5e4; };
+  const LayerWork l = layer_work(m, sh), head = head_work(m, sh);
+  // the four linear layers' weight gradients: 2 T h (3h + h + 4h + 4h) / t flops, T = 4 tokens
+  EXPECT_NEAR(l.wgrad.gemm_flops, 2.0 * 4 * 8 * (24 + 8 + 32 + 32), 1e-9);
+  EXPECT_NEAR(zb.stage_weight_backward[0], 2 * secs(l.wgrad), 1e-15);
+  EXPECT_NEAR(zb.stage_weight_backward[1], 2 * secs(l.wgrad) + secs(head.wgrad), 1e-15);
+  EXPECT_EQ(zb.stage_backward, one.stage_backward);  // the same work, in two passes
+  EXPECT_LT(zb.pipeline_s, one.pipeline_s);
+  EXPECT_LT(zb.bubble, one.bubble);
+  // the fullest rank (0) runs each W right after its I: ZB-H1's peak is 1F1B's, as the
+  // paper says; rank 1 holds back a W, and what it reads, longer
+  EXPECT_EQ(zb.memory.activations, one.memory.activations);
+  EXPECT_GT(zb.rank_memory[1], one.rank_memory[1]);
+  EXPECT_NE(zb.config.str().find("zb-h1"), std::string::npos);
+  c.vp = 2;
+  EXPECT_NE(estimate_step(m, hw, c).reason.find("ZB-H1 is a schedule of PP > 1 without virtual stages"),
+            std::string::npos);
+}
+
 TEST(AutoplanStep, ShapesThatDoNotDivideAreRefusedWithAReason) {
   const Hardware hw = round_hardware();
   const Transformer m = tiny_gpt();
@@ -233,6 +264,9 @@ TEST(AutoplanOrders, OneFOneBByHandAndItsMemory) {
       EXPECT_EQ(o.orders[r][i].mb, want[r][i].mb);
     }
   }
+  // ZB-H1 by hand, 1 byte saved per F and 0.5 kept from each I to its W: rank 0
+  // F0 F1 I0 W0 F2 I1 W1 I2 W2 peaks at 2; rank 1 F0 I0 F1 I1 W0 F2 I2 W1 W2 at 1.5.
+  EXPECT_EQ(peak_held(zb_h1(2, 3), {1, 1}, {0.5, 0.5}), (std::vector<double>{2, 1.5}));
   // 1F1B: rank r holds min(p - r, m) micro-batches.
   const auto held = peak_held(one_f_one_b(4, 8), {1, 1, 1, 1});
   EXPECT_EQ(held, (std::vector<double>{4, 3, 2, 1}));
@@ -556,8 +590,10 @@ TEST(AutoplanSearch, PruningNeverLosesTheBest) {
         for (int64_t b : {1, 2, 4, 8})
           for (int z = 0; z <= 3; ++z)
             for (int sp = 0; sp <= 1; ++sp)
-              for (Recompute rc : {Recompute::none, Recompute::full}) {
+              for (Recompute rc : {Recompute::none, Recompute::full})
+                for (bool zb : {false, true}) {
                 if (16 % (t * p) || (p == 1 && v > 1) || (t == 1 && sp) || (16 / (t * p) == 1 && z > 0)) continue;
+                if (zb && (p == 1 || v > 1)) continue;
                 ParallelConfig cfg;
                 cfg.tp = t;
                 cfg.pp = p;
@@ -567,6 +603,7 @@ TEST(AutoplanSearch, PruningNeverLosesTheBest) {
                 cfg.zero = z;
                 cfg.sequence_parallel = sp;
                 cfg.recompute = rc;
+                cfg.zero_bubble = zb;
                 if (!config_problem(m, cfg).empty()) continue;
                 const StepEstimate e = estimate_step(m, hw, cfg, opt);
                 if (e.feasible) all.push_back(e.step_s);

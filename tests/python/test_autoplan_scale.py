@@ -24,6 +24,13 @@ def test_cpp_orders_are_schedules_py_orders(p, m, v):
     assert [list(order) for order in _C.autoplan_orders(p, m, v)] == want
 
 
+@pytest.mark.parametrize("p,m", [(1, 3), (2, 3), (4, 8), (4, 3), (8, 16), (3, 7)])
+def test_cpp_zb_h1_orders_are_schedules_py_orders(p, m):
+    sched = make_schedule("zb_h1", p, m)
+    want = [[(a.kind, a.stage, a.mb) for a in order] for order in sched.orders]
+    assert [list(order) for order in _C.autoplan_orders(p, m, 1, True)] == want
+
+
 def test_selene_runs_are_the_published_configurations():
     for run in SELENE_RUNS:
         c = run.config

@@ -282,12 +282,14 @@ def _search_constraints(constraints: dict, world: int | None, hardware: dict) ->
             out["memory_limit"] = parse_bytes(value) - hardware["reserved_bytes"]
         elif key == "pipeline_parallel.schedule":
             if value == "1f1b":
-                out["vp"] = 1
+                out["vp"], out["zero_bubble"] = 1, 0
             elif value == "interleaved_1f1b":
-                out["min_vp"] = 2
+                out["min_vp"], out["zero_bubble"] = 2, 0
+            elif value == "zb_h1":
+                out["vp"], out["zero_bubble"] = 1, 1
             else:
                 raise PlanError(f"planner constraint pipeline_parallel.schedule is {value!r}; the planner at scale "
-                                f"models '1f1b' and 'interleaved_1f1b'")
+                                f"models '1f1b', 'interleaved_1f1b' and 'zb_h1'")
         elif key == "pipeline_parallel.split_method":
             if value not in _SPLITS:
                 raise PlanError(f"planner constraint pipeline_parallel.split_method is {value!r}; expected one of "
@@ -363,9 +365,14 @@ class Candidate:
             raise PlanError(f"{self.label} uses context parallelism (CP {c['cp']}), which the planner simulates but "
                             f"vescale cannot run yet; plan with constraints={{'context_parallel.size': 1}} (the "
                             f"default) for a plan vescale can execute")
+        if c.get("zero_bubble") and c["recompute"] == "full":
+            raise PlanError(f"{self.label} recomputes under ZB-H1, which vescale refuses (the split backward would "
+                            f"recompute every layer once per weight pass); plan with constraints="
+                            f"{{'pipeline_parallel.schedule': '1f1b'}} or {{'recompute': 'none'}}")
         plan = Plan({"mesh": {"PP": c["pp"], "DP": c["dp"], "TP": c["tp"]}})
         settings = {
-            "pipeline_parallel.schedule": "interleaved_1f1b" if c["vp"] > 1 else "1f1b",
+            "pipeline_parallel.schedule": ("zb_h1" if c.get("zero_bubble") else
+                                           "interleaved_1f1b" if c["vp"] > 1 else "1f1b"),
             "pipeline_parallel.microbatches": self.microbatches,
             "pipeline_parallel.virtual_stages": c["vp"],
             "data_parallel.zero_stage": c["zero"],
@@ -445,8 +452,9 @@ class ScalePlan:
 def plan_at_scale(model, world: int | None = None, *, hardware="h100_sxm", constraints: dict | None = None,
                   global_batch: int | None = None, seq: int | None = None, top_k: int = 10,
                   keep_rejected: int = 20) -> ScalePlan:
-    """Search every (DP x TP x PP) factorisation of ``world``, virtual stages, micro-batch
-    size, ZeRO stage, sequence parallelism and recomputation for ``model`` (a
+    """Search every (DP x TP x PP) factorisation of ``world``, the schedule (1F1B, interleaved
+    1F1B with its virtual stages, ZB-H1), micro-batch size, ZeRO stage, sequence
+    parallelism and recomputation for ``model`` (a
     ``Workload`` or a Hugging Face style config / model, then ``global_batch`` is needed)
     on simulated ``hardware`` (``"h100_sxm"``, ``"a100_80gb"``, or a dict of a name and
     overrides of its table entry). ``constraints`` fix what they name. Context parallelism
