@@ -246,6 +246,26 @@ def test_candidate_to_plan():
     plan.validate(world_size=1024)
 
 
+def test_zb_h1_candidate_to_plan_and_constraint():
+    c = simulate_step(Workload.llama3_70b(), dict(dp=32, tp=4, pp=8, micro_batch=1, zero=1, sequence_parallel=True,
+                                                  zero_bubble=True))
+    assert c.feasible and "zb-h1" in c.label
+    plan = c.to_plan()
+    assert plan["pipeline_parallel.schedule"] == "zb_h1" and plan["recompute.modules"] == []
+    plan.validate(world_size=1024)
+    recomputed = simulate_step(Workload.llama3_70b(), dict(dp=32, tp=4, pp=8, micro_batch=1, zero=1,
+                                                           sequence_parallel=True, zero_bubble=True,
+                                                           recompute="full"))
+    with pytest.raises(PlanError, match="recomputes under ZB-H1, which vescale refuses"):
+        recomputed.to_plan()
+    result = plan_at_scale(Workload.llama3_70b(), world=256, constraints={"pipeline_parallel.schedule": "zb_h1"},
+                           top_k=5)
+    piped = [x for x in result.ranked if x.config["pp"] > 1]  # (without a pipeline there is no schedule)
+    assert piped and all(x.config["zero_bubble"] and x.config["vp"] == 1 for x in piped)
+    assert not any(x.config["zero_bubble"] for x in plan_at_scale(
+        Workload.llama3_70b(), world=256, constraints={"pipeline_parallel.schedule": "1f1b"}, top_k=5).ranked)
+
+
 def test_infeasible_configuration_says_why():
     c = simulate_step(Workload.llama3_70b(), dict(dp=1, tp=3, pp=1))
     assert not c.feasible and "does not divide the 64 attention heads" in c.verdict
