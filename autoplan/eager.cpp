@@ -302,7 +302,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
     for (const auto& o : sched->orders)
       for (const auto& a : o) splits_backward |= a.kind == 'I';
   // vescale's limit: a split backward (ZB-H1, ZB-V) of checkpointed blocks recomputes them
-  // once per weight-gradient pass (measured: 8 forwards a step where 1F1B runs 2)
+  // once per weight-gradient pass (measured: 8 forwards of a block per micro-batch, 1F1B 2)
   if (splits_backward && c.recompute) return fail("vescale does not recompute under a zero-bubble schedule");
   for (int64_t s = 0; s < S; ++s) {
     const auto us = static_cast<size_t>(s);
