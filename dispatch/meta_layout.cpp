@@ -67,6 +67,7 @@ const std::unordered_map<std::string, CpuLayout>& table() {
       {"aten::_fft_r2c", CpuLayout::Fft},
       {"aten::_fft_c2c", CpuLayout::Fft},
       {"aten::_fft_c2r", CpuLayout::Fft},
+      {"aten::roll", CpuLayout::InputsFormat},  // (chain fuzzer seed 49001738: after an FFT)
   };
   return rows;
 }

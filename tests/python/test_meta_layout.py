@@ -51,6 +51,12 @@ UNARY = {
     "normal_tensors": lambda x: _seeded(lambda: torch.normal(x, x.abs() + 0.1)),
     "normal_std_tensor": lambda x: _seeded(lambda: torch.normal(0.5, x.abs() + 0.1)),
     "poisson": lambda x: _seeded(lambda: torch.poisson(x.abs())),
+    # roll on CPU: a channels-last input stays so, any other becomes contiguous; its meta
+    # decomposition goes contiguous (chain fuzzer seed 49001738: a roll after an FFT)
+    "roll_channels_last": lambda x: torch.roll(x.contiguous(memory_format=torch.channels_last), 1, 1),
+    "roll_two_dims_channels_last": lambda x: torch.roll(x.contiguous(memory_format=torch.channels_last),
+                                                        (1, -2), (1, 3)),
+    "roll_transposed": lambda x: torch.roll(x.transpose(1, 3), 1, 1),
 }
 
 
