@@ -23,6 +23,9 @@ enum class CpuLayout {
                  // the meta kernel is right when self broadcasts against the target
   Fft,           // (self, dim, ...): MKL's layout on CPU (below); torch's meta kernels take
                  // cuFFT's path on meta tensors, which is right on CUDA only
+  Conv1d,        // (input, weight, ...): on CPU a 3-d input is made contiguous and run as
+                 // (N, C, 1, L), which suggests channels-last when it has one channel; the
+                 // meta kernel looks at the 3-d input and says contiguous
 };
 
 // Found by comparing meta and CPU strides for transposed and broadcast inputs
@@ -68,6 +71,7 @@ const std::unordered_map<std::string, CpuLayout>& table() {
       {"aten::_fft_c2c", CpuLayout::Fft},
       {"aten::_fft_c2r", CpuLayout::Fft},
       {"aten::roll", CpuLayout::InputsFormat},  // (chain fuzzer seed 49001738: after an FFT)
+      {"aten::convolution", CpuLayout::Conv1d},  // (seed 49003445: one channel after a movedim)
   };
   return rows;
 }
@@ -159,6 +163,19 @@ void match_cpu_layout(const std::string& name, c10::ArrayRef<c10::IValue> args, 
     Dims dims;
     for (const auto d : args[1].toIntVector()) dims.push_back(at::maybe_wrap_dim(d, metas[0].dim()));
     if (!dims.empty()) first.stride = cpu_fft_strides(name, metas[0], std::move(dims), first.shape);
+    return;
+  }
+  if (row->second == CpuLayout::Conv1d) {
+    if (device != c10::kCPU || metas.size() < 2 || !metas[0].defined() || !metas[1].defined() ||
+        metas[0].dim() != 3 || first.shape.size() != 3)
+      return;
+    const auto input = metas[0].is_contiguous() ? metas[0] : metas[0].contiguous();
+    constexpr auto cl = at::MemoryFormat::ChannelsLast;
+    if (input.unsqueeze(2).suggest_memory_format() != cl && metas[1].unsqueeze(2).suggest_memory_format() != cl) return;
+    const auto laid_out = at::empty({first.shape[0], first.shape[1], 1, first.shape[2]},
+                                    at::TensorOptions().dtype(first.dtype).device(c10::kMeta).memory_format(cl));
+    const auto s = laid_out.strides();
+    first.stride = {s[0], s[1], s[3]};
     return;
   }
   if (row->second == CpuLayout::LossBackward &&

@@ -133,6 +133,32 @@ def _case_fft_results_laid_out_as_mkl_lays_them_out():
     return failures
 
 
+def _case_conv1d_of_one_channel():
+    """conv1d on CPU runs a 3-d input as (N, C, 1, L): with one channel that view is also
+    channels-last and the result comes out so (chain fuzzer seed 49003445: a movedim of a
+    (4, 6, 1) value); torch's meta kernel said contiguous. Transposed too; a permuted input
+    of two channels is made contiguous first (a control)."""
+    failures = {}
+    one = rand((4, 6, 1), seed=6).movedim(1, 2)  # (4, 1, 6), strides (6, 1, 1)
+    two = rand((4, 6, 2), seed=7).movedim(1, 2)  # (4, 2, 6), strides (12, 1, 2)
+    cases = {
+        "conv1d_one_channel": (one, lambda x: F.conv1d(x, rand((3, 1, 1), seed=8))),
+        "conv_transpose1d_one_channel": (one, lambda x: F.conv_transpose1d(x, rand((1, 3, 2), seed=9))),
+        "conv1d_two_channels_permuted": (two, lambda x: F.conv1d(x, rand((3, 2, 2), seed=10))),
+    }
+    for mesh_name in ("1d4", "2d"):
+        m = mesh(mesh_name)
+        for placements in ([Replicate()] * m.ndim, [Shard(0)] + [Replicate()] * (m.ndim - 1)):
+            for name, (a, fn) in cases.items():
+                _check(fn(make_dtensor(a, m, placements)), fn(a), f"{mesh_name} {placements} {name}", failures)
+    return failures
+
+
+def test_conv1d_of_one_channel_laid_out_as_on_one_device(pool4):
+    for failures in pool4.run(_case_conv1d_of_one_channel):
+        assert failures == {}
+
+
 def test_fft_results_laid_out_as_on_one_device(pool4):
     for failures in pool4.run(_case_fft_results_laid_out_as_mkl_lays_them_out):
         assert failures == {}
