@@ -82,6 +82,10 @@ SearchResult search(const Transformer& m, const Hardware& hw, const SearchConstr
             for (int64_t v = 1; v * p <= m.layers; ++v) vps.push_back(v);
           vps.erase(std::remove_if(vps.begin(), vps.end(), [&](int64_t v) { return v < c.min_vp; }), vps.end());
           for (int64_t v : vps) {
+            // ZB-H1 is the alternative to 1F1B where a pipeline has no virtual stages
+            std::vector<int> zbs;
+            for (int zb : {0, 1})
+              if (zb ? p > 1 && v == 1 && c.zero_bubble != 0 : !(p > 1 && c.zero_bubble == 1)) zbs.push_back(zb);
             std::vector<int> sps = c.sequence_parallel >= 0 ? std::vector<int>{c.sequence_parallel}
                                    : t > 1                 ? std::vector<int>{0, 1}
                                                            : std::vector<int>{0};
@@ -90,33 +94,32 @@ SearchResult search(const Transformer& m, const Hardware& hw, const SearchConstr
                 if (c.recompute >= 0 && r != c.recompute) continue;
                 // Fused attention keeps no s x s tensors: selective recomputation is no recomputation.
                 if (c.recompute < 0 && m.flash_attention && r == static_cast<int>(Recompute::selective)) continue;
-                for (int zb = 0; zb <= 1; ++zb) {
-                  if (zb ? (p == 1 || v > 1 || c.zero_bubble == 0) : c.zero_bubble == 1 && p > 1) continue;
-                for (int z = 0; z <= 3; ++z) {
-                  if ((c.zero >= 0 && z != c.zero) || (c.zero < 0 && d * cp == 1 && z > 0)) continue;
-                  ParallelConfig cfg;
-                  cfg.dp = d;
-                  cfg.tp = t;
-                  cfg.cp = cp;
-                  cfg.pp = p;
-                  cfg.vp = v;
-                  cfg.micro_batch = b;
-                  cfg.zero = z;
-                  cfg.sequence_parallel = sp != 0;
-                  cfg.recompute = static_cast<Recompute>(r);
-                  cfg.zero_bubble = zb != 0;
-                  ++out.enumerated;
-                  if (!config_problem(m, cfg).empty()) {
-                    ++out.invalid;
-                    continue;
+                for (int zb : zbs) {
+                  for (int z = 0; z <= 3; ++z) {
+                    if ((c.zero >= 0 && z != c.zero) || (c.zero < 0 && d * cp == 1 && z > 0)) continue;
+                    ParallelConfig cfg;
+                    cfg.dp = d;
+                    cfg.tp = t;
+                    cfg.cp = cp;
+                    cfg.pp = p;
+                    cfg.vp = v;
+                    cfg.micro_batch = b;
+                    cfg.zero = z;
+                    cfg.sequence_parallel = sp != 0;
+                    cfg.recompute = static_cast<Recompute>(r);
+                    cfg.zero_bubble = zb != 0;
+                    ++out.enumerated;
+                    if (!config_problem(m, cfg).empty()) {
+                      ++out.invalid;
+                      continue;
+                    }
+                    StepEstimate e = estimate_step(m, hw, cfg, quick, &cache);
+                    if (e.feasible) fits.push_back(std::move(e));
+                    else {
+                      ++out.over_memory;
+                      over.push_back(std::move(e));
+                    }
                   }
-                  StepEstimate e = estimate_step(m, hw, cfg, quick, &cache);
-                  if (e.feasible) fits.push_back(std::move(e));
-                  else {
-                    ++out.over_memory;
-                    over.push_back(std::move(e));
-                  }
-                }
                 }
               }
             }

@@ -272,6 +272,8 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
   std::vector<double> stage_params(static_cast<size_t>(S)), saved(static_cast<size_t>(S));
   std::vector<PieceTime> stage_time(static_cast<size_t>(S));
   std::vector<double> zero_comm(static_cast<size_t>(S), 0);
+  // ZB-H1: what each stage's W reads, kept from its I (empty otherwise: nothing kept)
+  std::vector<double> weight_held(c.zero_bubble ? static_cast<size_t>(S) : 0);
   est.stage_forward.resize(static_cast<size_t>(S));
   est.stage_backward.resize(static_cast<size_t>(S));
   est.stage_weight_backward.assign(static_cast<size_t>(S), 0);
@@ -281,6 +283,7 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
     PieceTime t = tl.times(n);
     stage_params[us] = n * lp;
     saved[us] = n * layer.saved_bytes;
+    if (c.zero_bubble) weight_held[us] = n * layer.wgrad_held_bytes + (s == S - 1 ? head.wgrad_held_bytes : 0);
     if (s == 0) {
       t += te;
       stage_params[us] += emb_p;
@@ -315,11 +318,6 @@ StepEstimate estimate_step(const Transformer& m, const Hardware& hw, const Paral
   }
 
   // ---- memory of every pipeline rank ----
-  std::vector<double> weight_held;  // ZB-H1: what each stage's W reads, kept from its I
-  if (c.zero_bubble)
-    for (int64_t s = 0; s < S; ++s)
-      weight_held.push_back(static_cast<double>(layers[static_cast<size_t>(s)]) * layer.wgrad_held_bytes +
-                            (s == S - 1 ? head.wgrad_held_bytes : 0));
   const auto held = peak_held(*orders, saved, weight_held);
   const double extra = layer.peak_extra_bytes + zero3_buffer;
   double worst = -1;

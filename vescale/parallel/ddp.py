@@ -253,13 +253,14 @@ class DDP(nn.Module):
     def _divisor(self) -> int:
         return 1 if self._shares else self.world
 
-    @staticmethod
-    def _divides_first(b: Bucket) -> bool:
-        """Whether the average divides before the sum: in fp16, whose range a sum of DP
-        ranks' loss-scaled gradients can overflow where their average does not (as torch's
-        DDP divides first); otherwise after it, on the collective's result, which a
-        reduce-scatter makes DP times smaller."""
-        return b.dtype == torch.float16
+    def _average(self, b: Bucket, t: torch.Tensor, *, before_sum: bool) -> None:
+        """The average's division of bucket ``b``'s ``t``, at the point it belongs: before
+        the sum in fp16, whose range a sum of DP ranks' loss-scaled gradients can overflow
+        where their average does not (as torch's DDP divides first; set-up fuzzer seed
+        13083); otherwise after it, on the collective's result, which a reduce-scatter
+        makes DP times smaller. Shares are summed only."""
+        if (b.dtype == torch.float16) == before_sum and self._divisor() != 1:
+            t.div_(self._divisor())
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         if not self._sync:
@@ -301,8 +302,7 @@ class DDP(nn.Module):
         b.buffer = b.kept[:total]
         if flat:
             torch.cat(flat, out=b.buffer)
-        if self._divides_first(b) and self._divisor() != 1:
-            b.buffer.div_(self._divisor())
+        self._average(b, b.buffer, before_sum=True)
         token = _trace.collective_started("all_reduce", self.group, b.buffer, source="ddp")
         b.work = (_trace.traced(dist.all_reduce(b.buffer, group=self.group, async_op=True), token), b.buffer)
 
@@ -350,8 +350,7 @@ class DDP(nn.Module):
             if earlier is not b and earlier.work is not None and earlier.work[0] is not None:
                 earlier.work[0].wait()
                 earlier.work = (None, earlier.work[1])
-        if self._divides_first(b) and self._divisor() != 1:  # (dividing after, an fp16 sum overflowed: seed 13083)
-            b.buffer.div_(self._divisor())
+        self._average(b, b.buffer, before_sum=True)
         out = torch.empty(b.chunk_total, dtype=b.dtype, device=b.device)
         token = _trace.collective_started("reduce_scatter", self.group, b.buffer, source="zero")
         b.work = (_trace.traced(_reduce_scatter(out, b.buffer.view(-1), self.group), token), out)
@@ -369,8 +368,7 @@ class DDP(nn.Module):
             work, result = b.work
             if work is not None:  # (None: a reduce-scatter waited for already)
                 work.wait()
-            if not self._divides_first(b) and self._divisor() != 1:
-                result.div_(self._divisor())
+            self._average(b, result, before_sum=False)
             offset = 0
             for s in b.in_buffer:
                 if self.reduce_scatter:  # a view: the bucket's slice buffer lives until zero_grad

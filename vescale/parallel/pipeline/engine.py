@@ -170,7 +170,7 @@ class PipelineParallel(nn.Module):
         The loss is ``loss_fn(output, target)`` on the micro-batch, else what the model
         returns (a scalar, or an output with ``.loss``); the batch loss is the mean over
         micro-batches weighted by their size. Returns it on every rank."""
-        mbs = self._microbatches(args, kwargs, target, loss_fn)
+        mbs = self._checked_microbatches(args, kwargs, target, loss_fn)
         ddp = self._data_parallel
         sync = ddp is not None and ddp._sync  # False inside the user's ddp.no_sync(): accumulate
         # gradients accumulated by earlier steps must not be summed among the holders again
@@ -203,7 +203,7 @@ class PipelineParallel(nn.Module):
         # results, not the batch's constants), on both sides alike, and the first call's
         # check of the cuts sees it too. Each forward's graph goes once its outputs are sent.
         with torch.enable_grad():
-            mbs = self._microbatches(args, kwargs, target, loss_fn)
+            mbs = self._checked_microbatches(args, kwargs, target, loss_fn)
             # the forwards of any schedule, in its order, are a valid order on their own: a
             # forward waits only for the previous stage's forward of its micro-batch
             for action in self.schedule.orders[self.pp_rank]:
@@ -215,7 +215,9 @@ class PipelineParallel(nn.Module):
             work.wait()
         return self._batch_loss(losses)
 
-    def _microbatches(self, args, kwargs, target, loss_fn) -> list[tuple]:
+    def _checked_microbatches(self, args, kwargs, target, loss_fn) -> list[tuple]:
+        """The batch cut into micro-batches, the model materialised and its cuts checked
+        on meta once (the first step or evaluation)."""
         if has_deferred(self.module):
             materialize_module(self.module)
         mbs = _microbatches(args, kwargs, target, self.schedule.microbatches)
