@@ -441,8 +441,13 @@ at::Tensor with_layout_of(const at::Tensor& local, c10::ArrayRef<int64_t> global
 bool keeps_order_of(const at::Tensor& local, c10::ArrayRef<int64_t> global_stride) {
   const auto dense = strides_like(local.sizes(), global_stride);
   std::vector<int64_t> dims;  // dims that take more than one step, innermost first
-  for (int64_t d = 0; d < local.dim(); ++d)
-    if (local.size(d) > 1) dims.push_back(d);
+  for (int64_t d = 0; d < local.dim(); ++d) {
+    if (local.size(d) <= 1) continue;
+    // A dim expanded (stride 0) in the global layout too is the same broadcast in the
+    // shard: it needs no place of its own in memory.
+    if (local.stride(d) == 0 && global_stride[static_cast<size_t>(d)] == 0) continue;
+    dims.push_back(d);
+  }
   std::sort(dims.begin(), dims.end(),
             [&](int64_t a, int64_t b) { return dense[static_cast<size_t>(a)] < dense[static_cast<size_t>(b)]; });
   // Each dim's step must clear the farthest element the dims inside it reach (a step

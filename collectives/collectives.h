@@ -98,8 +98,8 @@ std::shared_ptr<PendingShard> start_redistribution(
 // unless it already has it.
 at::Tensor with_layout_of(const at::Tensor& local, c10::ArrayRef<int64_t> global_stride);
 // Whether `local` keeps the dim order of `global_stride` without overlapping itself,
-// densely packed or not (a view into a larger buffer): such a shard needs no copy to
-// follow the global layout.
+// densely packed or not (a view into a larger buffer), dims expanded in both aside:
+// such a shard needs no copy to follow the global layout.
 bool keeps_order_of(const at::Tensor& local, c10::ArrayRef<int64_t> global_stride);
 
 }  // namespace vescale::collectives

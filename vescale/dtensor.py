@@ -78,7 +78,7 @@ class DTensor(torch.Tensor, metaclass=_DTensorMeta):
             shape = _global_shape(local_tensor, mesh, cp, exact=run_check)
         shape = [int(s) for s in shape]
         if stride is None:
-            stride = _strides_like(shape, local_tensor.stride())
+            stride = _global_strides_of(shape, local_tensor)
         return _C.from_local(local_tensor, _register(mesh), cp, shape, list(stride))
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -217,6 +217,15 @@ def _strides_like(shape: Sequence[int], like: Sequence[int]) -> list[int]:
         strides[d] = step
         step *= max(shape[d], 1)
     return strides
+
+
+def _global_strides_of(shape: Sequence[int], local: torch.Tensor) -> list[int]:
+    """The global strides a shard implies, as torch's from_local reads them: the shard's dim
+    order, densely packed, and stride 0 where the shard is expanded (a broadcast shard
+    stays a broadcast, sharing its memory, rather than becoming a dense copy)."""
+    expanded = [d for d in range(local.dim()) if local.size(d) > 1 and local.stride(d) == 0]
+    packed = _strides_like([1 if d in expanded else n for d, n in enumerate(shape)], local.stride())
+    return [0 if d in expanded else s for d, s in enumerate(packed)]
 
 
 def _global_shape(local: torch.Tensor, mesh: DeviceMesh, cp, exact: bool) -> list[int]:

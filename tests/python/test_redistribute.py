@@ -103,6 +103,16 @@ def _case_local_round_trip():
     even = vescale.DTensor.from_local(torch.ones(2, 3), m, [Shard(0)])
     if tuple(even.shape) != (8, 3):
         failures.append(f"from_local even global shape {tuple(even.shape)}")
+    # an expanded shard stays a broadcast that shares its memory, as torch's from_local
+    # keeps it (it was copied dense, so the round trip missed later writes to its source)
+    row = rand((1, 5), seed=7)
+    shard = row.expand(2, 5)
+    wide = vescale.DTensor.from_local(shard, m, [Shard(0)])
+    if tuple(wide.stride()) != (0, 1) or wide.to_local().data_ptr() != row.data_ptr():
+        failures.append(f"from_local of an expanded shard: strides {tuple(wide.stride())}, copied")
+    row.mul_(3)
+    if mismatch(wide.full_tensor(), row.expand(8, 5)):
+        failures.append("from_local of an expanded shard does not follow its source")
     return failures
 
 
