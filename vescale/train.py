@@ -156,9 +156,6 @@ def _check_combination(plan: Plan, size: dict, pp: str, dp: str, zero: int, mp_d
                             f"recompute every block once per weight-gradient pass (measured: 8 forwards of a block per "
                             f"micro-batch, against 2 under 1F1B); "
                             f"use schedule '1f1b', 'interleaved_1f1b' or 'gpipe' with recomputation")
-        if plan["mixed_precision.loss_scale"] is not None:
-            raise PlanError("plan key mixed_precision.loss_scale with a pipeline is not supported yet (the "
-                            "schedule runs backward itself); use param_dtype 'bfloat16', which needs no scaling")
 
 
 def _sample_microbatch(plan: Plan, split, dataset, dp_size: int):

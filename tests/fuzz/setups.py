@@ -154,6 +154,10 @@ def draw(rng: random.Random, world: int = WORLD) -> dict:
     if pp > 1 and plan["pipeline_parallel.schedule"] not in ("zb_h1", "zbv") and rng.random() < 0.25:
         # recomputation under a pipeline (the zero-bubble schedules refuse it)
         plan["recompute.modules"] = [_blocks_regex(kind) + (r"\.\d+" if rng.random() < 0.5 else r"\.0")]
+    if (pp > 1 and plan.get("data_parallel.zero_stage", 0) and loop["resume"] is None
+            and "mixed_precision.param_dtype" not in plan and "autocast" not in loop and rng.random() < 0.25):
+        # fp16 loss scaling under a pipeline: each micro-batch's loss scaled, its gradient a share
+        plan.update({"mixed_precision.param_dtype": "float16", "mixed_precision.loss_scale": "dynamic"})
     return setup
 
 

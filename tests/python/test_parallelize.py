@@ -474,44 +474,82 @@ def test_two_models_with_their_own_plans(pool4):
         assert mismatch(torch.tensor(c), torch.tensor(c_ref), rtol=1e-5, atol=1e-6) is None, (c, c_ref)
 
 
-def _case_low_precision(dtype_name: str, loss_scale) -> tuple[list[float], list[float], str]:
-    plan = Plan({"mesh": {"DP": 2, "TP": 2}, "tensor_parallel.sharding_plan": gpt_plan(),
-                 "data_parallel.zero_stage": 1, "mixed_precision.param_dtype": dtype_name,
+def _case_low_precision(dtype_name: str, loss_scale, mesh: dict, extra: dict) -> tuple:
+    plan = Plan({"mesh": mesh, "data_parallel.zero_stage": 1, "mixed_precision.param_dtype": dtype_name,
                  "mixed_precision.loss_scale": loss_scale,
-                 "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
-    model, optimizer, _, loader = vescale.parallelize(plan, _gpt(), _adamw, None, _dataset())
+                 "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False, **extra})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), _sgd, None, _dataset())
     dtype = str(next(model.parameters()).dtype)
     losses = _rfc_loop(model, optimizer, loader, STEPS)
-    # one device, the same recipe: a low-precision model, fp32 master weights in AdamW (no
-    # scaling needed here: these gradients do not underflow)
-    ref = _gpt().to(getattr(torch, dtype_name))
+    # one device, the same recipe: a low-precision model, fp32 master weights in SGD, and
+    # vescale's loss scaling (the loss's gradient is the scale, in the loss's dtype; an
+    # inf or NaN skips the step and, when dynamic, halves the scale)
+    ref = _gpt({"n_layer": 4}).to(getattr(torch, dtype_name))
     masters = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
-    opt = torch.optim.AdamW(masters, lr=LR)
+    opt = torch.optim.SGD(masters, lr=0.1)  # (not Adam: a gradient's scale shows)
+    scale = None if loss_scale is None else 2.0**16 if loss_scale == "dynamic" else float(loss_scale)
     data = _dataset()
     ref_losses = []
     for i in range(0, GLOBAL_BATCH * STEPS, GLOBAL_BATCH):
         for p in ref.parameters():
             p.grad = None
         loss = ref(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
-        loss.backward()
+        loss.backward(None if scale is None else torch.ones_like(loss) * scale)
+        ref_losses.append(loss.item())
         for m, p in zip(masters, ref.parameters()):
-            m.grad = p.grad.float()
+            m.grad = p.grad.float() / (scale or 1.0)
+        if not all(torch.isfinite(m.grad).all() for m in masters):
+            scale /= 2.0 if loss_scale == "dynamic" else 1.0
+            continue
         opt.step()
         with torch.no_grad():
             for m, p in zip(masters, ref.parameters()):
                 p.copy_(m)
-        ref_losses.append(loss.item())
-    return losses, ref_losses, dtype
+    scaler = optimizer.inner.scaler
+    # the gradients of one more batch, unscaled, where ZeRO-1 leaves them whole
+    grads = {}
+    if plan["data_parallel.zero_stage"] == 1:
+        optimizer.zero_grad()
+        model(next(iter(loader))).backward()
+        ref.zero_grad()
+        ref(data.tensors[0][:GLOBAL_BATCH], data.tensors[1][:GLOBAL_BATCH]).backward(
+            None if scale is None else torch.ones_like(loss) * scale)
+        ref_grads = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                g = p.grad.full_tensor() if isinstance(p.grad, vescale.DTensor) else p.grad
+                want = next(r.grad for n, r in ref_grads.items() if name.endswith(n))
+                divisor = scaler.scale if scaler is not None else 1.0
+                grads[name] = mismatch(g.float() / divisor, want.float() / (scale or 1.0),
+                                       rtol=2e-2, atol=2e-2 * float(want.float().abs().max() / (scale or 1.0)))
+    return losses, ref_losses, dtype, None if scaler is None else scaler.scale, scale, grads
 
 
-@pytest.mark.parametrize("dtype_name,loss_scale", [("bfloat16", None), ("float16", 128.0)])
-def test_low_precision_parameters_with_fp32_masters(pool4, dtype_name, loss_scale):
-    """The parameters are bf16 / fp16 (a loss scale of 128: a power of two that neither
-    overflows nor underflows here, so exact) and the optimizer steps
-    fp32 masters. Low precision sums in another order on 4 ranks than on one, so the
-    losses agree to its precision only."""
-    for losses, ref, dtype in pool4.run(_case_low_precision, dtype_name, loss_scale):
+@pytest.mark.parametrize("dtype_name,loss_scale,mesh,extra", [
+    ("bfloat16", None, {"DP": 2, "TP": 2}, {"tensor_parallel.sharding_plan": gpt_plan()}),
+    ("float16", 128.0, {"DP": 2, "TP": 2}, {"tensor_parallel.sharding_plan": gpt_plan()}),
+    ("float16", "dynamic", {"DP": 2, "TP": 2}, {"tensor_parallel.sharding_plan": gpt_plan()}),
+    ("float16", "dynamic", {"PP": 2, "DP": 2}, {"pipeline_parallel.microbatches": 2}),
+    ("float16", 128.0, {"PP": 2, "DP": 2}, {"pipeline_parallel.schedule": "zbv", "pipeline_parallel.virtual_stages": 2,
+                                             "pipeline_parallel.microbatches": 2, "data_parallel.zero_stage": 3}),
+    ("float16", "dynamic", {"PP": 4, "DP": 1}, {"pipeline_parallel.schedule": "gpipe",
+                                                 "pipeline_parallel.microbatches": 4}),
+], ids=["bf16-dp2-tp2", "fp16-128-dp2-tp2", "fp16-dynamic-dp2-tp2", "fp16-dynamic-pp2-dp2-1f1b",
+        "fp16-128-pp2-dp2-zbv-zero3", "fp16-dynamic-pp4-gpipe"])
+def test_low_precision_parameters_with_fp32_masters(pool4, dtype_name, loss_scale, mesh, extra):
+    """The parameters are bf16 / fp16 and the optimizer steps fp32 masters. fp16 scales the
+    loss: 128 (a power of two that neither overflows nor underflows here, so exact), or
+    dynamic, whose first scale, 2^16, is inf in fp16 on one device too: that step is skipped
+    on both sides and the scale halved. Under a pipeline each micro-batch's loss is scaled
+    and its gradient is this rank's share. Low precision sums in another order on 4 ranks
+    than on one, so the losses agree to its precision only; the final scales are equal (the
+    same steps were skipped)."""
+    for losses, ref, dtype, scale, ref_scale, grads in pool4.run(_case_low_precision, dtype_name, loss_scale, mesh,
+                                                                  extra):
         assert dtype == f"torch.{dtype_name}"
+        assert scale == ref_scale, (scale, ref_scale)
+        assert extra.get("data_parallel.zero_stage") == 3 or grads, "no gradient was compared"
+        assert all(m is None for m in grads.values()), {n: m for n, m in grads.items() if m is not None}
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-2, atol=0) is None, (losses, ref)
 
 

@@ -37,6 +37,7 @@ from ..deferred import flat_slice
 from ..dtensor import DTensor
 from .._local import local_of
 from .ddp import DDP, Slot, as_shares
+from .pipeline.engine import is_pipeline
 from .zero3 import ShardedParameters, all_gather_slices, fill_rows
 
 __all__ = ["DistributedOptimizer"]
@@ -100,6 +101,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         self.scaler = _LossScaler(loss_scale) if loss_scale is not None else None
+        if self.scaler is not None:
+            for ddp in models:  # a pipeline runs backward itself: it scales each micro-batch's loss
+                if is_pipeline(ddp.module):
+                    ddp.module.scale_loss = self.scale_loss
 
     def _master_groups(self, param_groups: list[dict] | None):
         """The masters in the caller's parameter groups (their options kept), or one group."""

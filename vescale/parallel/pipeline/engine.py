@@ -56,6 +56,9 @@ class PipelineParallel(nn.Module):
         self.specs = self._specs()
         self.local_stages = self.schedule.stages_of(self.pp_rank)
         self._data_parallel = None   # set by DDP when it wraps this pipeline
+        # loss -> the loss backward starts from: a loss-scaling DistributedOptimizer sets its
+        # scale_loss here (the schedule runs backward, so the caller cannot scale the loss)
+        self.scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._shared = self._strip_other_stages()
         self.runner = StageRunner(model, self.layout, self.specs, self.local_stages, torch.device(mesh.device_type))
         self.boundary = Boundary(self.group, mesh, self.schedule.stages)
@@ -177,6 +180,10 @@ class PipelineParallel(nn.Module):
         earlier = {name: self.module.get_parameter(name).grad for name, _ in self._shared}
         for name, _ in self._shared:
             self.module.get_parameter(name).grad = None
+        if ddp is not None and self.scale_loss is not None:
+            # scale_loss divides the loss's gradient by the DP size at the root, on the last
+            # stage; every stage's gradients descend from it: shares, which DDP sums
+            ddp.mark_shares()
         sends, states, losses = [], {}, []
         with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
             for action in self.schedule.orders[self.pp_rank]:
@@ -242,7 +249,9 @@ class PipelineParallel(nn.Module):
         else:
             loss = _loss_of(a, target, loss_fn)
             losses.append((loss.detach(), weight))
-            outputs = [loss * weight]
+            # weighted, then scaled: the scale multiplies the gradient first, in the loss's
+            # dtype, and an fp16 2^16 overflows as one device's does
+            outputs = [loss * weight if self.scale_loss is None else self.scale_loss(loss * weight)]
         states[(s, mb)] = {"outputs": outputs, "leaves": leaves}
 
     def _backward(self, s: int, mb: int, states, sends, split: bool) -> None:
