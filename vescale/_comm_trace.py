@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed._tools.mod_tracker import ModTracker
+from torch.utils._pytree import tree_map_only
 
 from . import _C
 
@@ -59,6 +60,15 @@ class ScopeTracker(ModTracker):
         self._queued = False
         if on_module_output is not None:
             self.register_user_hooks(post_fw_hook=self._module_output)
+
+    def _fw_pre_hook(self, mod, input):
+        # torch's hook waits for the gradients of all the inputs that require grad, and on
+        # the first one asks the engine whether each input's node will run, which raises
+        # for a leaf inside torch.autograd.grad. A zero-bubble schedule's split backward
+        # runs through autograd.grad, with the received activations as leaves: leaves are
+        # hidden from it (the module's backward ends with its other inputs' gradients, or
+        # with the backward itself when all are leaves)
+        return super()._fw_pre_hook(mod, tree_map_only(torch.Tensor, _hide_leaf, input))
 
     def _module_output(self, mod, inputs, output) -> None:
         self._on_module_output(self.get_known_fqn(mod) or type(mod).__name__, output)
@@ -114,6 +124,10 @@ class ScopeTracker(ModTracker):
     def __exit__(self, *args):
         super().__exit__(*args)
         _C.trace_set_scope(0)
+
+
+def _hide_leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach() if t.requires_grad and t.grad_fn is None else t
 
 
 def _rank() -> int:
