@@ -14,6 +14,7 @@ from torch.utils.data import TensorDataset
 
 import vescale
 from vescale import Plan, PlanError
+from vescale._local import local_of
 from vescale.data import DataLoader
 from vescale.parallel.plans import gpt_plan
 
@@ -441,6 +442,48 @@ def test_recomputation_under_a_pipeline_matches_single_device(pool4, mesh, extra
     for losses, ref, plain_calls, calls in pool4.run(_case_pipeline_recompute, mesh, extra):
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
         assert plain_calls > 0 and calls == 2 * plain_calls, (plain_calls, calls)  # every block ran again
+
+
+def _case_zero3_shadows(extra: dict) -> tuple[int, int, list[float], list[float]]:
+    """ZeRO-3 under a schedule whose ranks hold several stages: a later stage's forward runs
+    the earlier stages' blocks as shadows on meta twins of their parameters. Counts the
+    all-gathers of parameters the model does not hold at that moment (shadowed), and all."""
+    from vescale.parallel import zero3
+    plan = Plan({"mesh": {"PP": 2, "DP": 2}, "data_parallel.zero_stage": 3, "data.global_batch_size": GLOBAL_BATCH,
+                 "data.shuffle": False, **extra})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), _sgd, None, _dataset())
+    gathers = {"shadowed": 0, "all": 0}
+    gather = zero3.ShardedParameters.gather
+
+    def counting(self, entries):
+        held = {id(p) for p in model.module.module.module.parameters()}  # ParallelModel > DDP > pipeline > GPT
+        empty = [e for e in entries if local_of(e.param).untyped_storage().nbytes() == 0]
+        gathers["all"] += bool(empty)
+        gathers["shadowed"] += bool(empty) and any(id(e.param) not in held for e in empty)
+        return gather(self, entries)
+
+    zero3.ShardedParameters.gather = counting
+    try:
+        losses = _rfc_loop(model, optimizer, loader, 3)
+    finally:
+        zero3.ShardedParameters.gather = gather
+    data = _dataset()
+    batches = [(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+               for i in range(0, GLOBAL_BATCH * 3, GLOBAL_BATCH)]
+    return gathers["shadowed"], gathers["all"], losses, _single_device(lambda: _gpt({"n_layer": 4}), _sgd, batches)
+
+
+@pytest.mark.parametrize("extra", [
+    {"pipeline_parallel.schedule": "interleaved_1f1b", "pipeline_parallel.virtual_stages": 2,
+     "pipeline_parallel.microbatches": 4},
+    {"pipeline_parallel.schedule": "zbv", "pipeline_parallel.virtual_stages": 2, "pipeline_parallel.microbatches": 2},
+], ids=["interleaved", "zbv"])
+def test_zero3_does_not_gather_for_a_pipelines_shadows(pool4, extra):
+    """A shadow computes on meta: gathering its unit moved a whole block per micro-batch for
+    nothing (rank 0 of interleaved PP2 x VP2, 4 micro-batches: 25% of its gathered bytes)."""
+    for shadowed, gathers, losses, ref in pool4.run(_case_zero3_shadows, extra):
+        assert shadowed == 0 and gathers > 0, (shadowed, gathers)
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
 
 
 def _case_two_models() -> tuple[list[float], list[float], list[float], list[float]]:

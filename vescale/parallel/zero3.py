@@ -150,9 +150,15 @@ class ShardedParameters:
     def _hook(self, module: nn.Module, params: list[nn.Parameter]) -> None:
         entries = [self.sharded[id(p)] for p in params]
         waiting = {"count": 0}
+        shadow = {"now": False}
 
         def before_forward(mod, args):
-            self.gather(entries)
+            # a pipeline stage runs an earlier stage's unit as a shadow, on meta twins of
+            # its parameters (vescale/parallel/pipeline/stage.py): nothing to gather, and
+            # it is not a forward that backward will visit
+            shadow["now"] = params[0] is not _current(mod, params[0])
+            if not shadow["now"]:
+                self.gather(entries)
 
         def before_backward(*grads):
             if not self._backward_queued:
@@ -163,6 +169,8 @@ class ShardedParameters:
             self._prefetch_before(entries)
 
         def after_forward(mod, args, output):
+            if shadow["now"]:
+                return
             self.release(entries)
             if self._forward_restarts:  # the first forward since a backward: a new order
                 self._forward_order, self._forward_restarts = [], False
@@ -183,6 +191,15 @@ class ShardedParameters:
         module.register_forward_hook(after_forward)
         for p in params:
             p.register_post_accumulate_grad_hook(grad_ready)
+
+
+def _current(module: nn.Module, param: nn.Parameter) -> nn.Parameter | None:
+    """What ``module`` holds now where it held ``param`` (the same object unless swapped)."""
+    for sub in module.modules():
+        for p in sub._parameters.values():
+            if p is param:
+                return p
+    return None
 
 
 def _tensors_in(output) -> list[torch.Tensor]:
