@@ -250,10 +250,6 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
   if (!lp) return fail("no tensor-parallel layout for TP " + std::to_string(c.tp) + (c.sp ? " with SP" : ""));
   const Layout& l = *lp;
   if (c.zero < 0 || c.zero > 3 || (c.zero > 0 && c.dp == 1)) return fail("ZeRO needs data parallelism");
-  // ZB-V with ZeRO-3 runs (each weight pass gathers its stage's parameters again), but this
-  // model prices two gathers per block and micro-batch, not that third one: not searched
-  if (c.pp > 1 && c.schedule == "zbv" && c.zero == 3)
-    return fail("the planner does not price ZB-V with ZeRO-3 (the weight passes' gathers) yet");
   const int64_t local_batch = p.batch / c.dp;
   if (local_batch % c.microbatches) return fail("micro-batches do not divide the local batch");
   const double n = static_cast<double>(local_batch / c.microbatches);
@@ -343,7 +339,7 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
         z += 2 * (cost.time("all_gather", c.dp, std::ceil(u.param_bytes / dpd)) + p.copy_per_byte * u.param_bytes);
       }
     }
-    if (c.zero == 3) {  // the root's parameters, gathered for every micro-batch's forward and backward
+    if (c.zero == 3 && c.pp == 1) {  // the root's parameters, gathered for the forward and the backward
       z += 2 * (cost.time("all_gather", c.dp, std::ceil(root_bytes / dpd)) + p.copy_per_byte * root_bytes);
     }
     if ((c.pp > 1 ? sched->placement[us] : 0) == 0) {
@@ -356,7 +352,8 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
         if (c.zero == 3 && p.units[i].kind == 1)
           e.rank0_comms.push_back({"all_gather", c.dp, std::ceil(u.param_bytes / dpd / 4) * 4, 2 * mi, "zero3"});
       }
-      if (c.zero == 3) e.rank0_comms.push_back({"all_gather", c.dp, std::ceil(root_bytes / dpd / 4) * 4, 2 * mi, "zero3"});
+      if (c.zero == 3 && c.pp == 1)
+        e.rank0_comms.push_back({"all_gather", c.dp, std::ceil(root_bytes / dpd / 4) * 4, 2 * mi, "zero3"});
     }
     compute_f[us] = f;
     compute_b[us] = b;
@@ -518,6 +515,14 @@ Estimate estimate(const Problem& p, const Config& cin, const std::string& split,
     }
     double pp_t = 0;
     if (c.pp > 1) {
+      // ZeRO-3: the root's parameters this rank holds (embeddings, final norm, head, glue)
+      // are gathered once and held for the whole schedule (vescale/parallel/pipeline/engine.py)
+      if (c.zero == 3 && root_unit_bytes > 0) {
+        const double t = cost.time("all_gather", c.dp, std::ceil(root_unit_bytes / dpd)) + p.copy_per_byte * root_unit_bytes;
+        pp_t += t;
+        rz += t;
+        if (r == 0) e.rank0_comms.push_back({"all_gather", c.dp, std::ceil(root_unit_bytes / dpd / 4) * 4, 1, "zero3"});
+      }
       if (p.tied_param_bytes > 0 && (r == first_rank || r == last_rank) && first_rank != last_rank) {
         pp_t += cost.time("all_reduce", 2, p.tied_param_bytes / static_cast<double>(c.tp));
         if (r == 0) e.rank0_comms.push_back({"all_reduce", 2, p.tied_param_bytes / static_cast<double>(c.tp), 1, "stage sync"});

@@ -15,7 +15,9 @@
 //
 // One step of a configuration (DP x TP x PP, ZeRO stage, sequence parallelism, schedule,
 // micro-batches, split) is: the stages' forward and backward per micro-batch (compute,
-// tensor-parallel collectives, ZeRO-3's gathers) on the pipeline timeline
+// tensor-parallel collectives, ZeRO-3's gathers of each block for its forward and its
+// backward; under a pipeline the root's parameters once a step, held for the schedule)
+// on the pipeline timeline
 // (autoplan/pipeline_sim.h) with the activation sends between ranks; then the
 // data-parallel gradient reduction (all-reduce, or reduce-scatter for ZeRO-2/3), the
 // parameter all-gather after a ZeRO-1/2 step, the sums of parameters several pipeline

@@ -46,6 +46,7 @@ class ShardedParameters:
         self.group = group
         self.world = dist.get_world_size(group)
         self.sharded: dict[int, _Sharded] = {}
+        self._pinned: set[int] = set()  # ids of entries that release() leaves whole (held)
         for slot, start, end, values in slots:  # `values`: this rank's slice, owned from now on
             if is_deferred(slot.param):  # a storage to gather into, never touched until then
                 storage = torch.empty(slot.param.shape, dtype=values.dtype, device=values.device)
@@ -100,10 +101,30 @@ class ShardedParameters:
         finally:
             self.release(entries)
 
+    @contextlib.contextmanager
+    def held(self, params: list[nn.Parameter]):
+        """The given parameters (those sharded here) whole for the duration, whatever
+        releases them meanwhile (their units' own hooks, ``whole_for``), then emptied."""
+        entries = [self.sharded[id(p)] for p in params if id(p) in self.sharded]
+        self.gather(entries)
+        self._pinned.update(id(e) for e in entries)
+        try:
+            yield
+        finally:
+            self._pinned.difference_update(id(e) for e in entries)
+            self.release(entries)
+
+    def restart_forward_order(self) -> None:
+        """The next forward starts a new forward order. A pipeline calls this before each
+        forward action, so that backward prefetches a unit that ran before in the same
+        action (the same stage), never one of another stage, which that backward does
+        not visit (its gather was dropped)."""
+        self._forward_restarts = True
+
     def owned_by_root(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """Those of ``params`` that belong to a model's root unit (embeddings, final norm,
         head). A pipeline stage runs only part of the root, so the root's hooks do not
-        announce its backward: the pipeline gathers these around each stage's backward."""
+        announce its work: the pipeline holds these whole for its whole step."""
         return [p for p in params if id(p) in self._root_owned]
 
     # ---- gather and release ----
@@ -143,7 +164,8 @@ class ShardedParameters:
 
     def release(self, entries: list[_Sharded]) -> None:
         for e in entries:
-            local_of(e.param).untyped_storage().resize_(0)
+            if id(e) not in self._pinned:
+                local_of(e.param).untyped_storage().resize_(0)
 
     # ---- module hooks ----
 

@@ -185,7 +185,7 @@ class PipelineParallel(nn.Module):
             # stage; every stage's gradients descend from it: shares, which DDP sums
             ddp.mark_shares()
         sends, states, losses = [], {}, []
-        with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
+        with ddp.no_sync() if ddp is not None else contextlib.nullcontext(), self._root_held():
             for action in self.schedule.orders[self.pp_rank]:
                 if action.kind == "F":
                     self._forward(action.stage, action.mb, mbs[action.mb], loss_fn, states, sends, losses)
@@ -213,11 +213,12 @@ class PipelineParallel(nn.Module):
             mbs = self._checked_microbatches(args, kwargs, target, loss_fn)
             # the forwards of any schedule, in its order, are a valid order on their own: a
             # forward waits only for the previous stage's forward of its micro-batch
-            for action in self.schedule.orders[self.pp_rank]:
-                if action.kind == "F":
-                    self._forward(action.stage, action.mb, mbs[action.mb], loss_fn, states, sends, losses)
-                    del states[(action.stage, action.mb)]
-                    sends[:] = [w for w in sends if not w[0].is_completed()]
+            with self._root_held():
+                for action in self.schedule.orders[self.pp_rank]:
+                    if action.kind == "F":
+                        self._forward(action.stage, action.mb, mbs[action.mb], loss_fn, states, sends, losses)
+                        del states[(action.stage, action.mb)]
+                        sends[:] = [w for w in sends if not w[0].is_completed()]
         for work, _ in sends:
             work.wait()
         return self._batch_loss(losses)
@@ -237,6 +238,9 @@ class PipelineParallel(nn.Module):
 
     def _forward(self, s: int, mb: int, batch, loss_fn, states, sends, losses) -> None:
         spec = self.specs[s]
+        sharded = self._sharded()
+        if sharded is not None:  # ZeRO-3's backward prefetch stays within this stage's units
+            sharded.restart_forward_order()
         args, kwargs, target, weight, key = batch
         received, leaves = None, []
         if not spec.first:
@@ -258,18 +262,14 @@ class PipelineParallel(nn.Module):
         spec, state = self.specs[s], states[(s, mb)]
         outputs = state["outputs"]
         grads = None if spec.last else self.boundary.recv_backward(s, mb, self.schedule.rank_of(s + 1), outputs)
-        weights = self._stage_parameters(s)
-        # ZeRO-3: the root unit's parameters this stage uses (embeddings, head) are whole
-        # for its backward; the root's own hooks fire only where the root's forward ends,
-        # and another stage of this rank may have emptied them since this one's forward.
-        with self._whole(weights, root_only=True):
-            if split and not spec.first:
-                # torch's split of the autograd graph into input- and weight-gradient parts
-                from torch.distributed.pipelining._backward import stage_backward_input
-                _, state["param_groups"] = stage_backward_input(outputs, grads, state["leaves"], iter(weights))
-            else:
-                torch.autograd.backward(outputs, grads)
-                del states[(s, mb)]
+        if split and not spec.first:
+            # torch's split of the autograd graph into input- and weight-gradient parts
+            from torch.distributed.pipelining._backward import stage_backward_input
+            weights = self._stage_parameters(s)
+            _, state["param_groups"] = stage_backward_input(outputs, grads, state["leaves"], iter(weights))
+        else:
+            torch.autograd.backward(outputs, grads)
+            del states[(s, mb)]
         if not spec.first:
             sends += self.boundary.send_backward(s, mb, self.schedule.rank_of(s - 1), state["leaves"])
 
@@ -282,13 +282,25 @@ class PipelineParallel(nn.Module):
             with self._whole(weights):
                 stage_backward_weight(iter(weights), state["param_groups"])
 
-    def _whole(self, params: list[nn.Parameter], *, root_only: bool = False):
-        """ZeRO-3: ``params`` (with ``root_only``, those the model's root unit owns) whole
-        for the duration; a no-op without ZeRO-3."""
-        sharded = getattr(self._data_parallel, "sharded_parameters", None)
-        if sharded is not None and root_only:
-            params = sharded.owned_by_root(params)
+    def _whole(self, params: list[nn.Parameter]):
+        """ZeRO-3: ``params`` whole for the duration; a no-op without ZeRO-3."""
+        sharded = self._sharded()
         return sharded.whole_for(params) if sharded is not None and params else contextlib.nullcontext()
+
+    def _root_held(self):
+        """ZeRO-3: the parameters of the model's root unit that this rank holds (embeddings,
+        final norm, head, glue) whole for the whole step, gathered once. A stage runs only
+        part of the root, so the root's own hooks do not bracket a stage's work: they
+        released it after every last-stage forward, and another stage of this rank (ZB-V)
+        could empty what a backward then read; gathering it around each backward instead
+        moved the embeddings twice a micro-batch."""
+        sharded = self._sharded()
+        if sharded is None:
+            return contextlib.nullcontext()
+        return sharded.held(sharded.owned_by_root([p for _, p in self.named_parameters()]))
+
+    def _sharded(self):
+        return getattr(self._data_parallel, "sharded_parameters", None)
 
     def _stage_parameters(self, s: int) -> list[nn.Parameter]:
         """What the weight-gradient half of a split backward differentiates: the stage's
