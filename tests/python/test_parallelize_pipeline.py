@@ -1,0 +1,173 @@
+"""vescale.parallelize with a pipeline on 4 ranks: clipping with a parameter tied across
+stages, evaluation, recomputation and ZeRO-3 under the schedules; every number is one
+device's (the helpers and the RFC loop are test_parallelize.py's)."""
+
+import contextlib
+
+import pytest
+import torch
+
+import vescale
+from vescale import Plan
+from vescale._local import local_of
+from vescale.parallel.plans import gpt_plan
+
+from dist_utils import mismatch
+from test_parallelize import GLOBAL_BATCH, STEPS, _adamw, _dataset, _gpt, _rfc_loop, _sgd, _single_device
+
+
+# ---- clipping under a pipeline: a parameter tied across stages counts once ------------------------
+
+def _case_pipeline_clip(mesh: dict, extra: dict) -> tuple[float, float, list[float], list[float]]:
+    """The global gradient norm of a pipeline whose first and last stages both hold the
+    tied embedding (and its gradient, summed over them), then clipped training's losses,
+    against one device's."""
+    data = _dataset()
+    x, y = data.tensors[0][:GLOBAL_BATCH], data.tensors[1][:GLOBAL_BATCH]
+    plan = Plan({"mesh": mesh, "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False, **extra})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), _adamw, None, _dataset())
+    model(next(iter(loader))).backward()
+    norm = float(optimizer.clip_grad_norm_(1e9))
+    ref_model = _gpt({"n_layer": 4})
+    ref_model(x, y).backward()
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1e9))
+
+    plan.update({"gradient.clip_norm": 0.05})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), _adamw, None, _dataset())
+    losses = _rfc_loop(model, optimizer, loader, STEPS)
+    batches = [(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+               for i in range(0, GLOBAL_BATCH * STEPS, GLOBAL_BATCH)]
+    return norm, ref_norm, losses, _single_device(lambda: _gpt({"n_layer": 4}), _adamw, batches, clip=0.05)
+
+
+@pytest.mark.parametrize("mesh,extra", [({"PP": 4}, {"pipeline_parallel.microbatches": 4}),
+                                        ({"PP": 2, "DP": 2}, {"pipeline_parallel.microbatches": 2,
+                                                              "data_parallel.zero_stage": 1})],
+                         ids=["pp4", "pp2-dp2-zero1"])
+def test_clipping_under_a_pipeline_counts_tied_parameters_once(pool4, mesh, extra):
+    for norm, ref_norm, losses, ref in pool4.run(_case_pipeline_clip, mesh, extra):
+        assert abs(norm - ref_norm) <= 1e-6 * ref_norm, (norm, ref_norm)
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+
+
+
+# ---- evaluation, recomputation and ZeRO-3 under a pipeline ------------------------------------------
+
+def _case_pipeline_eval(mesh: dict, extra: dict) -> tuple[list[float], list[float]]:
+    """Train a step, evaluate (eval mode, no_grad) on a batch, train a step more, evaluate
+    in eval mode without no_grad: the pipeline runs its forward passes only, and every
+    number is one device's."""
+    plan = Plan({"mesh": mesh, "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False, **extra})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), _sgd, None, _dataset())
+    data = _dataset()
+    x, y = data.tensors[0][:GLOBAL_BATCH], data.tensors[1][:GLOBAL_BATCH]
+    ref = _gpt({"n_layer": 4})
+    ref_opt = _sgd(ref)
+    got, want = [], []
+    batches = iter(loader)
+    for i in range(2):
+        optimizer.zero_grad()
+        loss = model(next(batches))
+        loss.backward()
+        optimizer.step()
+        got.append(loss.item())
+        ref_opt.zero_grad()
+        ref_loss = ref(data.tensors[0][i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH],
+                       data.tensors[1][i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH])
+        ref_loss.backward()
+        ref_opt.step()
+        want.append(ref_loss.item())
+        model.eval()
+        ref.eval()
+        with torch.no_grad() if i == 0 else contextlib.nullcontext():
+            got.append(float(model((x, y))))
+            want.append(float(ref(x, y)))
+        model.train()
+        ref.train()
+    return got, want
+
+
+@pytest.mark.parametrize("mesh, extra", [
+    ({"PP": 2, "TP": 2}, {"tensor_parallel.sharding_plan": gpt_plan(), "pipeline_parallel.microbatches": 2}),
+    ({"PP": 2, "DP": 2}, {"pipeline_parallel.schedule": "interleaved_1f1b", "pipeline_parallel.virtual_stages": 2,
+                          "pipeline_parallel.microbatches": 2}),
+    ({"PP": 2, "DP": 2}, {"pipeline_parallel.schedule": "zbv", "pipeline_parallel.virtual_stages": 2,
+                          "pipeline_parallel.microbatches": 2, "data_parallel.zero_stage": 1}),
+], ids=["pp2-tp2-1f1b", "pp2-dp2-interleaved", "pp2-dp2-zbv-zero1"])
+def test_evaluation_through_a_pipeline_matches_single_device(pool4, mesh, extra):
+    for got, want in pool4.run(_case_pipeline_eval, mesh, extra):
+        assert mismatch(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6) is None, (got, want)
+
+
+def _case_pipeline_recompute(mesh: dict, extra: dict) -> tuple[list[float], list[float], int, int]:
+    """Recomputation of every block under a pipeline: the losses of three steps, one
+    device's, and how many times this rank's MLPs ran on real values without and with it."""
+    def run(recompute: bool) -> tuple[list[float], int]:
+        plan = Plan({"mesh": mesh, "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False, **extra,
+                     "recompute.modules": [r"transformer\.h\.\d+"] if recompute else []})
+        gpt = _gpt({"n_layer": 4})
+        calls = [0]
+        for block in gpt.transformer.h:  # (a pre-hook: recomputation stops once it has what backward needs)
+            block.mlp.register_forward_pre_hook(lambda m, args: calls.__setitem__(0, calls[0] + (not args[0].is_meta)))
+        model, optimizer, _, loader = vescale.parallelize(plan, gpt, _sgd, None, _dataset())
+        return _rfc_loop(model, optimizer, loader, 3), calls[0]
+
+    plain_losses, plain_calls = run(False)
+    losses, calls = run(True)
+    data = _dataset()
+    batches = [(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+               for i in range(0, GLOBAL_BATCH * 3, GLOBAL_BATCH)]
+    return losses + plain_losses, 2 * _single_device(lambda: _gpt({"n_layer": 4}), _sgd, batches), plain_calls, calls
+
+
+@pytest.mark.parametrize("mesh, extra", [
+    ({"PP": 2, "DP": 2}, {"pipeline_parallel.microbatches": 2, "data_parallel.zero_stage": 3}),
+    ({"PP": 2, "TP": 2}, {"tensor_parallel.sharding_plan": gpt_plan(), "pipeline_parallel.schedule": "interleaved_1f1b",
+                          "pipeline_parallel.virtual_stages": 2, "pipeline_parallel.microbatches": 2}),
+], ids=["pp2-dp2-1f1b-zero3", "pp2-tp2-interleaved"])
+def test_recomputation_under_a_pipeline_matches_single_device(pool4, mesh, extra):
+    for losses, ref, plain_calls, calls in pool4.run(_case_pipeline_recompute, mesh, extra):
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+        assert plain_calls > 0 and calls == 2 * plain_calls, (plain_calls, calls)  # every block ran again
+
+
+def _case_zero3_shadows(extra: dict) -> tuple[int, int, list[float], list[float]]:
+    """ZeRO-3 under a schedule whose ranks hold several stages: a later stage's forward runs
+    the earlier stages' blocks as shadows on meta twins of their parameters. Counts the
+    all-gathers of parameters the model does not hold at that moment (shadowed), and all."""
+    from vescale.parallel import zero3
+    plan = Plan({"mesh": {"PP": 2, "DP": 2}, "data_parallel.zero_stage": 3, "data.global_batch_size": GLOBAL_BATCH,
+                 "data.shuffle": False, **extra})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), _sgd, None, _dataset())
+    gathers = {"shadowed": 0, "all": 0}
+    gather = zero3.ShardedParameters.gather
+
+    def counting(self, entries):
+        held = {id(p) for p in model.module.module.module.parameters()}  # ParallelModel > DDP > pipeline > GPT
+        empty = [e for e in entries if local_of(e.param).untyped_storage().nbytes() == 0]
+        gathers["all"] += bool(empty)
+        gathers["shadowed"] += bool(empty) and any(id(e.param) not in held for e in empty)
+        return gather(self, entries)
+
+    zero3.ShardedParameters.gather = counting
+    try:
+        losses = _rfc_loop(model, optimizer, loader, 3)
+    finally:
+        zero3.ShardedParameters.gather = gather
+    data = _dataset()
+    batches = [(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+               for i in range(0, GLOBAL_BATCH * 3, GLOBAL_BATCH)]
+    return gathers["shadowed"], gathers["all"], losses, _single_device(lambda: _gpt({"n_layer": 4}), _sgd, batches)
+
+
+@pytest.mark.parametrize("extra", [
+    {"pipeline_parallel.schedule": "interleaved_1f1b", "pipeline_parallel.virtual_stages": 2,
+     "pipeline_parallel.microbatches": 4},
+    {"pipeline_parallel.schedule": "zbv", "pipeline_parallel.virtual_stages": 2, "pipeline_parallel.microbatches": 2},
+], ids=["interleaved", "zbv"])
+def test_zero3_does_not_gather_for_a_pipelines_shadows(pool4, extra):
+    """A shadow computes on meta: gathering its unit moved a whole block per micro-batch for
+    nothing (rank 0 of interleaved PP2 x VP2, 4 micro-batches: 25% of its gathered bytes)."""
+    for shadowed, gathers, losses, ref in pool4.run(_case_zero3_shadows, extra):
+        assert shadowed == 0 and gathers > 0, (shadowed, gathers)
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
