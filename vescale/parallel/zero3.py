@@ -173,12 +173,13 @@ class ShardedParameters:
         entries = [self.sharded[id(p)] for p in params]
         waiting = {"count": 0}
         shadow = {"now": False}
+        table, name = _home_of(module, params[0])
 
         def before_forward(mod, args):
             # a pipeline stage runs an earlier stage's unit as a shadow, on meta twins of
             # its parameters (vescale/parallel/pipeline/stage.py): nothing to gather, and
             # it is not a forward that backward will visit
-            shadow["now"] = params[0] is not _current(mod, params[0])
+            shadow["now"] = table[name] is not params[0]
             if not shadow["now"]:
                 self.gather(entries)
 
@@ -215,13 +216,15 @@ class ShardedParameters:
             p.register_post_accumulate_grad_hook(grad_ready)
 
 
-def _current(module: nn.Module, param: nn.Parameter) -> nn.Parameter | None:
-    """What ``module`` holds now where it held ``param`` (the same object unless swapped)."""
+def _home_of(module: nn.Module, param: nn.Parameter) -> tuple[dict, str]:
+    """The parameter table of ``module`` (or a submodule) that holds ``param``, and its key
+    there: a shadow swaps the entry for a meta twin, so one lookup per forward tells."""
     for sub in module.modules():
-        for p in sub._parameters.values():
+        for name, p in sub._parameters.items():
             if p is param:
-                return p
-    return None
+                return sub._parameters, name
+    raise ValueError(f"a ZeRO-3 unit ({type(module).__name__}) does not hold its parameter of shape "
+                     f"{tuple(param.shape)}")
 
 
 def _tensors_in(output) -> list[torch.Tensor]:
