@@ -41,12 +41,26 @@ Placements partial_as_replicate(PlacementsRef placements) {
   return out;
 }
 
+// Under create_graph (a double backward: a gradient penalty), backward runs with grad
+// mode on and what it returns must be differentiable too: then gradients move through
+// the recorded API (from_local, to_local, redistribute), not around autograd, or the
+// second derivative silently misses every term that passes through them.
+bool records_graph(const at::Tensor& g) {
+  return at::GradMode::is_enabled() && g.requires_grad();
+}
+
 // A gradient that a backward formula built with a factory (zeros(...) then a scatter)
 // is a plain, whole tensor: the replicated value on `mesh`.
 at::Tensor as_dtensor_gradient(const at::Tensor& g, const MeshPtr& mesh) {
   if (is_dtensor(g)) return g;
   const Placements replicated(static_cast<size_t>(mesh->ndim()), Placement::replicate());
-  return make_dtensor(g, make_spec(mesh, replicated, g.sizes(), g.strides(), g.scalar_type()));
+  auto spec = make_spec(mesh, replicated, g.sizes(), g.strides(), g.scalar_type());
+  return records_graph(g) ? from_local(g, std::move(spec)) : make_dtensor(g, std::move(spec));
+}
+
+// `g` in `placements`, through autograd when a double backward needs it.
+at::Tensor moved_gradient(const at::Tensor& g, PlacementsRef placements) {
+  return records_graph(g) ? redistribute(g, placements) : redistribute_no_grad(g, placements);
 }
 
 struct FromLocal : torch::autograd::Function<FromLocal> {
@@ -59,7 +73,8 @@ struct FromLocal : torch::autograd::Function<FromLocal> {
     const auto spec = from_capsule(ctx->saved_data["spec"]);
     const auto& g = grads[0];
     if (!g.defined()) return {at::Tensor(), at::Tensor()};
-    auto moved = redistribute_no_grad(as_dtensor_gradient(g, spec->mesh), partial_as_replicate(spec->placements));
+    auto moved = moved_gradient(as_dtensor_gradient(g, spec->mesh), partial_as_replicate(spec->placements));
+    if (records_graph(moved)) return {to_local(moved, std::nullopt), at::Tensor()};
     return {dtensor_impl(moved)->local(), at::Tensor()};
   }
 };
@@ -74,6 +89,7 @@ struct ToLocal : torch::autograd::Function<ToLocal> {
     const auto spec = from_capsule(ctx->saved_data["grad_spec"]);
     const auto& g = grads[0];
     if (!g.defined()) return {at::Tensor(), at::Tensor()};
+    if (records_graph(g)) return {from_local(g, spec), at::Tensor()};
     return {make_dtensor(collectives::with_layout_of(g, spec->stride), spec), at::Tensor()};
   }
 };
@@ -88,7 +104,7 @@ struct Redistribute : torch::autograd::Function<Redistribute> {
     const auto source = from_capsule(ctx->saved_data["source"]);
     const auto& g = grads[0];
     if (!g.defined()) return {at::Tensor(), at::Tensor()};
-    return {redistribute_no_grad(as_dtensor_gradient(g, source->mesh), partial_as_replicate(source->placements)),
+    return {moved_gradient(as_dtensor_gradient(g, source->mesh), partial_as_replicate(source->placements)),
             at::Tensor(), at::Tensor()};
   }
 };
@@ -181,14 +197,8 @@ at::Tensor aligned_grad(const c10::weak_intrusive_ptr<c10::TensorImpl>& weak, co
   if (leaf_impl->defer_partial_grads && is_dtensor(grad)) keep_partial_sums(want, dtensor_impl(grad)->spec()->placements);
   // Backward formulas that build their result with a factory (zeros(...).scatter_)
   // hand back a plain, whole gradient: it is the replicated value.
-  at::Tensor g = grad;
-  if (!is_dtensor(g)) {
-    const Placements replicated(want.size(), Placement::replicate());
-    g = make_dtensor(g, make_spec(spec->mesh, replicated, g.sizes(), g.strides(), g.scalar_type()));
-  } else if (PlacementsRef(dtensor_impl(g)->spec()->placements) == PlacementsRef(want)) {
-    return {};
-  }
-  return redistribute_no_grad(g, want);
+  if (is_dtensor(grad) && PlacementsRef(dtensor_impl(grad)->spec()->placements) == PlacementsRef(want)) return {};
+  return moved_gradient(as_dtensor_gradient(grad, spec->mesh), want);
 }
 
 // Runs first among the leaf's tensor hooks, so the user's hooks see the aligned gradient

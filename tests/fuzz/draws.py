@@ -179,6 +179,12 @@ def dropout_draw(rng, values):
     return None if i is None else ((i,), {"p": rng.choice([0.25, 0.5]), "seed": rng.randrange(1 << 20)})
 
 
+def checkpoint_draw(rng, values):
+    """dropout's draw, and whether the checkpoint is reentrant."""
+    drawn = dropout_draw(rng, values)
+    return None if drawn is None else (drawn[0], {**drawn[1], "reentrant": rng.random() < 0.5})
+
+
 def cross_entropy_draw(rng, values):
     i = _pick(rng, [j for j in _floats(values) if values[j].dim() == 2 and values[j].shape[1] >= 1])
     if i is None:

@@ -13,7 +13,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .draws import (attention_draw, binary, cat_draw, conv_draw, cross_entropy_draw, diagonal_draw, even_dim,
+from .autograd_ops import custom_function, grad_penalty, hooked, no_grad_add_, recomputed_block, recomputed_linear
+from .draws import (attention_draw, checkpoint_draw, binary, cat_draw, conv_draw, cross_entropy_draw, diagonal_draw, even_dim,
                      last_dim_index_draw, last_even_fresh, pool_draw, with_dim_fresh,
                      dropout_draw, expanding, fresh_same, group_norm_draw, index_draw, inplace,
                      matmul_draw, narrowing, new_dim, pad_draw, permuting, random_draw,
@@ -202,7 +203,13 @@ def _conv1d(x, *, n, k, pad, seed, fresh, new):
 
 def _batch_norm(x, *, seed, fresh, new):
     c = x.shape[1]
-    return F.batch_norm(x, None, None, new("weight", (c,), seed), new("weight", (c,), seed + 1), training=True)
+    y = F.batch_norm(x, None, None, new("weight", (c,), seed), new("weight", (c,), seed + 1), training=True)
+    if y.requires_grad:
+        # torch 2.13's CPU batch-norm backward misreads a channels-last gradient whose
+        # size-1 dims have other strides, on plain tensors too (docs/fuzzing.md): the
+        # gradient is made contiguous on both sides
+        y.register_hook(lambda g: g.contiguous())
+    return y
 
 
 def _one_hot_add(x, *, seed, fresh, new):
@@ -531,6 +538,15 @@ OPS: list[Op] = [
     Op("isin_add", unary, lambda x: torch.isin(_grid(x), _grid(x).flatten()[:3]).to(x.dtype) + x),
     Op("normal_tensor", random_draw, _normal_tensor),
     Op("poisson_add", random_draw, _poisson_add),
+    # the sixth table: autograd itself (activation checkpointing, custom Functions, hooks,
+    # detach, double backward, updates under no_grad; autograd_ops.py)
+    Op("checkpoint_dropout", checkpoint_draw, recomputed_block),
+    Op("checkpoint_linear", matmul_draw, recomputed_linear),
+    Op("autograd_function", fresh_same, custom_function),
+    Op("grad_hook", unary, hooked),
+    Op("detach_add", binary, lambda a, b: a + b.detach().sin()),
+    Op("grad_penalty", unary, grad_penalty, 0.5),
+    Op("no_grad_add_", fresh_same, no_grad_add_, 0.5),
 ]
 
 OPS_BY_NAME = {op.name: op for op in OPS}

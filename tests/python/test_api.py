@@ -200,6 +200,42 @@ def test_user_grad_hooks_fire_on_dtensor_leaves(pool4):
         assert failures == {}
 
 
+def _case_double_backward():
+    """A gradient penalty (``autograd.grad`` with ``create_graph``, then the gradient of a
+    function of that gradient) through every place where vescale moves a gradient itself:
+    a Partial leaf's hook (its gradient arrives Partial and leaves Replicate),
+    ``redistribute``'s backward, and ``to_local`` / ``from_local``'s. Before, each moved
+    the gradient outside autograd: the first gradient came back without a graph and the
+    second missed every term through it (silently)."""
+    m = mesh("2d")
+    a = rand((4, 6), seed=1)
+    paths = {  # name: (placements of x, f(x) on DTensors, the same on plain tensors)
+        "partial leaf": ([Partial(), Replicate()], lambda x: torch.sin(x) * x, lambda x: torch.sin(x) * x),
+        "redistribute": ([Replicate(), Shard(0)], lambda x: torch.sin(x.redistribute(m, [Shard(1), Partial()])) * x,
+                         lambda x: torch.sin(x) * x),
+        "local round trip": ([Shard(0), Shard(1)],
+                             lambda x: vescale.DTensor.from_local(x.to_local().exp(), m, x.placements) * x,
+                             lambda x: x.exp() * x),
+    }
+    failures = {}
+    for name, (placements, f, f_plain) in paths.items():
+        results = []
+        for x, fn in ((make_dtensor(a, m, placements), f), (a.clone(), f_plain)):
+            x.requires_grad_()
+            (g,) = torch.autograd.grad(fn(x).sum(), x, create_graph=True)
+            (gg,) = torch.autograd.grad((g * g.cos()).sum(), x)
+            results.append([t.full_tensor() if isinstance(t, vescale.DTensor) else t for t in (g.detach(), gg)])
+        for what, got, want in zip(("gradient", "second gradient"), *results):
+            if (bad := mismatch(got, want, rtol=1e-12, atol=1e-12)) is not None:
+                failures[f"{name}: {what}"] = bad
+    return failures
+
+
+def test_double_backward_matches_single_device(pool4):
+    for failures in pool4.run(_case_double_backward):
+        assert failures == {}
+
+
 def _case_inplace_views_and_plain():
     m = mesh("2d")
     a, b = rand((4, 6), seed=1), rand((4, 6), seed=2)

@@ -192,6 +192,13 @@ FINDINGS = {
                                        [["checkpoint_reshard", [0], {"seed": 203681}]]],
     "checkpoint_of_partial_source": ["2d", [[[7, 2, 6], 312557, ["P.sum", "R"], True]],
                                      [["checkpoint_reshard", [0], {"seed": 431633}]]],
+    # double backward (a gradient penalty) of a Partial leaf: the leaf's hook moved its
+    # gradient to Replicate outside autograd, so the first gradient had no graph and the
+    # second missed every term through it (seeds 55000834, 56000072, 55001934)
+    "double_backward_of_partial_sum": ["2d", [[[3, 4], 528709, ["P.sum", "R"], True]], [["grad_penalty", [0], {}]]],
+    "double_backward_of_partial_max": ["1d4", [[[4, 4, 3], 919270, ["P.max"], True]], [["grad_penalty", [0], {}]]],
+    "double_backward_training": ["2d", [[[6], 1005586, ["P.sum", "R"], True]], [["grad_penalty", [0], {}]],
+                                 "train.adam_fused.keep"],
 }
 
 
