@@ -3,8 +3,9 @@
 Activation checkpointing (reentrant and not, dropout inside: the recomputed mask must be
 the forward's), custom ``torch.autograd.Function``s (a hand-written backward, a
 straight-through estimator), gradient hooks that read the whole gradient, ``detach``,
-double backward (``autograd.grad`` with ``create_graph``: gradient penalties), and
-in-place updates under ``no_grad``. Each runs with the public API only, so the same call
+double backward (``autograd.grad`` with ``create_graph``: gradient penalties), a
+gradient taken with ``retain_graph`` before the final backward, and in-place updates
+under ``no_grad``. Each runs with the public API only, so the same call
 runs on plain tensors and on DTensors; where autograd is off (inference mode) each falls
 back to the same forward on both sides.
 """
@@ -82,6 +83,16 @@ def grad_penalty(x):
         return torch.cos(x) * x * x + torch.sin(x) * x
     (g,) = torch.autograd.grad((torch.sin(x) * x).sum(), x, create_graph=True)
     return g * x
+
+
+def retained_grad(x):
+    """tanh(x) * x plus its gradient taken with ``retain_graph``: the final backward runs
+    through the same graph a second time."""
+    y = torch.tanh(x) * x
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return y
+    (g,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
+    return y + g
 
 
 def no_grad_add_(x, *, seed, fresh, new):

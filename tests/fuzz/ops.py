@@ -13,7 +13,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .autograd_ops import custom_function, grad_penalty, hooked, no_grad_add_, recomputed_block, recomputed_linear
+from .autograd_ops import (custom_function, grad_penalty, hooked, no_grad_add_, recomputed_block, recomputed_linear,
+                           retained_grad)
 from .draws import (attention_draw, checkpoint_draw, binary, cat_draw, conv_draw, cross_entropy_draw, diagonal_draw, even_dim,
                      last_dim_index_draw, last_even_fresh, pool_draw, with_dim_fresh,
                      dropout_draw, expanding, fresh_same, group_norm_draw, index_draw, inplace,
@@ -547,6 +548,7 @@ OPS: list[Op] = [
     Op("detach_add", binary, lambda a, b: a + b.detach().sin()),
     Op("grad_penalty", unary, grad_penalty, 0.5),
     Op("no_grad_add_", fresh_same, no_grad_add_, 0.5),
+    Op("retain_graph", unary, retained_grad, 0.5),
 ]
 
 OPS_BY_NAME = {op.name: op for op in OPS}
