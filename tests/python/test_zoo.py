@@ -9,6 +9,9 @@ parallelism, each against the same computation on one device:
   ``generate(max_new_tokens=8)`` gives the same tokens, greedy and top-k sampled with a
   fixed seed (decoder models). Ops through the fallback here are reported, not failed.
 
+Also: left-padded batches, and transformers' own activation checkpointing
+(``gradient_checkpointing_enable``, reentrant or not) with attention dropout.
+
 Plans come from the model's own ``base_model_tp_plan`` through ``hf_plan`` where
 transformers ships one, otherwise from the hand-written plans in vescale/parallel/plans.py.
 TP2 runs on ranks 0-1 of the pool (ranks 2-3 wait); DP2xTP2 uses all four ranks, each DP
@@ -340,6 +343,59 @@ def test_padded_batch_inference(pool4, name, layout):
     logits and greedy tokens match one device. With one key/value head the expanded
     heads once reached the attention kernel in a layout it misreads (logits off by 0.3)."""
     for rank, failures in enumerate(pool4.run(_padded_case, name, layout)):
+        assert failures == [], f"rank {rank}: {failures}"
+
+
+def _checkpointed_training(model, batches, reentrant: bool, dp_group=None, dp: int = 1):
+    """SGD steps with transformers' own activation checkpointing on (each decoder layer
+    under torch.utils.checkpoint); every step draws from the same seed on every side."""
+    getattr(model, "module", model).gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads = [], None
+    for step, (x, _) in enumerate(batches):
+        torch.manual_seed(100 + step)
+        opt.zero_grad()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        grads = full_grads(getattr(model, "module", model)) if grads is None else grads
+        opt.step()
+        loss = _plain(loss).detach().clone()
+        if dp > 1:
+            dist.all_reduce(loss, group=dp_group)
+            loss /= dp
+        losses.append(loss.item())
+    return losses, grads
+
+
+def _checkpointed_case(layout: str, reentrant: bool, dropout: float) -> list[str]:
+    build = _decoder("LlamaForCausalLM", "LlamaConfig", attention_dropout=dropout)
+    mesh_name, sp = ALL_LAYOUTS[layout]
+    m = mesh(mesh_name)
+    if m.get_coordinate() is None:
+        return []
+    torch.manual_seed(0)
+    model = build()
+    parallelize_module(model, m["TP"] if m.ndim == 2 else m, hf_plan(model, sequence_parallel=sp))
+    dp, dp_rank = (m.size(0), m.get_local_rank(0)) if m.ndim == 2 else (1, 0)
+    batches = [(x.chunk(dp)[dp_rank], y) for x, y in _data()]
+    wrapped = DDP(model, m["DP"]) if dp > 1 else model
+    losses, grads = _checkpointed_training(wrapped, batches, reentrant, m.get_group(0) if dp > 1 else None, dp)
+    torch.manual_seed(0)
+    ref_losses, ref_grads = _checkpointed_training(build(), _data(), reentrant)
+    return training_mismatches(losses, ref_losses, grads, ref_grads)
+
+
+@pytest.mark.parametrize("layout,reentrant,dropout", [("tp2", False, 0.25), ("tp2", True, 0.25),
+                                                      ("dp2tp2-sp", False, 0.0), ("tp3", True, 0.25)])
+def test_hugging_face_gradient_checkpointing(pool4, layout, reentrant, dropout):
+    """`model.gradient_checkpointing_enable()`, as Hugging Face users turn on activation
+    checkpointing: backward recomputes each layer, attention dropout included, and must
+    redraw the forward's mask. Losses of 3 SGD steps and the first gradients match one
+    device with the same checkpointing (dropout only where every rank sees the whole
+    batch: a DP half's mask is not a slice of one device's)."""
+    for rank, failures in enumerate(pool4.run(_checkpointed_case, layout, reentrant, dropout)):
         assert failures == [], f"rank {rank}: {failures}"
 
 
