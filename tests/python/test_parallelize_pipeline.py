@@ -1,11 +1,15 @@
 """vescale.parallelize with a pipeline on 4 ranks: clipping with a parameter tied across
-stages, evaluation, recomputation and ZeRO-3 under the schedules; every number is one
-device's (the helpers and the RFC loop are test_parallelize.py's)."""
+stages, evaluation, recomputation, ZeRO-3 and the model's own activation checkpointing
+under the schedules; every number is one device's (the helpers and the RFC loop are
+test_parallelize.py's)."""
 
 import contextlib
+import functools
+import warnings
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import vescale
 from vescale import Plan
@@ -13,7 +17,8 @@ from vescale._local import local_of
 from vescale.parallel.plans import gpt_plan
 
 from dist_utils import mismatch
-from test_parallelize import GLOBAL_BATCH, STEPS, _adamw, _dataset, _gpt, _rfc_loop, _sgd, _single_device
+from test_parallelize import (GLOBAL_BATCH, STEPS, _Tokens, _adamw, _dataset, _gpt, _hf_loss, _llama, _rfc_loop, _sgd,
+                              _single_device)
 
 
 # ---- clipping under a pipeline: a parameter tied across stages counts once ------------------------
@@ -171,3 +176,65 @@ def test_zero3_does_not_gather_for_a_pipelines_shadows(pool4, extra):
     for shadowed, gathers, losses, ref in pool4.run(_case_zero3_shadows, extra):
         assert shadowed == 0 and gathers > 0, (shadowed, gathers)
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+
+
+# ---- the user's own activation checkpointing under the schedules ----------------------------------
+
+def _checkpointed_gpt(reentrant: bool):
+    """The project's GPT with every block under torch.utils.checkpoint, as users write it."""
+    gpt = _gpt({"n_layer": 4})
+    for block in gpt.transformer.h:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=reentrant)
+    return gpt
+
+
+def _case_user_checkpoints(model_name: str, mesh: dict, extra: dict, reentrant: bool):
+    """Three SGD steps of a model that checkpoints its own blocks (the project's GPT, or
+    Hugging Face's gradient_checkpointing_enable), one device's losses, and whether this
+    rank warned that a zero-bubble split met a reentrant checkpoint."""
+    settings = {"data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False, **extra}
+    if model_name == "gpt":
+        model, dataset, call = _checkpointed_gpt(reentrant), _dataset(), None
+        plan = Plan({"mesh": mesh, **settings})
+        data = _dataset()
+        batches = [(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+                   for i in range(0, GLOBAL_BATCH * 3, GLOBAL_BATCH)]
+        ref = _single_device(lambda: _gpt({"n_layer": 4}), _sgd, batches)
+    else:
+        model, dataset, call = _llama(), _Tokens(), _hf_loss
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        plan = Plan.from_hf(model, mesh=mesh, **settings)
+        ids = _Tokens().ids
+        batches = [(ids[i:i + GLOBAL_BATCH], None) for i in range(0, GLOBAL_BATCH * 3, GLOBAL_BATCH)]
+        ref = _single_device(_llama, _sgd, batches, call=lambda m, x, _: m(input_ids=x, labels=x).loss)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, optimizer, _, loader = vescale.parallelize(plan, model, _sgd, None, dataset)
+        losses = _rfc_loop(model, optimizer, loader, 3, call=call)
+    return losses, ref, any("use_reentrant=True" in str(w.message) for w in caught)
+
+
+ZB_H1 = {"pipeline_parallel.schedule": "zb_h1", "pipeline_parallel.microbatches": 2}
+ZB_V = {"pipeline_parallel.schedule": "zbv", "pipeline_parallel.virtual_stages": 2, "pipeline_parallel.microbatches": 2}
+
+
+@pytest.mark.parametrize("model_name,mesh,extra,reentrant", [
+    ("gpt", {"PP": 2, "DP": 2}, ZB_H1, True),
+    ("gpt", {"PP": 2, "DP": 2}, ZB_V, True),
+    ("gpt", {"PP": 2, "DP": 2}, ZB_V, False),
+    ("gpt", {"PP": 2, "DP": 2}, {"pipeline_parallel.microbatches": 2, "data_parallel.zero_stage": 3}, True),
+    ("hf", {"PP": 2, "TP": 2}, ZB_H1, True),
+    ("hf", {"PP": 2, "DP": 2}, ZB_V, False),
+], ids=["gpt-zbh1-reentrant", "gpt-zbv-reentrant", "gpt-zbv", "gpt-1f1b-zero3-reentrant", "hf-tp2-zbh1-reentrant",
+        "hf-zbv"])
+def test_users_own_checkpointing_under_a_pipeline(pool4, model_name, mesh, extra, reentrant):
+    """A model's own torch.utils.checkpoint trains to one device's losses under every
+    schedule. A reentrant checkpoint refuses torch's split of the backward into input and
+    weight halves (zero-bubble schedules): the last stage raised while the first waited
+    for its gradient, a hang. Those micro-batches now run their backward whole, with a
+    warning that names the fix."""
+    results = pool4.run(_case_user_checkpoints, model_name, mesh, extra, reentrant)
+    for losses, ref, _ in results:
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+    zero_bubble = extra.get("pipeline_parallel.schedule") in ("zb_h1", "zbv")
+    assert any(warned for *_, warned in results) == (reentrant and zero_bubble)

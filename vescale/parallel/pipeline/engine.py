@@ -4,6 +4,7 @@ mesh, trained one schedule per ``step``."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -63,6 +64,7 @@ class PipelineParallel(nn.Module):
         self.runner = StageRunner(model, self.layout, self.specs, self.local_stages, torch.device(mesh.device_type))
         self.boundary = Boundary(self.group, mesh, self.schedule.stages)
         self._checked = False
+        self._warned_reentrant = False
         self._broadcast_shared()
 
     # ---- set-up ----
@@ -262,16 +264,39 @@ class PipelineParallel(nn.Module):
         spec, state = self.specs[s], states[(s, mb)]
         outputs = state["outputs"]
         grads = None if spec.last else self.boundary.recv_backward(s, mb, self.schedule.rank_of(s + 1), outputs)
-        if split and not spec.first:
-            # torch's split of the autograd graph into input- and weight-gradient parts
-            from torch.distributed.pipelining._backward import stage_backward_input
-            weights = self._stage_parameters(s)
-            _, state["param_groups"] = stage_backward_input(outputs, grads, state["leaves"], iter(weights))
-        else:
+        # the first stage has no input gradient to hurry: it runs its whole backward in I
+        if not (split and not spec.first and self._input_half(outputs, grads, state, s)):
             torch.autograd.backward(outputs, grads)
             del states[(s, mb)]
         if not spec.first:
             sends += self.boundary.send_backward(s, mb, self.schedule.rank_of(s - 1), state["leaves"])
+
+    def _input_half(self, outputs, grads, state, s: int) -> bool:
+        """Runs the input half of a split backward (torch's split of the autograd graph into
+        input- and weight-gradient parts; the weight half is the micro-batch's W). False
+        when the graph refuses to be split: a
+        ``torch.utils.checkpoint(use_reentrant=True)`` in the model (Hugging Face's
+        ``gradient_checkpointing_enable()`` default in older transformers) runs its own
+        backward and refuses ``autograd.grad`` with inputs. Nothing was computed then (the
+        graph is retained, the hooks removed), and the micro-batch's backward runs whole,
+        as the first stage's does; one rank raising while the others wait would hang."""
+        from torch.distributed.pipelining._backward import stage_backward_input
+        try:
+            _, state["param_groups"] = stage_backward_input(outputs, grads, state["leaves"],
+                                                            iter(self._stage_parameters(s)))
+            return True
+        except RuntimeError as e:
+            if "use_reentrant=True" not in str(e.__cause__ or e):
+                raise
+        if not self._warned_reentrant:
+            self._warned_reentrant = True
+            warnings.warn("a zero-bubble schedule met torch.utils.checkpoint(use_reentrant=True), which cannot "
+                          "split its backward into input and weight halves: those micro-batches run their whole "
+                          "backward at once (correct, but without the zero-bubble gain). Pass use_reentrant=False "
+                          "(Hugging Face: gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                          "{'use_reentrant': False})), or use vescale's own recomputation with another schedule",
+                          stacklevel=2)
+        return False
 
     def _backward_weight(self, s: int, mb: int, states) -> None:
         state = states.pop((s, mb), None)
