@@ -60,7 +60,22 @@ def build_model(spec: dict, seed: int, deferred: bool = False) -> torch.nn.Modul
     by ``vescale.deferred_init`` instead (the same values once materialised)."""
     torch.manual_seed(seed)
     cls, config = _model_class(spec)
-    return vescale.deferred_init(cls, config) if deferred else cls(config)
+    model = vescale.deferred_init(cls, config) if deferred else cls(config)
+    if "checkpointing" in spec:
+        _checkpoint_blocks(model, spec, reentrant=spec["checkpointing"] == "reentrant")
+    return model
+
+
+def _checkpoint_blocks(model: torch.nn.Module, spec: dict, reentrant: bool) -> None:
+    """The user's own activation checkpointing of every block: Hugging Face's switch, or
+    torch.utils.checkpoint around each block's forward as a script writes it."""
+    if _hf(spec):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        return
+    from torch.utils.checkpoint import checkpoint
+    blocks = model.get_submodule({"gpt": "transformer.h", "llama": "model.layers"}[spec["kind"]])
+    for block in blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=reentrant)
 
 
 def _model_class(spec: dict):

@@ -158,6 +158,10 @@ def draw(rng: random.Random, world: int = WORLD) -> dict:
             and "mixed_precision.param_dtype" not in plan and "autocast" not in loop and rng.random() < 0.25):
         # fp16 loss scaling under a pipeline: each micro-batch's loss scaled, its gradient a share
         plan.update({"mixed_precision.param_dtype": "float16", "mixed_precision.loss_scale": "dynamic"})
+    if rng.random() < 0.2:
+        # the model's own activation checkpointing (torch.utils.checkpoint around every block,
+        # or Hugging Face's gradient_checkpointing_enable), beside or inside vescale's
+        model["checkpointing"] = rng.choice(["reentrant", "non_reentrant"])
     return setup
 
 
@@ -207,7 +211,7 @@ def simpler(setup: dict):
 
     loop, plan, model = setup["loop"], setup["plan"], setup["model"]
     changes = []
-    for key in ("deferred", "dropout"):
+    for key in ("deferred", "dropout", "checkpointing"):
         if key in model:
             changes.append(lambda s, k=key: s["model"].pop(k))
     if loop["resume"] is not None:
