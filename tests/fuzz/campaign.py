@@ -102,7 +102,8 @@ def training_mode(rng: random.Random) -> str:
 # ---- the campaign -------------------------------------------------------------------------------
 
 def campaign(chains: int, seed: int, batch: int = 25, shrink_findings: bool = True, log=print,
-             mesh: str | None = None, mode: str = "grad", boost: tuple[str, ...] = (), world: int = 4) -> dict:
+             mesh: str | None = None, mode: str = "grad", boost: tuple[str, ...] = (), world: int = 4,
+             max_steps: int = 6) -> dict:
     ranks = start_ranks(world)
     counts: collections.Counter = collections.Counter()
     findings = []
@@ -110,7 +111,7 @@ def campaign(chains: int, seed: int, batch: int = 25, shrink_findings: bool = Tr
     try:
         for first in range(0, chains, batch):
             seeds = list(range(seed + first, seed + min(first + batch, chains)))
-            programs = [generate(random.Random(s), mesh, boost=boost) for s in seeds]
+            programs = [generate(random.Random(s), mesh, max_steps=max_steps, boost=boost) for s in seeds]
             for s, p in zip(seeds, programs):
                 p.mode = training_mode(random.Random(s + 1)) if mode == "train" else mode
             for s, program, (kind, detail) in zip(seeds, programs, run_batch(ranks, programs)):
@@ -146,6 +147,8 @@ def main() -> None:
                         help="two rounds of forward, backward and an optimizer step over the inputs "
                              "(rank.py's OPTIMIZERS), every value and gradient compared")
     parser.add_argument("--boost", default="", help="comma-separated op names drawn 10 times as often")
+    parser.add_argument("--max-steps", type=int, default=6,
+                        help="steps per program at most (2..N drawn; longer chains compose more, run slower)")
     args = parser.parse_args()
     if math.prod(MESHES[args.mesh or "1d4"]) != args.world:
         parser.error(f"--mesh {args.mesh or '1d4 / 2d'} does not span --world {args.world} ranks")
@@ -155,7 +158,8 @@ def main() -> None:
         parser.error(f"--boost: no op named {', '.join(unknown)} in tests/fuzz/ops.py")
     result = campaign(args.chains, args.seed, args.batch, not args.no_shrink,
                       log=lambda *a: print(*a, file=sys.stderr, flush=True), mesh=args.mesh,
-                      mode="inference" if args.inference else "train" if args.train else "grad", boost=boost, world=args.world)
+                      mode="inference" if args.inference else "train" if args.train else "grad", boost=boost, world=args.world,
+                      max_steps=args.max_steps)
     print(json.dumps({k: v for k, v in result.items() if k != "findings"}))
     if args.out:
         with open(args.out, "w") as f:
