@@ -59,7 +59,7 @@ from .dtensor import DTensor
 from .parallel.ddp import DDP, as_shares, local_of
 from .parallel.optimizer import DistributedOptimizer, grad_norm_power
 from .parallel.parallelize import parallelize_module
-from .parallel.pipeline.engine import PipelineParallel
+from .parallel.pipeline.engine import PipelineParallel, whole_output
 from .placement_types import Replicate
 from .plan import Plan, PlanError
 
@@ -255,6 +255,16 @@ class _GlobalLoss(torch.autograd.Function):
         return g, None
 
 
+def _call_args(batch: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A batch as the data loader gives it (a dict of keyword arguments, a tuple of
+    positional ones, or one tensor), or the model's own arguments, as (args, kwargs)."""
+    if batch is not None and not args and not kwargs:
+        if isinstance(batch, dict):
+            return (), dict(batch)
+        return (tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)), {}
+    return ((batch, *args) if batch is not None else args), kwargs
+
+
 class ParallelModel(nn.Module):
     """The model ``vescale.parallelize`` returns: calls the parallel model with a batch
     and returns its output with the loss made global (see the module docstring)."""
@@ -268,15 +278,7 @@ class ParallelModel(nn.Module):
         self._steps, self._scaler = steps, scaler
 
     def forward(self, batch: Any = None, *args, **kwargs):
-        if batch is not None and not args and not kwargs:
-            if isinstance(batch, dict):
-                args, kwargs = (), dict(batch)
-            elif isinstance(batch, (tuple, list)):
-                args = tuple(batch)
-            else:
-                args = (batch,)
-        elif batch is not None:
-            args = (batch, *args)
+        args, kwargs = _call_args(batch, args, kwargs)
         if self.pipeline is not None:
             return self._pipeline_step(args, kwargs)
         if self.ddp is not None:
@@ -292,6 +294,17 @@ class ParallelModel(nn.Module):
             return loss
         out.loss = loss
         return out
+
+    def predict(self, batch: Any = None, *args, **kwargs):
+        """The model's output for this rank's batch, as one device's call returns it, forward
+        only and without gradients (call it under ``model.eval()`` for dropout's sake):
+        through the pipeline's stages when there is one (on every rank of it), a plain call
+        otherwise. Tensors come back whole and plain (DTensors gathered) either way."""
+        args, kwargs = _call_args(batch, args, kwargs)
+        if self.pipeline is not None:
+            return self.pipeline.predict(*args, **kwargs)
+        with torch.no_grad():
+            return whole_output(self.module(*args, **kwargs))
 
     def _for_backward(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss whose gradient is over the accumulation steps and loss-scaled. With loss

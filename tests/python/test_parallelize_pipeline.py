@@ -238,3 +238,57 @@ def test_users_own_checkpointing_under_a_pipeline(pool4, model_name, mesh, extra
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
     zero_bubble = extra.get("pipeline_parallel.schedule") in ("zb_h1", "zbv")
     assert any(warned for *_, warned in results) == (reentrant and zero_bubble)
+
+
+# ---- predictions: the model's outputs through the stages ------------------------------------------
+
+def _case_predict(model_name: str, mesh: dict, extra: dict) -> list[str]:
+    """``predict`` of this rank's batch (and, for GPT, of its inputs alone: the logits)
+    against one device's call of the same model on the same batch, in eval mode."""
+    settings = {"data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False, **extra}
+    if model_name == "gpt":
+        model, dataset, build = _gpt({"n_layer": 4}), _dataset(), lambda: _gpt({"n_layer": 4})
+        plan = Plan({"mesh": mesh, **settings})
+    else:
+        model, dataset, build = _llama(), _Tokens(), _llama
+        plan = Plan.from_hf(model, mesh=mesh, **settings)
+    parallel, _, _, loader = vescale.parallelize(plan, model, _sgd, None, dataset)
+    batch = next(iter(loader))
+    ref = build().eval()
+    parallel.eval()
+    failures = []
+    with torch.no_grad():
+        if model_name == "gpt":
+            cases = {"loss": (parallel.predict(batch), ref(*batch)),
+                     "logits": (parallel.predict(batch[0]), ref(batch[0]))}
+        else:
+            out, want = parallel.predict(batch), ref(**batch)
+            cases = {"loss": (out.loss, want.loss), "logits": (out.logits, want.logits),
+                     "no cache": (out.past_key_values, None)}
+    for what, (got, want) in cases.items():
+        if want is None:
+            if got is not None:
+                failures.append(f"{what}: {type(got).__name__}")
+        elif not isinstance(got, torch.Tensor) or isinstance(got, vescale.DTensor):
+            failures.append(f"{what}: a {type(got).__name__}, not a plain tensor")
+        elif (bad := mismatch(got, want, rtol=1e-5, atol=1e-6)) is not None:
+            failures.append(f"{what}: {bad}")
+    if any(p.grad is not None for p in parallel.parameters()):
+        failures.append("predict left gradients")
+    return failures
+
+
+@pytest.mark.parametrize("model_name,mesh,extra", [
+    ("gpt", {"PP": 2, "DP": 2}, {"pipeline_parallel.microbatches": 2}),
+    ("gpt", {"PP": 2, "DP": 2}, ZB_V),
+    ("gpt", {"PP": 4}, {"pipeline_parallel.schedule": "gpipe", "pipeline_parallel.microbatches": 4}),
+    ("hf", {"PP": 2, "TP": 2}, {"pipeline_parallel.microbatches": 2}),
+    ("hf", {"DP": 2, "TP": 2}, {}),
+], ids=["gpt-pp2-dp2", "gpt-zbv", "gpt-pp4", "hf-pp2-tp2", "hf-dp2-tp2-no-pipeline"])
+def test_predict_matches_single_device(pool4, model_name, mesh, extra):
+    """``model.predict(batch)``: the model's own outputs (a loss, logits, a Hugging Face
+    ModelOutput) on every rank, as one device's call gives them for that rank's batch:
+    through the stages when there is a pipeline (micro-batches joined, a DTensor gathered,
+    no KV cache), a plain call otherwise."""
+    for rank, failures in enumerate(pool4.run(_case_predict, model_name, mesh, extra)):
+        assert failures == [], f"rank {rank}: {failures}"

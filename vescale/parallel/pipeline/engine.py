@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ... import _trace
 from ...deferred import has_deferred, is_deferred, materialize_module
@@ -225,7 +225,33 @@ class PipelineParallel(nn.Module):
             work.wait()
         return self._batch_loss(losses)
 
-    def _checked_microbatches(self, args, kwargs, target, loss_fn) -> list[tuple]:
+    def predict(self, *args, **kwargs):
+        """The model's output for the batch, as one device's call returns it, on every rank
+        of the pipeline: forward only, in the schedule's forward order, the last stage's
+        outputs of the micro-batches joined along dim 0 (a Hugging Face ModelOutput field by
+        field; a scalar, such as a loss the model computed from labels, as the batch's mean
+        weighted by micro-batch size). Values come back as plain, whole tensors (a DTensor
+        output is gathered first), without a KV cache (``past_key_values`` is None: the
+        stages hold different layers' caches, and ``generate`` through a pipeline is not
+        supported). Call it under ``model.eval()`` for dropout's sake."""
+        sends, states, outputs = [], {}, {}
+        with torch.enable_grad():  # as in evaluate: what crosses a cut is what requires grad
+            mbs = self._checked_microbatches(args, kwargs, None, None, stand_in_loss=True)
+            with self._root_held():
+                for action in self.schedule.orders[self.pp_rank]:
+                    if action.kind == "F":
+                        self._forward(action.stage, action.mb, mbs[action.mb], None, states, sends, [],
+                                      outputs=outputs)
+                        del states[(action.stage, action.mb)]
+                        sends[:] = [w for w in sends if not w[0].is_completed()]
+        for work, _ in sends:
+            work.wait()
+        joined = [_joined([outputs[mb] for mb in range(len(mbs))], [mb[3] for mb in mbs]) if outputs else None]
+        last = self.schedule.rank_of(self.schedule.stages - 1)
+        dist.broadcast_object_list(joined, src=dist.get_global_rank(self.group, last), group=self.group)
+        return joined[0]
+
+    def _checked_microbatches(self, args, kwargs, target, loss_fn, stand_in_loss: bool = False) -> list[tuple]:
         """The batch cut into micro-batches, the model materialised and its cuts checked
         on meta once (the first step or evaluation)."""
         if has_deferred(self.module):
@@ -234,11 +260,14 @@ class PipelineParallel(nn.Module):
         if not self._checked:  # every stage on meta once: a bad cut fails on every rank alike
             self.runner.install_hooks()  # outermost again, around parallelize_module's
             a, k, t = mbs[0][:3]
-            self.runner.dry_run(self.specs, a, k, lambda out: _loss_of(out, t, loss_fn))
+            # (a prediction's output need not hold a loss: the check differentiates its sum)
+            self.runner.dry_run(self.specs, a, k, _sum_of if stand_in_loss else lambda out: _loss_of(out, t, loss_fn))
             self._checked = True
         return mbs
 
-    def _forward(self, s: int, mb: int, batch, loss_fn, states, sends, losses) -> None:
+    def _forward(self, s: int, mb: int, batch, loss_fn, states, sends, losses, outputs: dict | None = None) -> None:
+        """One micro-batch through stage ``s``: sends what crosses the cut; on the last
+        stage the loss (``losses``), or the output itself when ``outputs`` collects them."""
         spec = self.specs[s]
         sharded = self._sharded()
         if sharded is not None:  # ZeRO-3's backward prefetch stays within this stage's units
@@ -250,15 +279,18 @@ class PipelineParallel(nn.Module):
             received = (positions, values)
         kind, a, b, _ = self.runner.run(spec, args, kwargs, received)
         if kind == "end":
-            outputs, works = self.boundary.send_forward(s, mb, key, self.schedule.rank_of(s + 1), a, b)
+            roots, works = self.boundary.send_forward(s, mb, key, self.schedule.rank_of(s + 1), a, b)
             sends += works
+        elif outputs is not None:  # a prediction: the output itself, nothing to differentiate
+            outputs[mb] = whole_output(a)
+            roots = []
         else:
             loss = _loss_of(a, target, loss_fn)
             losses.append((loss.detach(), weight))
             # weighted, then scaled: the scale multiplies the gradient first, in the loss's
             # dtype, and an fp16 2^16 overflows as one device's does
-            outputs = [loss * weight if self.scale_loss is None else self.scale_loss(loss * weight)]
-        states[(s, mb)] = {"outputs": outputs, "leaves": leaves}
+            roots = [loss * weight if self.scale_loss is None else self.scale_loss(loss * weight)]
+        states[(s, mb)] = {"outputs": roots, "leaves": leaves}  # what backward starts from
 
     def _backward(self, s: int, mb: int, states, sends, split: bool) -> None:
         spec, state = self.specs[s], states[(s, mb)]
@@ -408,6 +440,43 @@ def _loss_of(output, target, loss_fn):
     if loss.dim() != 0:
         raise ValueError(f"the pipeline's loss must be a scalar, got shape {tuple(loss.shape)}")
     return loss
+
+
+def _sum_of(output) -> torch.Tensor:
+    """A scalar every floating tensor of ``output`` reaches (the cut check's stand-in loss)."""
+    leaves = [x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    if not leaves:
+        raise TypeError(f"the model returned {type(output).__name__} with no floating-point tensor to predict")
+    return sum(x.sum() for x in leaves)
+
+
+def whole_output(output):
+    """``output`` with every tensor detached and whole (a DTensor gathered: collective over
+    its mesh, which every rank of the stage reaches alike), and no KV cache (a Hugging Face
+    ``Cache``: under a pipeline it holds the last stage's layers only)."""
+    def whole(x):
+        if isinstance(x, torch.Tensor):
+            return (x.full_tensor() if isinstance(x, DTensor) else x).detach()
+        return None if hasattr(x, "get_seq_length") else x
+    return tree_map(whole, output)
+
+
+def _joined(outputs: list, weights: list[float]):
+    """The micro-batches' outputs as the batch's: tensors with a batch dim concatenated
+    along it, scalars (a loss) averaged with the micro-batches' weights, anything else
+    taken from the first."""
+    flat = [tree_flatten(o) for o in outputs]
+    spec = flat[0][1]
+    joined = []
+    for parts in zip(*(leaves for leaves, _ in flat)):
+        first = parts[0]
+        if isinstance(first, torch.Tensor) and first.dim() > 0:
+            joined.append(torch.cat(parts))
+        elif isinstance(first, torch.Tensor) and first.is_floating_point():
+            joined.append(sum(p.double() * w for p, w in zip(parts, weights)).to(first.dtype))
+        else:
+            joined.append(first)
+    return tree_unflatten(joined, spec)
 
 
 def _microbatches(args, kwargs, target, m: int) -> list[tuple]:
