@@ -244,7 +244,8 @@ def test_users_own_checkpointing_under_a_pipeline(pool4, model_name, mesh, extra
 
 def _case_predict(model_name: str, mesh: dict, extra: dict) -> list[str]:
     """``predict`` of this rank's batch (and, for GPT, of its inputs alone: the logits)
-    against one device's call of the same model on the same batch, in eval mode."""
+    against one device's call of the same model on the same batch, in eval mode, before
+    and after one SGD step of the first global batch on both sides."""
     settings = {"data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False, **extra}
     if model_name == "gpt":
         model, dataset, build = _gpt({"n_layer": 4}), _dataset(), lambda: _gpt({"n_layer": 4})
@@ -252,29 +253,47 @@ def _case_predict(model_name: str, mesh: dict, extra: dict) -> list[str]:
     else:
         model, dataset, build = _llama(), _Tokens(), _llama
         plan = Plan.from_hf(model, mesh=mesh, **settings)
-    parallel, _, _, loader = vescale.parallelize(plan, model, _sgd, None, dataset)
+    parallel, optimizer, _, loader = vescale.parallelize(plan, model, _sgd, None, dataset)
     batch = next(iter(loader))
-    ref = build().eval()
-    parallel.eval()
+    ref = build()
     failures = []
-    with torch.no_grad():
-        if model_name == "gpt":
-            cases = {"loss": (parallel.predict(batch), ref(*batch)),
-                     "logits": (parallel.predict(batch[0]), ref(batch[0]))}
-        else:
-            out, want = parallel.predict(batch), ref(**batch)
-            cases = {"loss": (out.loss, want.loss), "logits": (out.logits, want.logits),
-                     "no cache": (out.past_key_values, None)}
-    for what, (got, want) in cases.items():
-        if want is None:
-            if got is not None:
-                failures.append(f"{what}: {type(got).__name__}")
-        elif not isinstance(got, torch.Tensor) or isinstance(got, vescale.DTensor):
-            failures.append(f"{what}: a {type(got).__name__}, not a plain tensor")
-        elif (bad := mismatch(got, want, rtol=1e-5, atol=1e-6)) is not None:
-            failures.append(f"{what}: {bad}")
-    if any(p.grad is not None for p in parallel.parameters()):
-        failures.append("predict left gradients")
+    for when in ("before training", "after a step"):
+        ref.eval()
+        parallel.eval()
+        with torch.no_grad():
+            if model_name == "gpt":
+                cases = {"loss": (parallel.predict(batch), ref(*batch)),
+                         "logits": (parallel.predict(batch[0]), ref(batch[0]))}
+            else:
+                out, want = parallel.predict(batch), ref(**batch)
+                cases = {"loss": (out.loss, want.loss), "logits": (out.logits, want.logits),
+                         "no cache": (out.past_key_values, None)}
+        for what, (got, want) in cases.items():
+            if want is None:
+                if got is not None:
+                    failures.append(f"{when}, {what}: {type(got).__name__}")
+            elif not isinstance(got, torch.Tensor) or isinstance(got, vescale.DTensor):
+                failures.append(f"{when}, {what}: a {type(got).__name__}, not a plain tensor")
+            elif (bad := mismatch(got, want, rtol=1e-5, atol=1e-6)) is not None:
+                failures.append(f"{when}, {what}: {bad}")
+        if when == "before training":
+            if any(p.grad is not None for p in parallel.parameters()):
+                failures.append("predict left gradients")
+            # one SGD step of the global batch on both sides: predictions follow training
+            parallel.train()
+            ref.train()
+            optimizer.zero_grad()
+            (parallel(batch) if model_name == "gpt" else _hf_loss(parallel, batch)).backward()
+            optimizer.step()  # this rank's part of the first global batch, as the reference's
+            ref_opt = _sgd(ref)
+            ref_opt.zero_grad()
+            if model_name == "gpt":
+                rows = dataset.tensors
+                ref(rows[0][:GLOBAL_BATCH], rows[1][:GLOBAL_BATCH]).backward()
+            else:
+                ids = dataset.ids[:GLOBAL_BATCH]
+                ref(input_ids=ids, labels=ids).loss.backward()
+            ref_opt.step()
     return failures
 
 
@@ -284,11 +303,14 @@ def _case_predict(model_name: str, mesh: dict, extra: dict) -> list[str]:
     ("gpt", {"PP": 4}, {"pipeline_parallel.schedule": "gpipe", "pipeline_parallel.microbatches": 4}),
     ("hf", {"PP": 2, "TP": 2}, {"pipeline_parallel.microbatches": 2}),
     ("hf", {"DP": 2, "TP": 2}, {}),
-], ids=["gpt-pp2-dp2", "gpt-zbv", "gpt-pp4", "hf-pp2-tp2", "hf-dp2-tp2-no-pipeline"])
+    ("gpt", {"PP": 2, "DP": 2}, {**ZB_V, "data_parallel.zero_stage": 3}),
+    ("hf", {"PP": 2, "TP": 2}, {"pipeline_parallel.microbatches": 2, "tensor_parallel.sequence_parallel": True}),
+], ids=["gpt-pp2-dp2", "gpt-zbv", "gpt-pp4", "hf-pp2-tp2", "hf-dp2-tp2-no-pipeline", "gpt-zbv-zero3", "hf-pp2-tp2-sp"])
 def test_predict_matches_single_device(pool4, model_name, mesh, extra):
     """``model.predict(batch)``: the model's own outputs (a loss, logits, a Hugging Face
     ModelOutput) on every rank, as one device's call gives them for that rank's batch:
     through the stages when there is a pipeline (micro-batches joined, a DTensor gathered,
-    no KV cache), a plain call otherwise."""
+    no KV cache), a plain call otherwise; before training (the pipeline's first call) and
+    after an SGD step, so that predictions and training do not disturb each other."""
     for rank, failures in enumerate(pool4.run(_case_predict, model_name, mesh, extra)):
         assert failures == [], f"rank {rank}: {failures}"
