@@ -357,7 +357,7 @@ def on_ranks(setup: dict, work_dir: str) -> dict:
     k = setup["plan"].get("gradient.accumulation_steps", 1)
     data = tokens(setup)
     model, optimizer, sched, loader = _parallel(setup, setup["plan"], data, setup["init_seed"])
-    losses, evals, first = [], [], None
+    losses, evals, predictions, first = [], [], [], None
     resume = loop["resume"]
     micro_total = loop["steps"] * k
     batches = _endless(loader)
@@ -380,6 +380,7 @@ def on_ranks(setup: dict, work_dir: str) -> dict:
             model.eval()
             with torch.no_grad(), _autocast(setup):
                 evals.append(_value(_loss_of(model(first))))
+                predictions.append(_dp_mean(model, _loss_of(model.predict(first))))
             model.train()
         if resume is not None and i // k == resume["after"] and i < micro_total:
             path = os.path.join(work_dir, "ckpt")
@@ -400,9 +401,21 @@ def on_ranks(setup: dict, work_dir: str) -> dict:
         single.to(getattr(torch, setup["plan"]["mixed_precision.param_dtype"]))
     missing, unexpected = single.load_state_dict(torch.load(path, weights_only=True), strict=False)
     dist.barrier()
-    return {"losses": losses, "evals": evals, "params": {n: p.detach() for n, p in single.named_parameters()},
+    return {"losses": losses, "evals": evals, "predictions": predictions,
+            "params": {n: p.detach() for n, p in single.named_parameters()},
             "missing": [m for m in missing if m in dict(single.named_parameters())], "unexpected": unexpected,
             "replicas": replicas}
+
+
+def _dp_mean(model, loss: torch.Tensor) -> float:
+    """The mean over the DP ranks of this rank's loss (``predict`` gives each rank its own
+    batch's, where the model's call averages them)."""
+    value = loss.detach().double().clone()
+    mesh = model.mesh
+    if "DP" in (mesh.mesh_dim_names or ()) and mesh.size("DP") > 1:
+        dist.all_reduce(value, group=mesh.get_group("DP"))
+        value /= mesh.size("DP")
+    return float(value)
 
 
 def _bits(t: torch.Tensor) -> tuple[int, int]:
@@ -453,6 +466,10 @@ def compare(setup: dict, got: dict, ref: dict) -> list[str]:
     if len(got["evals"]) != len(ref["evals"]) or (
             got["evals"] and mismatch(torch.tensor(got["evals"]), torch.tensor(ref["evals"]), rtol=rtol, atol=atol)):
         problems.append(f"evaluation losses {got['evals']} vs one device's {ref['evals']}")
+    if len(got["predictions"]) != len(ref["evals"]) or (
+            got["predictions"] and mismatch(torch.tensor(got["predictions"]), torch.tensor(ref["evals"]), rtol=rtol,
+                                            atol=atol)):
+        problems.append(f"the loss in predict's outputs {got['predictions']} vs one device's {ref['evals']}")
     exported = {n for n in got["params"]}
     # tied parameters are exported under one name: the other name loads through the tie
     if got["unexpected"] or set(got["missing"]) & exported:
