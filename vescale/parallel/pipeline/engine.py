@@ -207,22 +207,8 @@ class PipelineParallel(nn.Module):
         """The batch's loss as ``step`` computes it, forward only (evaluation: call it under
         ``model.eval()`` for dropout's sake): every micro-batch through the stages in the
         schedule's forward order, no backward, no gradients. Returns it on every rank."""
-        sends, states, losses = [], {}, []
-        # Grad mode stays on: what crosses a cut is what requires grad (a stage's own
-        # results, not the batch's constants), on both sides alike, and the first call's
-        # check of the cuts sees it too. Each forward's graph goes once its outputs are sent.
-        with torch.enable_grad():
-            mbs = self._checked_microbatches(args, kwargs, target, loss_fn)
-            # the forwards of any schedule, in its order, are a valid order on their own: a
-            # forward waits only for the previous stage's forward of its micro-batch
-            with self._root_held():
-                for action in self.schedule.orders[self.pp_rank]:
-                    if action.kind == "F":
-                        self._forward(action.stage, action.mb, mbs[action.mb], loss_fn, states, sends, losses)
-                        del states[(action.stage, action.mb)]
-                        sends[:] = [w for w in sends if not w[0].is_completed()]
-        for work, _ in sends:
-            work.wait()
+        losses = []
+        self._forwards_only(args, kwargs, target, loss_fn, losses, None)
         return self._batch_loss(losses)
 
     def predict(self, *args, **kwargs):
@@ -234,22 +220,34 @@ class PipelineParallel(nn.Module):
         output is gathered first), without a KV cache (``past_key_values`` is None: the
         stages hold different layers' caches, and ``generate`` through a pipeline is not
         supported). Call it under ``model.eval()`` for dropout's sake."""
-        sends, states, outputs = [], {}, {}
-        with torch.enable_grad():  # as in evaluate: what crosses a cut is what requires grad
-            mbs = self._checked_microbatches(args, kwargs, None, None, stand_in_loss=True)
-            with self._root_held():
-                for action in self.schedule.orders[self.pp_rank]:
-                    if action.kind == "F":
-                        self._forward(action.stage, action.mb, mbs[action.mb], None, states, sends, [],
-                                      outputs=outputs)
-                        del states[(action.stage, action.mb)]
-                        sends[:] = [w for w in sends if not w[0].is_completed()]
-        for work, _ in sends:
-            work.wait()
+        outputs = {}
+        mbs = self._forwards_only(args, kwargs, None, None, [], outputs)
         joined = [_joined([outputs[mb] for mb in range(len(mbs))], [mb[3] for mb in mbs]) if outputs else None]
         last = self.schedule.rank_of(self.schedule.stages - 1)
         dist.broadcast_object_list(joined, src=dist.get_global_rank(self.group, last), group=self.group)
         return joined[0]
+
+    def _forwards_only(self, args, kwargs, target, loss_fn, losses: list, outputs: dict | None) -> list[tuple]:
+        """The schedule's forward passes of the batch, nothing else: the last stage's losses
+        go to ``losses``, or its outputs to ``outputs`` (a prediction). The micro-batches."""
+        sends, states = [], {}
+        # Grad mode stays on: what crosses a cut is what requires grad (a stage's own
+        # results, not the batch's constants), on both sides alike, and the first call's
+        # check of the cuts sees it too. Each forward's graph goes once its outputs are sent.
+        with torch.enable_grad():
+            mbs = self._checked_microbatches(args, kwargs, target, loss_fn, stand_in_loss=outputs is not None)
+            # the forwards of any schedule, in its order, are a valid order on their own: a
+            # forward waits only for the previous stage's forward of its micro-batch
+            with self._root_held():
+                for action in self.schedule.orders[self.pp_rank]:
+                    if action.kind == "F":
+                        self._forward(action.stage, action.mb, mbs[action.mb], loss_fn, states, sends, losses,
+                                      outputs)
+                        del states[(action.stage, action.mb)]
+                        sends[:] = [w for w in sends if not w[0].is_completed()]
+        for work, _ in sends:
+            work.wait()
+        return mbs
 
     def _checked_microbatches(self, args, kwargs, target, loss_fn, stand_in_loss: bool = False) -> list[tuple]:
         """The batch cut into micro-batches, the model materialised and its cuts checked
