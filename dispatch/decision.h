@@ -13,7 +13,10 @@ namespace vescale {
 struct Decision {
   MeshPtr mesh;
   // Per flattened input (null specs for undefined slots).
-  std::vector<SpecPtr> sources;       // the spec the input had when decided
+  // The spec each input had when decided. Held by every decision, a composition's too:
+  // the cache key names specs by address, and a freed spec's address can go to another
+  // spec on some ranks only, which would then find this decision there and not elsewhere.
+  std::vector<SpecPtr> sources;
   std::vector<SpecPtr> targets;       // the spec the local op needs
   std::vector<collectives::RedistPlan> to_target;  // sources -> targets (empty: use as is)
   std::vector<collectives::RedistPlan> write_back; // targets -> sources, for written inputs that move

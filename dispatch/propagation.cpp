@@ -110,6 +110,7 @@ std::unique_ptr<Decision> from_choice(const OpCall& call, const CallScan& scan,
     auto d = std::make_unique<Decision>();
     d->mesh = mesh;
     d->decompose = choice.decompose;
+    for (size_t i = 0; i < call.inputs.size(); ++i) d->sources.push_back(source_spec(scan.tensors[i], call.inputs[i], mesh));
     for (const auto& out : call.outputs) d->result_strides.push_back(out.defined ? out.stride : Shape{});
     return d;
   }

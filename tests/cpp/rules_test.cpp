@@ -190,6 +190,21 @@ TEST_F(Rules, SoftmaxKeepsItsDimWhole) {
   EXPECT_NE(cols.decompose, nullptr);
 }
 
+TEST_F(Rules, CachedDecisionsKeepTheSpecsTheirKeysName) {
+  // The cache key names an input's spec by address. Were the spec freed while the
+  // decision stays cached, another spec could take its address on one rank only and
+  // find this decision there: a composition on one rank, a gather on the other.
+  std::weak_ptr<const TensorSpec> spec;
+  const Decision* composed = nullptr;
+  {
+    auto x = dt(m1, {5, 7}, {S(1)});
+    spec = dtensor_impl(x)->spec();
+    composed = &decide("aten::_softmax", "", {x, 1, false});
+  }
+  ASSERT_NE(composed->decompose, nullptr);
+  EXPECT_FALSE(spec.expired());
+}
+
 TEST_F(Rules, MeanLossOverSplitRowsReplicatesTheTargets) {
   auto& d = decide("aten::nll_loss_forward", "",
                    {dt(m1, {6, 5}, {S(0)}), dt(m1, {6}, {S(0)}, at::kLong), c10::IValue(), 1, -100});

@@ -11,8 +11,11 @@ from __future__ import annotations
 import importlib
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
+import tempfile
+import time
 import traceback
 from datetime import timedelta
 
@@ -31,7 +34,7 @@ _SLOWDOWN = float(os.environ.get("VESCALE_TEST_SLOWDOWN", "1"))
 _TIMEOUT_S = int(120 * _SLOWDOWN)
 
 
-def _worker(rank: int, world: int, port: int, conn, path: list[str]) -> None:
+def _worker(rank: int, world: int, port: int, conn, path: list[str], stacks_file: str) -> None:
     sys.path[:] = path
     # One thread per rank by default (the ranks share the machine's cores);
     # VESCALE_TEST_THREADS sets another count, to run the tests with other reduction orders.
@@ -49,6 +52,10 @@ def _worker(rank: int, world: int, port: int, conn, path: list[str]) -> None:
     import torch.distributed as dist
 
     faulthandler.enable()  # a rank that crashes in C++ says where, instead of vanishing
+    # A rank that stops answering is asked where it is (SIGUSR1) before the pool restarts:
+    # its Python stacks go to a file the test's report quotes.
+    stacks = open(stacks_file, "w")  # noqa: SIM115  (open for the process's life)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
 
     torch.set_num_threads(int(threads))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=_TIMEOUT_S))
@@ -80,10 +87,11 @@ class RankPool:
         if os.environ.get("VESCALE_TEST_WORKER_EXECUTABLE"):
             ctx.set_executable(os.environ["VESCALE_TEST_WORKER_EXECUTABLE"])
         port = _free_port()
+        self._stacks_dir = tempfile.TemporaryDirectory(prefix="vescale-rank-stacks-")
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, self.world_size, port, child, list(sys.path)),
-                               daemon=True)
+            proc = ctx.Process(target=_worker, args=(rank, self.world_size, port, child, list(sys.path),
+                                                     self._stacks_file(rank)), daemon=True)
             proc.start()
             self._procs.append(proc)
             self._conns.append(parent)
@@ -120,6 +128,7 @@ class RankPool:
             else:
                 errors[rank] = value
         if errors or hung:
+            stacks = self._where_hung(hung)
             # A rank that raised may have left a collective half done (gloo then times
             # out and closes its pairs), which would fail every later test on this
             # pool: start afresh.
@@ -127,9 +136,26 @@ class RankPool:
             self._start()
             report = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
             if hung:
-                report += f"\nranks {hung} did not answer (the pool was restarted)"
+                report += f"\nranks {hung} did not answer (the pool was restarted); where they were:{stacks}"
             raise AssertionError(f"{fn.__name__} failed:{report}")
         return results
+
+    def _stacks_file(self, rank: int) -> str:
+        return os.path.join(self._stacks_dir.name, f"rank{rank}.txt")
+
+    def _where_hung(self, hung: list[int]) -> str:
+        """The Python stacks of the ranks that did not answer, as they dumped them on SIGUSR1."""
+        for rank in hung:
+            if self._procs[rank].is_alive():
+                os.kill(self._procs[rank].pid, signal.SIGUSR1)
+        if not hung:
+            return ""
+        time.sleep(2)  # faulthandler writes from its C signal handler: also from inside a C++ wait
+        report = ""
+        for rank in hung:
+            with open(self._stacks_file(rank)) as f:
+                report += f"\n--- rank {rank} (stacks at SIGUSR1) ---\n{f.read() or '(nothing written)'}"
+        return report
 
     def close(self) -> None:
         for conn in self._conns:
