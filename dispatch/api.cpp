@@ -3,6 +3,7 @@
 #include "collectives/collectives.h"
 #include "collectives/trace.h"
 #include "dispatch/dtensor_impl.h"
+#include "dispatch/reduce_once.h"
 #include "dispatch/view_copies.h"
 
 #include <ATen/ATen.h>
@@ -165,8 +166,9 @@ at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placeme
                                                      impl->local().clone());
     return make_pending_dtensor(std::move(pending), std::move(dst), impl->device());
   }
-  auto local = collectives::execute_redistribution(plan, *src->mesh, src->shape, src->stride, impl->local());
-  if (plan.empty()) local = local.clone();
+  // Through the kept reduction of a Partial value, as the ops' inputs are: every consumer
+  // of one Partial value sees the same bits (dispatch/reduce_once.h).
+  auto local = plan.empty() ? impl->local().clone() : redistributed(*impl, plan, with_placements(src, placements));
   if (dst->stride != src->stride) local = collectives::with_layout_of(local, dst->stride);
   return make_dtensor(std::move(local), std::move(dst));
 }

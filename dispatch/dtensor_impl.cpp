@@ -62,7 +62,7 @@ void DTensorImpl::release_resources() {
   c10::TensorImpl::release_resources();
   local_ = at::Tensor();
   pending_.reset();  // (waits, if no one did: the collective writes into its buffers)
-  reduced_ = Reduced{};
+  kept_.reset();
   copy_of.reset();
   released_ = true;
   g_live.fetch_sub(1, std::memory_order_relaxed);
@@ -84,6 +84,7 @@ c10::intrusive_ptr<c10::TensorImpl> DTensorImpl::detached_copy(Version&& version
                                   : c10::make_intrusive<DTensorImpl>(local_, spec_);
   impl->keeps_placements = keeps_placements;
   impl->copy_of = copy_of;
+  share_reduced_with(*impl);
   copy_tensor_metadata(this, impl.get(), std::forward<Version>(version), allow_change);
   return impl;
 }
@@ -106,8 +107,7 @@ void DTensorImpl::shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& i
   local_ = other->local();
   pending_.reset();
   spec_ = other->spec_;
-  reduced_ = Reduced{};  // of the old data (the spec may be the same interned object)
-  reduced_from_ = nullptr;
+  kept_.reset();  // of the old data (the spec may be the same interned object)
 }
 
 void DTensorImpl::relayout(at::Tensor local, SpecPtr spec) {
@@ -115,6 +115,7 @@ void DTensorImpl::relayout(at::Tensor local, SpecPtr spec) {
   pending_.reset();
   local_ = std::move(local);
   spec_ = std::move(spec);
+  kept_.reset();  // (aliases keep theirs)
 }
 
 void DTensorImpl::adopt(const DTensorImpl& other) {
@@ -122,6 +123,7 @@ void DTensorImpl::adopt(const DTensorImpl& other) {
   pending_.reset();
   spec_ = other.spec_;
   copy_of = other.copy_of;
+  kept_.reset();
   set_sizes_and_strides(spec_->shape, spec_->stride, spec_->storage_offset);
 }
 
@@ -132,22 +134,30 @@ uint32_t version_of(const c10::TensorImpl& impl) { return impl.version_counter()
 
 const DTensorImpl::Reduced* DTensorImpl::reduced() const {
   // keep_reduced keeps nothing for inference tensors, which have no version counter.
-  if (!kept_for_spec() || !reduced_.local.defined()) return nullptr;
-  if (version_of(*this) != reduced_version_ || version_of(*local().unsafeGetTensorImpl()) != reduced_local_version_)
+  if (!kept_for_spec() || !kept_->reduced.local.defined()) return nullptr;
+  if (version_of(*this) != kept_->version || version_of(*local().unsafeGetTensorImpl()) != kept_->local_version ||
+      version_of(*kept_->reduced.local.unsafeGetTensorImpl()) != kept_->reduced.version)
     return nullptr;
-  return &reduced_;
+  return &kept_->reduced;
 }
 
 void DTensorImpl::drop_reduced() {
-  reduced_ = Reduced{};  // kept_for_spec() stays what it was, as on every other rank
+  if (kept_) kept_->reduced = Reduced{};  // kept_for_spec() stays what it was, as on every other rank
 }
 
 void DTensorImpl::keep_reduced(at::Tensor local, SpecPtr spec) {
-  if (is_inference() || this->local().is_inference()) return;
-  reduced_ = Reduced{std::move(local), std::move(spec)};
-  reduced_from_ = spec_;
-  reduced_version_ = version_of(*this);
-  reduced_local_version_ = version_of(*this->local().unsafeGetTensorImpl());
+  if (is_inference() || this->local().is_inference() || local.is_inference()) return;
+  if (!kept_) kept_ = std::make_shared<Kept>();
+  const auto version = version_of(*local.unsafeGetTensorImpl());
+  kept_->reduced = Reduced{std::move(local), std::move(spec), version};
+  kept_->from = spec_;
+  kept_->version = version_of(*this);
+  kept_->local_version = version_of(*this->local().unsafeGetTensorImpl());
+}
+
+void DTensorImpl::share_reduced_with(DTensorImpl& alias) const {
+  if (!kept_) kept_ = std::make_shared<Kept>();
+  alias.kept_ = kept_;
 }
 
 DTensorImpl* checked_dtensor_impl(const at::TensorBase& t, const char* what) {

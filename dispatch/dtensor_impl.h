@@ -58,14 +58,19 @@ class DTensorImpl final : public c10::TensorImpl {
   struct Reduced {
     at::Tensor local;
     SpecPtr spec;
+    uint32_t version = 0;  // of `local`, which redistribute() may have handed out
   };
   const Reduced* reduced() const;
   // Whether a reduction was kept for the current spec, valid or not since: the same on
   // every rank (keeping is), unlike validity (a write can reach the shard's storage through
   // an alias that only some ranks have, e.g. from_local's layout copy).
-  bool kept_for_spec() const { return reduced_from_ != nullptr && reduced_from_ == spec_; }
+  bool kept_for_spec() const { return kept_ != nullptr && kept_->from != nullptr && kept_->from == spec_; }
   void keep_reduced(at::Tensor local, SpecPtr spec);
   void drop_reduced();
+  // Makes `alias` (a detached copy, or a view with this tensor's spec and shard) share
+  // what this tensor keeps: a reduction kept through either serves both, so that
+  // `x.detach()` and `x` see one value.
+  void share_reduced_with(DTensorImpl& alias) const;
 
   // Set on a parameter whose Partial(sum) gradients over its replicated mesh dims are
   // reduced later, in buckets (vescale/parallel/tp_grads.py): the hook leaves them Partial.
@@ -112,12 +117,15 @@ class DTensorImpl final : public c10::TensorImpl {
   mutable at::Tensor local_;
   mutable std::shared_ptr<collectives::PendingShard> pending_;
   SpecPtr spec_;
-  // Valid while spec_ is `reduced_from_` and neither this wrapper (views share its
-  // version counter) nor the shard (shallow copies share it) changed.
-  Reduced reduced_;
-  SpecPtr reduced_from_;
-  uint32_t reduced_version_ = 0;
-  uint32_t reduced_local_version_ = 0;
+  // Valid while spec_ is `from` and neither the wrapper (views share its version
+  // counter), the shard (shallow copies share it) nor the kept tensor changed.
+  struct Kept {
+    Reduced reduced;
+    SpecPtr from;
+    uint32_t version = 0;
+    uint32_t local_version = 0;
+  };
+  mutable std::shared_ptr<Kept> kept_;  // shared by aliases (share_reduced_with)
   bool released_ = false;
 };
 

@@ -38,6 +38,15 @@ bool exclusively_owned(const at::Tensor& local) {
   return local.has_storage() && local.storage().use_count() == 1;
 }
 
+// A view that is the whole base under another name (detach, alias, view_as of its own
+// shape): the same spec over the same elements of the same shard.
+bool is_alias(const DTensorImpl& view, const DTensorImpl& base) {
+  if (view.spec() != base.spec()) return false;
+  const auto &v = view.local(), &b = base.local();
+  return v.is_alias_of(b) && v.storage_offset() == b.storage_offset() && v.sizes() == b.sizes() &&
+         v.strides() == b.strides();
+}
+
 size_t tensor_count(const c10::IValue& v, ReturnKind kind) {
   if (kind == ReturnKind::Tensor) return 1;
   if (kind == ReturnKind::TensorList) return v.toListRef().size();
@@ -172,7 +181,10 @@ void run_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     if (C10_UNLIKELY(view_of_copy)) {
       record_view_of_copy(out, scan.tensors[view_input], locals[view_input], d.targets[view_input]);
     } else if (view_input >= 0) {  // a view of a view of a copy is one too
-      dtensor_impl(out)->copy_of = dtensor_impl(scan.tensors[view_input])->copy_of;
+      const auto* base = dtensor_impl(scan.tensors[view_input]);
+      auto* view = dtensor_impl(out);
+      view->copy_of = base->copy_of;
+      if (is_alias(*view, *base)) base->share_reduced_with(*view);  // detach, alias, view_as
     }
     return out;
   };

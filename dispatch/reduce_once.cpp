@@ -18,13 +18,18 @@ StorageMap<Keepers>& keepers() {
   return map;
 }
 
-void remember_keeper(DTensorImpl& impl) {
-  if (!impl.local().has_storage()) return;
+// Registers `impl` under the storage of its shard and under that of the kept reduction:
+// a write into either drops the reduction (the kept tensor may have been handed out by
+// redistribute, see `redistributed`).
+void remember_keeper(DTensorImpl& impl, const at::Tensor& kept) {
   auto& map = keepers();
   std::lock_guard<std::mutex> lock(map.mutex);
-  auto& tensors = map.get(impl.local());
-  std::erase_if(tensors, [](const auto& weak) { return weak.expired(); });
-  tensors.emplace_back(c10::intrusive_ptr<c10::TensorImpl>::reclaim_copy(&impl));
+  for (const auto* local : {&impl.local(), &kept}) {
+    if (!local->has_storage() || (local == &kept && kept.is_alias_of(impl.local()))) continue;
+    auto& tensors = map.get(*local);
+    std::erase_if(tensors, [](const auto& weak) { return weak.expired(); });
+    tensors.emplace_back(c10::intrusive_ptr<c10::TensorImpl>::reclaim_copy(&impl));
+  }
 }
 
 }  // namespace
@@ -61,8 +66,18 @@ at::Tensor laid_out_as(DTensorImpl& impl, const collectives::RedistPlan& plan, c
   auto local = collectives::execute_redistribution(plan, *src.mesh, src.shape, src.stride, impl.local());
   if (!any_partial(target->placements)) {
     impl.keep_reduced(local, target);
-    remember_keeper(impl);
+    remember_keeper(impl, local);
   }
+  return local;
+}
+
+at::Tensor redistributed(DTensorImpl& impl, const collectives::RedistPlan& plan, const SpecPtr& target) {
+  const auto* before = impl.reduced();
+  const at::Tensor kept_before = before != nullptr ? before->local : at::Tensor();
+  auto local = laid_out_as(impl, plan, target);
+  // A reduction kept by this call is handed out as it is (a write into it drops it from
+  // the source); one kept before may be in other hands already, and is copied.
+  if (kept_before.defined() && local.is_alias_of(kept_before)) local = local.clone();
   return local;
 }
 

@@ -23,6 +23,12 @@ namespace vescale {
 // it to the local op and never hands it out).
 at::Tensor laid_out_as(DTensorImpl& impl, const collectives::RedistPlan& plan, const SpecPtr& target);
 
+// The same for redistribute() (`plan` not empty), whose result is handed out: a tensor
+// of its own (a copy where it would be a reduction kept by an earlier call), so that an
+// explicit redistribution of a Partial value and the ops that consume it see the same
+// bits.
+at::Tensor redistributed(DTensorImpl& impl, const collectives::RedistPlan& plan, const SpecPtr& target);
+
 // After an op wrote into `written_local`: drops the reductions kept for tensors whose
 // shard shares its storage. Costs one relaxed load while nothing is kept anywhere.
 void forget_reductions(const at::Tensor& written_local);

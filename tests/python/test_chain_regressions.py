@@ -199,6 +199,12 @@ FINDINGS = {
     "double_backward_of_partial_max": ["1d4", [[[4, 4, 3], 919270, ["P.max"], True]], [["grad_penalty", [0], {}]]],
     "double_backward_training": ["2d", [[[6], 1005586, ["P.sum", "R"], True]], [["grad_penalty", [0], {}]],
                                  "train.adam_fused.keep"],
+    # a Partial value saved (its detach() reduced by redistribute) and compared with what
+    # was loaded: the comparison reduced it along another route, whose last bits differ,
+    # so `x > loaded` was True where one device has a tie and the gradient went through
+    # the other branch (seed 68000670)
+    "partial_reduced_by_save_and_by_an_op": ["2d", [[[3], 165060, ["P.sum", "P.sum"], True]],
+                                             [["checkpoint_reshard", [0], {"seed": 538098}], ["where", [0, 1], {}]]],
 }
 
 

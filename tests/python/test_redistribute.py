@@ -208,3 +208,61 @@ def test_two_d_meshes_of_part_of_the_world(pool8):
         inside, outside = ("low", "high") if rank < 4 else ("high", "low")
         assert out[outside] == "outside"
         assert out[inside] == (1, None), (rank, out)
+
+
+def _case_one_partial_value_one_set_of_bits():
+    """A Partial value reduced by redistribute() (directly, or through its detach(), as
+    vescale.save does) and by an op that needs another layout (a reduce-scatter route)
+    gives the same bits: the first reduction is kept and serves both. The sums of the
+    two routes differ in their last bits otherwise, and `x > x_saved` came out True
+    where one device has a tie (chain seed 68000670)."""
+    m = mesh("2d")
+    full = rand((6, 5), 3)
+    failures = []
+    for first in ("redistribute", "detach", "full_tensor"):
+        p = make_dtensor(full, m, [Partial(), Partial()], seed=11)
+        if first == "redistribute":
+            whole = p.redistribute(m, [Replicate(), Replicate()])
+        elif first == "detach":
+            whole = p.detach().redistribute(m, [Replicate(), Replicate()])
+        else:
+            whole = vescale.distribute_tensor(p.full_tensor(), m, [Replicate(), Replicate()])
+        rows = whole.redistribute(m, [Replicate(), Shard(0)])  # the op moves p to this layout
+        ties = (p == rows).full_tensor()
+        if not bool(ties.all()):
+            failures.append(f"{first}: {int((~ties).sum())} of {ties.numel()} elements differ between the routes")
+    return failures
+
+
+def test_one_partial_value_one_set_of_bits(pool4):
+    for rank, failures in enumerate(pool4.run(_case_one_partial_value_one_set_of_bits)):
+        assert failures == [], f"rank {rank}: {failures}"
+
+
+def _case_redistributed_partials_are_tensors_of_their_own():
+    """The kept reduction that redistribute() hands out is the caller's: a write into it
+    (through the engine or through to_local) is not served to the next consumer, and two
+    redistributions of one Partial value do not alias each other."""
+    m = mesh("2d")
+    full = rand((4, 3), 5)
+    failures = []
+    for write in ("engine", "to_local"):
+        p = make_dtensor(full, m, [Partial(), Partial()], seed=2)
+        a = p.redistribute(m, [Replicate(), Replicate()])
+        b = p.redistribute(m, [Replicate(), Replicate()])
+        if write == "engine":
+            a.add_(100.0)
+        else:
+            a.to_local().add_(100.0)
+        for name, got, want in (("a", a.full_tensor(), full + 100), ("b", b.full_tensor(), full),
+                                ("p, reduced again", p.redistribute(m, [Replicate(), Shard(1)]).full_tensor(), full),
+                                ("p in an op", (p * 2).full_tensor(), full * 2)):
+            err = mismatch(got, want)
+            if err:
+                failures.append(f"write through {write}, {name}: {err}")
+    return failures
+
+
+def test_redistributed_partials_are_tensors_of_their_own(pool4):
+    for rank, failures in enumerate(pool4.run(_case_redistributed_partials_are_tensors_of_their_own)):
+        assert failures == [], f"rank {rank}: {failures}"
