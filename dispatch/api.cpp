@@ -64,6 +64,16 @@ at::Tensor moved_gradient(const at::Tensor& g, PlacementsRef placements) {
   return records_graph(g) ? redistribute(g, placements) : redistribute_no_grad(g, placements);
 }
 
+// The gradient of a plain tensor that met DTensors later (they take a plain tensor as
+// a replicated value: `p.full_tensor().pow(2).sum()` added to a DTensor loss) arrives
+// as a DTensor: the plain tensor's gradient is its whole value.
+at::Tensor plain_gradient(const at::Tensor& g) {
+  if (!is_dtensor(g)) return g;
+  const Placements replicated(dtensor_impl(g)->spec()->placements.size(), Placement::replicate());
+  auto whole = moved_gradient(g, replicated);
+  return records_graph(whole) ? to_local(whole, std::nullopt) : dtensor_impl(whole)->local();
+}
+
 struct FromLocal : torch::autograd::Function<FromLocal> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& local, const c10::IValue& spec) {
     ctx->saved_data["spec"] = spec;
@@ -88,8 +98,8 @@ struct ToLocal : torch::autograd::Function<ToLocal> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto spec = from_capsule(ctx->saved_data["grad_spec"]);
-    const auto& g = grads[0];
-    if (!g.defined()) return {at::Tensor(), at::Tensor()};
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
+    const auto g = plain_gradient(grads[0]);
     if (records_graph(g)) return {from_local(g, spec), at::Tensor()};
     return {make_dtensor(collectives::with_layout_of(g, spec->stride), spec), at::Tensor()};
   }
@@ -158,10 +168,12 @@ at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placeme
   const auto& src = impl->spec();
   auto dst = with_placements(as_clone(src), placements);
   const auto plan = collectives::plan_redistribution(*src, dst->placements);
-  if (async_op && !plan.empty()) {
+  // A Partial value with a kept reduction is served from it (data movement only), at once.
+  if (async_op && !plan.empty() && !impl->kept_for_spec()) {
     // The collective reads its input while the caller goes on, and the caller may write
     // into the source meanwhile (an optimizer step, any in-place op): it reads a snapshot
     // of the shard, so the result is the source's value at this call (a shard's copy).
+    // A reduction begun here is not kept: a later consumer reduces again.
     auto pending = collectives::start_redistribution(plan, *src->mesh, src->shape, src->stride,
                                                      impl->local().clone());
     return make_pending_dtensor(std::move(pending), std::move(dst), impl->device());

@@ -142,17 +142,18 @@ const DTensorImpl::Reduced* DTensorImpl::reduced() const {
 }
 
 void DTensorImpl::drop_reduced() {
-  if (kept_) kept_->reduced = Reduced{};  // kept_for_spec() stays what it was, as on every other rank
+  if (kept_) kept_->drop();
 }
 
-void DTensorImpl::keep_reduced(at::Tensor local, SpecPtr spec) {
-  if (is_inference() || this->local().is_inference() || local.is_inference()) return;
+std::shared_ptr<DTensorImpl::Kept> DTensorImpl::keep_reduced(at::Tensor local, SpecPtr spec) {
+  if (is_inference() || this->local().is_inference() || local.is_inference()) return nullptr;
   if (!kept_) kept_ = std::make_shared<Kept>();
   const auto version = version_of(*local.unsafeGetTensorImpl());
   kept_->reduced = Reduced{std::move(local), std::move(spec), version};
   kept_->from = spec_;
   kept_->version = version_of(*this);
   kept_->local_version = version_of(*this->local().unsafeGetTensorImpl());
+  return kept_;
 }
 
 void DTensorImpl::share_reduced_with(DTensorImpl& alias) const {
@@ -167,6 +168,7 @@ DTensorImpl* checked_dtensor_impl(const at::TensorBase& t, const char* what) {
 }
 
 at::Tensor make_dtensor(at::Tensor local, SpecPtr spec) {
+  TORCH_INTERNAL_ASSERT(!is_dtensor(local), "a DTensor's shard must be a plain tensor, got a DTensor for ", spec->str());
   return at::Tensor(c10::make_intrusive<DTensorImpl>(std::move(local), std::move(spec)));
 }
 

@@ -65,7 +65,19 @@ class DTensorImpl final : public c10::TensorImpl {
   // every rank (keeping is), unlike validity (a write can reach the shard's storage through
   // an alias that only some ranks have, e.g. from_local's layout copy).
   bool kept_for_spec() const { return kept_ != nullptr && kept_->from != nullptr && kept_->from == spec_; }
-  void keep_reduced(at::Tensor local, SpecPtr spec);
+  // What a tensor keeps, shared by its aliases (share_reduced_with). Valid while the
+  // spec is `from` and neither the wrapper (views share its version counter), the shard
+  // (views and shallow copies share its counter) nor the kept tensor changed.
+  struct Kept {
+    Reduced reduced;
+    SpecPtr from;
+    uint32_t version = 0;
+    uint32_t local_version = 0;
+    void drop() { reduced = Reduced{}; }  // `from` stays, as on every other rank
+  };
+  // Keeps `local` (this tensor's value laid out as `spec`); returns the state it went
+  // into, for the registry that drops it when the shard's storage is written.
+  std::shared_ptr<Kept> keep_reduced(at::Tensor local, SpecPtr spec);
   void drop_reduced();
   // Makes `alias` (a detached copy, or a view with this tensor's spec and shard) share
   // what this tensor keeps: a reduction kept through either serves both, so that
@@ -117,14 +129,6 @@ class DTensorImpl final : public c10::TensorImpl {
   mutable at::Tensor local_;
   mutable std::shared_ptr<collectives::PendingShard> pending_;
   SpecPtr spec_;
-  // Valid while spec_ is `from` and neither the wrapper (views share its version
-  // counter), the shard (shallow copies share it) nor the kept tensor changed.
-  struct Kept {
-    Reduced reduced;
-    SpecPtr from;
-    uint32_t version = 0;
-    uint32_t local_version = 0;
-  };
   mutable std::shared_ptr<Kept> kept_;  // shared by aliases (share_reduced_with)
   bool released_ = false;
 };

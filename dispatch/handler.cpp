@@ -38,6 +38,15 @@ bool exclusively_owned(const at::Tensor& local) {
   return local.has_storage() && local.storage().use_count() == 1;
 }
 
+// A view's shard counts writes with its base's, as a torch view does: the local view op
+// ran below autograd's view tracking, which gave it a counter of its own, and then a
+// write through the view's to_local() left what the base derived from its old values
+// (a kept reduction) looking current.
+void share_version_counter(const at::Tensor& view_local, const at::Tensor& base_local) {
+  if (view_local.is_inference() || base_local.is_inference() || !view_local.is_alias_of(base_local)) return;
+  view_local.unsafeGetTensorImpl()->set_version_counter(base_local.unsafeGetTensorImpl()->version_counter());
+}
+
 // A view that is the whole base under another name (detach, alias, view_as of its own
 // shape): the same spec over the same elements of the same shard.
 bool is_alias(const DTensorImpl& view, const DTensorImpl& base) {
@@ -175,6 +184,7 @@ void run_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     } else {
       spec = checked_spec(info, d.outputs[slot], local);
     }
+    if (view_input >= 0) share_version_counter(local, locals[view_input]);  // the base's shard, or its copy
     at::Tensor out = view_input >= 0 ? make_dtensor_view(local, std::move(spec), scan.tensors[view_input])
                                      : make_dtensor(local, std::move(spec));
     dtensor_impl(out)->keeps_placements = false;

@@ -10,25 +10,27 @@ namespace vescale {
 
 namespace {
 
-// Shard storage -> the DTensors that keep a reduction of a shard in it.
-using Keepers = std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>>;
+// Shard storage -> the reductions kept of the values in it (shared by a tensor's
+// aliases, so held apart from any one of them).
+using Keepers = std::vector<std::weak_ptr<DTensorImpl::Kept>>;
 
 StorageMap<Keepers>& keepers() {
   static StorageMap<Keepers> map;
   return map;
 }
 
-// Registers `impl` under the storage of its shard and under that of the kept reduction:
-// a write into either drops the reduction (the kept tensor may have been handed out by
+// Registers `kept` under the storage of the shard and under that of the kept tensor: a
+// write into either drops the reduction (the kept tensor may have been handed out by
 // redistribute, see `redistributed`).
-void remember_keeper(DTensorImpl& impl, const at::Tensor& kept) {
+void remember_keeper(const std::shared_ptr<DTensorImpl::Kept>& kept, const at::Tensor& shard) {
   auto& map = keepers();
   std::lock_guard<std::mutex> lock(map.mutex);
-  for (const auto* local : {&impl.local(), &kept}) {
-    if (!local->has_storage() || (local == &kept && kept.is_alias_of(impl.local()))) continue;
-    auto& tensors = map.get(*local);
-    std::erase_if(tensors, [](const auto& weak) { return weak.expired(); });
-    tensors.emplace_back(c10::intrusive_ptr<c10::TensorImpl>::reclaim_copy(&impl));
+  const auto& reduced = kept->reduced.local;
+  for (const auto* local : {&shard, &reduced}) {
+    if (!local->has_storage() || (local == &reduced && reduced.is_alias_of(shard))) continue;
+    auto& states = map.get(*local);
+    std::erase_if(states, [](const auto& weak) { return weak.expired(); });
+    states.emplace_back(kept);
   }
 }
 
@@ -37,16 +39,16 @@ void remember_keeper(DTensorImpl& impl, const at::Tensor& kept) {
 void forget_reductions(const at::Tensor& written_local) {
   auto& map = keepers();
   if (map.size() == 0 || !written_local.has_storage()) return;
-  std::vector<c10::intrusive_ptr<c10::TensorImpl>> alive;
+  std::vector<std::shared_ptr<DTensorImpl::Kept>> alive;
   {
     std::lock_guard<std::mutex> lock(map.mutex);
-    Keepers* tensors = map.find(written_local);
-    if (tensors == nullptr) return;
-    for (auto& weak : *tensors)
+    Keepers* states = map.find(written_local);
+    if (states == nullptr) return;
+    for (auto& weak : *states)
       if (auto strong = weak.lock()) alive.push_back(std::move(strong));
     map.erase(written_local);
   }
-  for (auto& impl : alive) static_cast<DTensorImpl*>(impl.get())->drop_reduced();
+  for (auto& kept : alive) kept->drop();
 }
 
 at::Tensor laid_out_as(DTensorImpl& impl, const collectives::RedistPlan& plan, const SpecPtr& target) {
@@ -65,8 +67,7 @@ at::Tensor laid_out_as(DTensorImpl& impl, const collectives::RedistPlan& plan, c
   }
   auto local = collectives::execute_redistribution(plan, *src.mesh, src.shape, src.stride, impl.local());
   if (!any_partial(target->placements)) {
-    impl.keep_reduced(local, target);
-    remember_keeper(impl, local);
+    if (auto kept = impl.keep_reduced(local, target)) remember_keeper(kept, impl.local());
   }
   return local;
 }

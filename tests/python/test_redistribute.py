@@ -266,3 +266,27 @@ def _case_redistributed_partials_are_tensors_of_their_own():
 def test_redistributed_partials_are_tensors_of_their_own(pool4):
     for rank, failures in enumerate(pool4.run(_case_redistributed_partials_are_tensors_of_their_own)):
         assert failures == [], f"rank {rank}: {failures}"
+
+
+def _case_a_write_through_a_views_shard_reaches_its_base():
+    """A Partial value's kept reduction is dropped by a write through the shard of a
+    view of it (`x.view(...)`, `x.detach()`, then `.to_local().add_(...)`): a view's
+    shard counts writes with its base's, as torch views do. The views' shards had
+    counters of their own, so `x.exp()` after such a write used the old reduction."""
+    m = mesh("1d4")
+    failures = []
+    for how in ("view", "detach", "reshape of a detach"):
+        x = vescale.DTensor.from_local(torch.ones(3, dtype=torch.float64), m, [Partial()])
+        x.exp()  # keeps the reduction
+        w = x.view(3) if how == "view" else x.detach() if how == "detach" else x.detach().reshape(1, 3)
+        w.to_local().add_(10.0)
+        got = x.exp().full_tensor()
+        want = torch.full((3,), 4.0 + 40.0, dtype=torch.float64).exp()
+        if (err := mismatch(got, want)) is not None:
+            failures.append(f"{how}: {err}")
+    return failures
+
+
+def test_a_write_through_a_views_shard_reaches_its_base(pool4):
+    for rank, failures in enumerate(pool4.run(_case_a_write_through_a_views_shard_reaches_its_base)):
+        assert failures == [], f"rank {rank}: {failures}"
