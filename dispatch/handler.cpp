@@ -123,7 +123,8 @@ void run_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     if (plan.empty()) continue;
     const auto& src = *d.sources[i];
     const bool owned = impl != nullptr && exclusively_owned(impl->local());
-    locals[i] = impl != nullptr ? laid_out_as(*impl, plan, d.targets[i])
+    const bool written_or_aliased = info.arg_written[scan.slots[i].arg] || view_input == static_cast<int>(i);
+    locals[i] = impl != nullptr ? laid_out_as(*impl, plan, d.targets[i], written_or_aliased)
                                 : collectives::execute_redistribution(plan, *src.mesh, src.shape, src.stride, locals[i]);
     if (view_input == static_cast<int>(i)) {
       // A view must alias its base. A result of an op is re-laid out in place (same

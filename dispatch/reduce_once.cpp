@@ -51,7 +51,8 @@ void forget_reductions(const at::Tensor& written_local) {
   for (auto& kept : alive) kept->drop();
 }
 
-at::Tensor laid_out_as(DTensorImpl& impl, const collectives::RedistPlan& plan, const SpecPtr& target) {
+at::Tensor laid_out_as(DTensorImpl& impl, const collectives::RedistPlan& plan, const SpecPtr& target,
+                       bool written_or_aliased) {
   const auto& src = *impl.spec();
   if (C10_LIKELY(!any_partial(src.placements)))
     return collectives::execute_redistribution(plan, *src.mesh, src.shape, src.stride, impl.local());
@@ -61,7 +62,9 @@ at::Tensor laid_out_as(DTensorImpl& impl, const collectives::RedistPlan& plan, c
                          ? impl.reduced()
                          : nullptr;
   if (kept != nullptr) {
-    if (kept->spec == target) return kept->local;
+    // The kept tensor itself may be another tensor's shard (redistribute handed it out):
+    // a caller that writes into it, or makes it a shard, gets a copy.
+    if (kept->spec == target) return written_or_aliased ? kept->local.clone() : kept->local;
     const auto moves = collectives::plan_redistribution(*kept->spec, target->placements);
     return collectives::execute_redistribution(moves, *src.mesh, src.shape, src.stride, kept->local);
   }
@@ -73,13 +76,9 @@ at::Tensor laid_out_as(DTensorImpl& impl, const collectives::RedistPlan& plan, c
 }
 
 at::Tensor redistributed(DTensorImpl& impl, const collectives::RedistPlan& plan, const SpecPtr& target) {
-  const auto* before = impl.reduced();
-  const at::Tensor kept_before = before != nullptr ? before->local : at::Tensor();
-  auto local = laid_out_as(impl, plan, target);
   // A reduction kept by this call is handed out as it is (a write into it drops it from
   // the source); one kept before may be in other hands already, and is copied.
-  if (kept_before.defined() && local.is_alias_of(kept_before)) local = local.clone();
-  return local;
+  return laid_out_as(impl, plan, target, /*written_or_aliased=*/true);
 }
 
 }  // namespace vescale

@@ -21,7 +21,10 @@ namespace vescale {
 // from the kept reduction of its Partial value when there is one. A first full
 // reduction is kept; the result may then be the kept tensor itself (the handler passes
 // it to the local op and never hands it out).
-at::Tensor laid_out_as(DTensorImpl& impl, const collectives::RedistPlan& plan, const SpecPtr& target);
+// `written_or_aliased`: the caller writes into the result or makes it (part of) a
+// tensor's shard; a kept reduction is then copied, never handed over.
+at::Tensor laid_out_as(DTensorImpl& impl, const collectives::RedistPlan& plan, const SpecPtr& target,
+                       bool written_or_aliased);
 
 // The same for redistribute() (`plan` not empty), whose result is handed out: a tensor
 // of its own (a copy where it would be a reduction kept by an earlier call), so that an

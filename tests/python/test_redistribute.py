@@ -241,11 +241,19 @@ def test_one_partial_value_one_set_of_bits(pool4):
 
 def _case_redistributed_partials_are_tensors_of_their_own():
     """The kept reduction that redistribute() hands out is the caller's: a write into it
-    (through the engine or through to_local) is not served to the next consumer, and two
-    redistributions of one Partial value do not alias each other."""
+    (through the engine or through to_local) is not served to the next consumer, two
+    redistributions of one Partial value do not alias each other, and an in-place op on
+    the source (which needs its reduced value, and once wrote into the kept tensor)
+    leaves the handed-out one alone."""
     m = mesh("2d")
     full = rand((4, 3), 5)
     failures = []
+    p = make_dtensor(full, m, [Partial(), Partial()], seed=2) * 1  # an op's result
+    a = p.redistribute(m, [Replicate(), Replicate()])
+    p.exp_()
+    for name, got, want in (("a after p.exp_()", a.full_tensor(), full), ("p", p.full_tensor(), full.exp())):
+        if (err := mismatch(got, want)) is not None:
+            failures.append(f"{name}: {err}")
     for write in ("engine", "to_local"):
         p = make_dtensor(full, m, [Partial(), Partial()], seed=2)
         a = p.redistribute(m, [Replicate(), Replicate()])
