@@ -205,6 +205,14 @@ FINDINGS = {
     # the other branch (seed 68000670)
     "partial_reduced_by_save_and_by_an_op": ["2d", [[[3], 165060, ["P.sum", "P.sum"], True]],
                                              [["checkpoint_reshard", [0], {"seed": 538098}], ["where", [0, 1], {}]]],
+    # the fix's first version: a reduction kept through a temporary `detach()` (the
+    # fuzzer reads values so) outlived the optimizer's write, which the registry missed
+    # (it held the dead alias) and a view's shard did not count (its own version counter)
+    # (training seeds 7800158, 7800024)
+    "kept_through_detach_then_step": ["2d", [[[2], 161829, ["R", "P.sum"], True]],
+                                      [["local_round_trip", [0], {"seed": 145332}]], "train.adam_fused.none"],
+    "kept_through_view_of_copy_then_step": ["2d", [[[4, 2, 2, 6], 203297, ["P.sum", "I0.2"], True]],
+                                            [["reshape", [0], {"shape": [2, 2, 2, 2, 6]}]], "train.adamw_foreach.keep"],
 }
 
 
