@@ -179,8 +179,10 @@ at::Tensor redistribute_no_grad(const at::Tensor& dtensor, PlacementsRef placeme
     return make_pending_dtensor(std::move(pending), std::move(dst), impl->device());
   }
   // Through the kept reduction of a Partial value, as the ops' inputs are: every consumer
-  // of one Partial value sees the same bits (dispatch/reduce_once.h).
-  auto local = plan.empty() ? impl->local().clone() : redistributed(*impl, plan, with_placements(src, placements));
+  // of one Partial value sees the same bits (dispatch/reduce_once.h). The result is the
+  // caller's: `written_or_aliased`.
+  auto local = plan.empty() ? impl->local().clone()
+                            : laid_out_as(*impl, plan, with_placements(src, placements), /*written_or_aliased=*/true);
   if (dst->stride != src->stride) local = collectives::with_layout_of(local, dst->stride);
   return make_dtensor(std::move(local), std::move(dst));
 }

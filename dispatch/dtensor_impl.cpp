@@ -136,7 +136,7 @@ const DTensorImpl::Reduced* DTensorImpl::reduced() const {
   // keep_reduced keeps nothing for inference tensors, which have no version counter.
   if (!kept_for_spec() || !kept_->reduced.local.defined()) return nullptr;
   if (version_of(*this) != kept_->version || version_of(*local().unsafeGetTensorImpl()) != kept_->local_version ||
-      version_of(*kept_->reduced.local.unsafeGetTensorImpl()) != kept_->reduced.version)
+      version_of(*kept_->reduced.local.unsafeGetTensorImpl()) != kept_->reduced_version)
     return nullptr;
   return &kept_->reduced;
 }
@@ -148,8 +148,8 @@ void DTensorImpl::drop_reduced() {
 std::shared_ptr<DTensorImpl::Kept> DTensorImpl::keep_reduced(at::Tensor local, SpecPtr spec) {
   if (is_inference() || this->local().is_inference() || local.is_inference()) return nullptr;
   if (!kept_) kept_ = std::make_shared<Kept>();
-  const auto version = version_of(*local.unsafeGetTensorImpl());
-  kept_->reduced = Reduced{std::move(local), std::move(spec), version};
+  kept_->reduced_version = version_of(*local.unsafeGetTensorImpl());
+  kept_->reduced = Reduced{std::move(local), std::move(spec)};
   kept_->from = spec_;
   kept_->version = version_of(*this);
   kept_->local_version = version_of(*this->local().unsafeGetTensorImpl());

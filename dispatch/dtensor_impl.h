@@ -58,21 +58,21 @@ class DTensorImpl final : public c10::TensorImpl {
   struct Reduced {
     at::Tensor local;
     SpecPtr spec;
-    uint32_t version = 0;  // of `local`, which redistribute() may have handed out
   };
   const Reduced* reduced() const;
   // Whether a reduction was kept for the current spec, valid or not since: the same on
   // every rank (keeping is), unlike validity (a write can reach the shard's storage through
   // an alias that only some ranks have, e.g. from_local's layout copy).
-  bool kept_for_spec() const { return kept_ != nullptr && kept_->from != nullptr && kept_->from == spec_; }
+  bool kept_for_spec() const { return kept_ != nullptr && kept_->from == spec_; }
   // What a tensor keeps, shared by its aliases (share_reduced_with). Valid while the
   // spec is `from` and neither the wrapper (views share its version counter), the shard
   // (views and shallow copies share its counter) nor the kept tensor changed.
   struct Kept {
     Reduced reduced;
     SpecPtr from;
-    uint32_t version = 0;
-    uint32_t local_version = 0;
+    uint32_t version = 0;          // of the wrapper
+    uint32_t local_version = 0;    // of the shard
+    uint32_t reduced_version = 0;  // of reduced.local, which redistribute() may have handed out
     void drop() { reduced = Reduced{}; }  // `from` stays, as on every other rank
   };
   // Keeps `local` (this tensor's value laid out as `spec`); returns the state it went

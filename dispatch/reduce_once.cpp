@@ -21,7 +21,7 @@ StorageMap<Keepers>& keepers() {
 
 // Registers `kept` under the storage of the shard and under that of the kept tensor: a
 // write into either drops the reduction (the kept tensor may have been handed out by
-// redistribute, see `redistributed`).
+// redistribute()).
 void remember_keeper(const std::shared_ptr<DTensorImpl::Kept>& kept, const at::Tensor& shard) {
   auto& map = keepers();
   std::lock_guard<std::mutex> lock(map.mutex);
@@ -73,12 +73,6 @@ at::Tensor laid_out_as(DTensorImpl& impl, const collectives::RedistPlan& plan, c
     if (auto kept = impl.keep_reduced(local, target)) remember_keeper(kept, impl.local());
   }
   return local;
-}
-
-at::Tensor redistributed(DTensorImpl& impl, const collectives::RedistPlan& plan, const SpecPtr& target) {
-  // A reduction kept by this call is handed out as it is (a write into it drops it from
-  // the source); one kept before may be in other hands already, and is copied.
-  return laid_out_as(impl, plan, target, /*written_or_aliased=*/true);
 }
 
 }  // namespace vescale

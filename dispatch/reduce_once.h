@@ -19,18 +19,13 @@ namespace vescale {
 
 // `impl`'s shard laid out as `target`, by `plan` (planned from impl's own spec), or
 // from the kept reduction of its Partial value when there is one. A first full
-// reduction is kept; the result may then be the kept tensor itself (the handler passes
-// it to the local op and never hands it out).
-// `written_or_aliased`: the caller writes into the result or makes it (part of) a
-// tensor's shard; a kept reduction is then copied, never handed over.
+// reduction is kept, and the result may be the kept tensor itself: the handler reads it
+// in the local op, redistribute() hands it out (a write into it then drops it from the
+// source). `written_or_aliased`: the caller writes into the result or makes it (part of)
+// a tensor's shard; a reduction kept by an earlier call, which may be in other hands
+// already, is then copied, never handed over.
 at::Tensor laid_out_as(DTensorImpl& impl, const collectives::RedistPlan& plan, const SpecPtr& target,
                        bool written_or_aliased);
-
-// The same for redistribute() (`plan` not empty), whose result is handed out: a tensor
-// of its own (a copy where it would be a reduction kept by an earlier call), so that an
-// explicit redistribution of a Partial value and the ops that consume it see the same
-// bits.
-at::Tensor redistributed(DTensorImpl& impl, const collectives::RedistPlan& plan, const SpecPtr& target);
 
 // After an op wrote into `written_local`: drops the reductions kept for tensors whose
 // shard shares its storage. Costs one relaxed load while nothing is kept anywhere.

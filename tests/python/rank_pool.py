@@ -145,11 +145,11 @@ class RankPool:
 
     def _where_hung(self, hung: list[int]) -> str:
         """The Python stacks of the ranks that did not answer, as they dumped them on SIGUSR1."""
+        if not hung:
+            return ""
         for rank in hung:
             if self._procs[rank].is_alive():
                 os.kill(self._procs[rank].pid, signal.SIGUSR1)
-        if not hung:
-            return ""
         time.sleep(2)  # faulthandler writes from its C signal handler: also from inside a C++ wait
         report = ""
         for rank in hung:

@@ -210,6 +210,11 @@ def test_two_d_meshes_of_part_of_the_world(pool8):
         assert out[inside] == (1, None), (rank, out)
 
 
+def _no_failures_on_any_rank(results):
+    for rank, failures in enumerate(results):
+        assert failures == [], f"rank {rank}: {failures}"
+
+
 def _case_one_partial_value_one_set_of_bits():
     """A Partial value reduced by redistribute() (directly, or through its detach(), as
     vescale.save does) and by an op that needs another layout (a reduce-scatter route)
@@ -235,8 +240,7 @@ def _case_one_partial_value_one_set_of_bits():
 
 
 def test_one_partial_value_one_set_of_bits(pool4):
-    for rank, failures in enumerate(pool4.run(_case_one_partial_value_one_set_of_bits)):
-        assert failures == [], f"rank {rank}: {failures}"
+    _no_failures_on_any_rank(pool4.run(_case_one_partial_value_one_set_of_bits))
 
 
 def _case_redistributed_partials_are_tensors_of_their_own():
@@ -272,8 +276,7 @@ def _case_redistributed_partials_are_tensors_of_their_own():
 
 
 def test_redistributed_partials_are_tensors_of_their_own(pool4):
-    for rank, failures in enumerate(pool4.run(_case_redistributed_partials_are_tensors_of_their_own)):
-        assert failures == [], f"rank {rank}: {failures}"
+    _no_failures_on_any_rank(pool4.run(_case_redistributed_partials_are_tensors_of_their_own))
 
 
 def _case_a_write_through_a_views_shard_reaches_its_base():
@@ -296,5 +299,4 @@ def _case_a_write_through_a_views_shard_reaches_its_base():
 
 
 def test_a_write_through_a_views_shard_reaches_its_base(pool4):
-    for rank, failures in enumerate(pool4.run(_case_a_write_through_a_views_shard_reaches_its_base)):
-        assert failures == [], f"rank {rank}: {failures}"
+    _no_failures_on_any_rank(pool4.run(_case_a_write_through_a_views_shard_reaches_its_base))
