@@ -14,6 +14,9 @@
 #include "sharding_rules/mt_jump.h"
 #include "sharding_rules/random_local.h"
 #include "sharding_rules/rule.h"
+#ifdef VESCALE_CUDA
+#include "sharding_rules/random_local_cuda.h"
+#endif
 
 #include <torch/extension.h>
 
@@ -135,9 +138,17 @@ PYBIND11_MODULE(_C, m) {
   // Local random draws on the default CPU generator (vescale/deferred.py replays fills
   // with them): a box of normal_(a, b) / uniform_(a, b) on a contiguous tensor of
   // `shape`, leaving the generator where the whole fill leaves it. False: not a fill
-  // whose consumption is known (the caller draws the whole tensor).
+  // whose consumption is known (the caller draws the whole tensor). On a CUDA `out` (a
+  // CUDA build): the default CUDA generator, `kind` any fill rng::cuda::handles.
   m.def("_rng_draw_box", [](const std::string& kind, double a, double b, std::vector<int64_t> shape,
                             std::vector<int64_t> offsets, std::vector<int64_t> sizes, at::Tensor out) {
+    if (out.is_cuda()) {  // kind: the fill's op name; a, b: its parameters (rng::cuda::Fill)
+#ifdef VESCALE_CUDA
+      return rng::cuda::draw_box({kind, a, b}, std::nullopt, shape, offsets, sizes, out);
+#else
+      return false;
+#endif
+    }
     int64_t n = 1;
     for (auto s : shape) n *= s;
     const auto model = rng::model_for(kind, out.scalar_type(), n);
@@ -147,6 +158,16 @@ PYBIND11_MODULE(_C, m) {
     rng::draw_box(gen, model, shape, offsets, sizes,
                   [=](at::Tensor& buf) { normal ? buf.normal_(a, b) : buf.uniform_(a, b); }, out);
     return true;
+  });
+  // native_dropout(whole, p) of a contiguous `shape` on CUDA, for the box at `offsets`
+  // whose values `input` holds: (output, mask), or None where not handled.
+  m.def("_rng_dropout_box", [](const at::Tensor& input, double p, std::vector<int64_t> shape,
+                               std::vector<int64_t> offsets, std::vector<int64_t> sizes) -> py::object {
+#ifdef VESCALE_CUDA
+    at::Tensor output, mask;
+    if (rng::cuda::dropout_box(input, p, shape, offsets, sizes, output, mask)) return py::make_tuple(output, mask);
+#endif
+    return py::none();
   });
   // Moves the default CPU generator past a whole fill of `numel` elements (False: unknown).
   m.def("_rng_skip", [](const std::string& kind, at::ScalarType dtype, int64_t numel) {

@@ -5,9 +5,13 @@
 // On the CPU, fills whose consumption of the generator is element-local and known
 // (uniform_, normal_ on >= 16 elements, bernoulli_(p), random_, and native_dropout's
 // mask; see sharding_rules/random_local.h) draw only this rank's block: the Mersenne
-// Twister jumps (or streams, for short gaps) to where the block's rows start. Every
-// other case (CUDA, InterleavedShard, non-contiguous global layouts, the *_like draws,
-// draws that read data) draws the whole tensor and keeps the block.
+// Twister jumps (or streams, for short gaps) to where the block's rows start. On CUDA
+// (a CUDA build), uniform_, normal_, log_normal_, exponential_, cauchy_, geometric_,
+// bernoulli_(p) and native_dropout draw only this rank's block: Philox is counter-based,
+// each element is drawn where the whole fill would draw it
+// (sharding_rules/random_local_cuda.h). Every other case (InterleavedShard,
+// non-contiguous global layouts, the *_like draws, draws that read data) draws the whole
+// tensor and keeps the block.
 //
 //   in-place fills (normal_, uniform_, bernoulli_, ...)   self keeps its layout (a
 //        Partial one is filled as Replicate and written back); tensor parameters
@@ -17,12 +21,15 @@
 //        nothing moves
 //   draws that read data (bernoulli(p), multinomial, normal(mean, std), poisson, ...)
 //        inputs replicated; a result of the first input's shape takes its layout
-//   native_dropout  linear in its input: input and result keep any layout; the mask is
-//        drawn whole
+//   native_dropout  linear in its input: input and result keep any layout; the mask
+//        takes the input's layout (a Partial one read as Replicate)
 
 #include "collectives/collectives.h"
 #include "sharding_rules/random_local.h"
 #include "sharding_rules/rule.h"
+#ifdef VESCALE_CUDA
+#include "sharding_rules/random_local_cuda.h"
+#endif
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -100,10 +107,14 @@ bool is_interleaved(const TensorSpec& spec) {
                      [](const Placement& p) { return p.is_interleaved(); });
 }
 
-// Whether this rank's block of `spec` can be drawn alone: a dense row-major global
-// layout, blocks (not interleaved pieces), a CPU local tensor.
+// Whether this rank's block of `spec` is a box of a dense row-major whole tensor (not
+// interleaved pieces): what the box drawers take.
+bool block_layout(const TensorSpec& spec) {
+  return !is_interleaved(spec) && spec.stride == dense_strides(spec.shape);
+}
+
 bool block_drawable(const TensorSpec& spec, const at::Tensor& local) {
-  return local.device().is_cpu() && !is_interleaved(spec) && spec.stride == dense_strides(spec.shape);
+  return local.device().is_cpu() && block_layout(spec);
 }
 
 // The CPU generator an op's optional generator argument names (null: not a CPU one).
@@ -113,6 +124,45 @@ at::CPUGeneratorImpl* cpu_generator(const c10::IValue& g) {
   if (gen.device().type() != c10::DeviceType::CPU) return nullptr;
   return at::check_generator<at::CPUGeneratorImpl>(gen);
 }
+
+// Runs torch's own argument checks of a fill before a box draw moves the generator (a
+// refused fill must leave every rank's generator where it was): the fill on an empty
+// tensor checks its arguments and draws nothing.
+void check_fill_arguments(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t base) {
+  torch::jit::Stack check(stack.begin() + static_cast<std::ptrdiff_t>(base), stack.end());
+  check[0] = at::empty({0}, check[0].toTensor().options());
+  op.callBoxed(&check);
+}
+
+#ifdef VESCALE_CUDA
+// In-place fills on CUDA: this rank's block alone where the fill is handled, else the
+// whole tensor.
+void fill_cuda_local_or_whole(const c10::OperatorHandle& op, torch::jit::Stack* stack, const LocalContext& ctx,
+                              const std::string& name) {
+  const auto& schema = op.schema();
+  const size_t n_args = schema.arguments().size();
+  const size_t base = stack->size() - n_args;
+  const at::Tensor self = (*stack)[base].toTensor();
+  const auto& spec = *ctx.inputs[0];
+  const auto g_index = schema.argumentIndexWithName("generator");
+  std::optional<at::Generator> gen;
+  if (g_index && !(*stack)[base + *g_index].isNone()) gen = (*stack)[base + *g_index].toGenerator();
+  if (!g_index || !rng::cuda::handles(name, spec.dtype) || !block_layout(spec) ||
+      (gen && gen->device().type() != c10::DeviceType::CUDA))
+    return draw_whole_keep_block(op, stack, ctx);
+  check_fill_arguments(op, *stack, base);
+  // every handled fill takes one or two floats after self
+  const auto& second = (*stack)[base + 2];
+  const rng::cuda::Fill fill{name, (*stack)[base + 1].toDouble(), second.isDouble() ? second.toDouble() : 0.};
+  at::Tensor out = self.is_contiguous() ? self
+                                        : at::empty(spec.local.sizes, self.options().memory_format(at::MemoryFormat::Contiguous));
+  if (!rng::cuda::draw_box(fill, gen, spec.shape, spec.local.offsets, spec.local.sizes, out))
+    return draw_whole_keep_block(op, stack, ctx);
+  if (!out.is_same(self)) self.copy_(out);
+  torch::jit::drop(*stack, n_args);
+  torch::jit::push(*stack, self);
+}
+#endif
 
 // In-place fills: this rank's block alone where the fill's consumption is known, else
 // the whole tensor.
@@ -124,6 +174,9 @@ void fill_local_or_whole(const c10::OperatorHandle& op, torch::jit::Stack* stack
   const auto& spec = *ctx.inputs[0];
   std::string name = schema.name().substr(6);  // past "aten::"
   if (!schema.overload_name().empty()) name += "." + schema.overload_name();
+#ifdef VESCALE_CUDA
+  if (self.is_cuda()) return fill_cuda_local_or_whole(op, stack, ctx, name);
+#endif
   int64_t range = -1;
   if (name == "random_.to") range = (*stack)[base + 1].toInt();
   if (name == "random_.from" && !(*stack)[base + 2].isNone())
@@ -133,6 +186,7 @@ void fill_local_or_whole(const c10::OperatorHandle& op, torch::jit::Stack* stack
   const auto g_index = schema.argumentIndexWithName("generator");
   if (model.ok() && g_index && block_drawable(spec, self)) gen = cpu_generator((*stack)[base + *g_index]);
   if (!gen) return draw_whole_keep_block(op, stack, ctx);
+  check_fill_arguments(op, *stack, base);
   const torch::jit::Stack args(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
   at::Tensor out = self.is_contiguous() ? self
                                         : at::empty(spec.local.sizes, self.options().memory_format(at::MemoryFormat::Contiguous));
@@ -181,12 +235,30 @@ ShardingChoice data_rule(const OpCall& call) {
   return with_draw(std::move(c));
 }
 
-// native_dropout(input, p, train) -> (output, mask): the mask is drawn whole by the op
-// itself (on a whole tensor of ones, so its output is mask * scale), and this rank's
-// output is its input block times that.
-// On the CPU the mask is native_dropout's own: mask = bernoulli_(1 - p) on a bool
-// tensor of the input's shape, output = input * mask * (1 / (1 - p)); only this rank's
-// block of the mask is drawn.
+// input * mask * scale, scale = 1 / (1 - p), computed as native_dropout's kernel does:
+// on the CPU input.mul(mask).mul_(scale), where the scale is a Scalar (bfloat16 and
+// half round it to their own precision first); on CUDA in the accumulation type (float
+// below double), from 1 - p rounded to it, and rounded to the dtype once at the end.
+at::Tensor dropped(const at::Tensor& input, const at::Tensor& mask, double p) {
+  const double keep = 1. - p;
+  if (!input.is_cuda()) return input.mul(mask).mul_(keep == 0 ? 0. : 1. / keep);
+  if (keep == 0) return at::zeros_like(input);  // native_dropout_cuda's shortcut
+  const double scale = input.scalar_type() == at::kDouble ? 1. / keep
+                                                           : static_cast<float>(1.0 / static_cast<float>(keep));
+  at::Tensor factor = at::scalar_tensor(scale, at::TensorOptions().dtype(at::kDouble));
+  factor.unsafeGetTensorImpl()->set_wrapped_number(true);  // computed in the accumulation type
+  return input.mul(mask).mul_(factor);
+}
+
+// native_dropout(input, p, train) -> (output, mask): the output is linear in the input,
+// so input and output keep any layout, and this rank's output is its input block
+// scaled by its block of the mask, as the op computes it (input * mask * scale).
+// In training, the mask's block alone is drawn where the layout allows: on the CPU
+// native_dropout's own mask, bernoulli_(1 - p) on a bool tensor, through the
+// Mersenne Twister's jump; on CUDA the fused kernel's, through Philox. Otherwise the op
+// runs on a whole tensor of ones in the input's global layout (fresh, as a whole input
+// would be: CUDA's kernel picks its vector width from the input's alignment and
+// layout) and this rank keeps its block of the mask.
 void dropout_locally(const c10::OperatorHandle& op, torch::jit::Stack* stack, const LocalContext& ctx) {
   const size_t base = stack->size() - 3;
   const at::Tensor input = (*stack)[base].toTensor();
@@ -197,23 +269,31 @@ void dropout_locally(const c10::OperatorHandle& op, torch::jit::Stack* stack, co
   const bool training = train.isNone() || train.toBool();
   if (training && in_spec.numel() > 0 && block_drawable(mask_spec, input) &&
       rng::model_for("bernoulli_.float", at::kBool, mask_spec.numel()).ok()) {
-    const double p1m = 1. - p;
-    const double scale = p1m == 0 ? 0. : 1. / p1m;
     at::Tensor mask = at::empty(mask_spec.local.sizes, input.options().dtype(at::kBool));
     rng::draw_box(cpu_generator(c10::IValue()), rng::model_for("bernoulli_.float", at::kBool, mask_spec.numel()),
                   mask_spec.shape, mask_spec.local.offsets, mask_spec.local.sizes,
-                  [p1m](at::Tensor& buf) { buf.bernoulli_(p1m); }, mask);
-    at::Tensor output = input.mul(mask).mul_(scale);
+                  [p](at::Tensor& buf) { buf.bernoulli_(1. - p); }, mask);
+    at::Tensor output = dropped(input, mask, p);
     torch::jit::drop(*stack, 3);
     torch::jit::push(*stack, output, mask);
     return;
   }
-  (*stack)[base] = at::ones(in_spec.shape, input.options());
+#ifdef VESCALE_CUDA
+  at::Tensor output, mask;
+  if (training && input.is_cuda() && block_layout(mask_spec) &&
+      rng::cuda::dropout_box(input.contiguous(), p, mask_spec.shape, mask_spec.local.offsets, mask_spec.local.sizes,
+                             output, mask)) {
+    torch::jit::drop(*stack, 3);
+    torch::jit::push(*stack, output, mask);
+    return;
+  }
+#endif
+  (*stack)[base] = whole_stand_in(in_spec, input.device()).fill_(1);
   op.callBoxed(stack);
-  const auto scaled_mask = block_of((*stack)[stack->size() - 2].toTensor(), *ctx.outputs[1]);
-  const auto mask = block_of((*stack)[stack->size() - 1].toTensor(), *ctx.outputs[1]);
+  const auto whole_mask = block_of((*stack)[stack->size() - 1].toTensor(), *ctx.outputs[1]);
   torch::jit::drop(*stack, 2);
-  torch::jit::push(*stack, input * scaled_mask, mask);
+  // out of training, the op hands its input back (and a mask of ones)
+  torch::jit::push(*stack, training ? dropped(input, whole_mask, p) : input.clone(), whole_mask);
 }
 
 ShardingChoice dropout_rule(const OpCall& call) {

@@ -74,6 +74,7 @@ void advance(at::CPUGeneratorImpl* gen, uint64_t n) {
 
 int64_t drawn_elements() { return g_drawn.load(); }
 void reset_drawn_elements() { g_drawn.store(0); }
+void count_drawn(int64_t n) { g_drawn += n; }
 
 void draw_box(at::CPUGeneratorImpl* gen, const DrawModel& model, at::IntArrayRef shape, at::IntArrayRef offsets,
               at::IntArrayRef sizes, const Fill& fill, at::Tensor& out) {

@@ -53,5 +53,6 @@ void advance(at::CPUGeneratorImpl* gen, uint64_t n);
 // draw of a box draws about the box, not the tensor).
 int64_t drawn_elements();
 void reset_drawn_elements();
+void count_drawn(int64_t n);  // for the CUDA box drawer (random_local_cuda.h)
 
 }  // namespace vescale::rng

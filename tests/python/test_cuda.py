@@ -16,6 +16,7 @@ docs/benchmarks.md ("On a GPU").
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import sys
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import vescale
-from vescale import Partial, Replicate, Shard
+from vescale import InterleavedShard, Partial, Replicate, Shard, _C
 from vescale.parallel import DDP, DistributedOptimizer, parallelize_module
 from vescale.parallel.plans import gpt_plan, hf_plan
 
@@ -285,3 +286,142 @@ def test_hugging_face_llama_generates_the_same_tokens(mesh):
         got = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=8, do_sample=False)
     got = got.full_tensor() if isinstance(got, vescale.DTensor) else got
     assert torch.equal(got, want)
+
+
+# ---- random draws of a box alone (sharding_rules/random_local_cuda.h) ------------------------
+
+# (op, a, b): the fill's op name and parameters as _C._rng_draw_box takes them
+BOX_FILLS = [("uniform_", -1.0, 3.0), ("normal_", 0.5, 2.0), ("log_normal_", 0.1, 0.5), ("exponential_", 1.5, 0.0),
+             ("cauchy_", 0.2, 1.1), ("geometric_", 0.3, 0.0), ("bernoulli_.float", 0.3, 0.0)]
+# shape -> boxes (offsets, sizes); (3, 2100, 700) takes several rounds of the fill's grid
+BOX_SHAPES = {
+    (1000,): [((0,), (1000,)), ((250,), (250,)), ((993,), (7,)), ((3,), (1,))],
+    (37, 53): [((10, 0), (9, 53)), ((0, 13), (37, 14)), ((36, 40), (1, 13))],
+    (3, 2100, 700): [((1, 0, 0), (1, 2100, 700)), ((0, 0, 175), (3, 2100, 175)), ((2, 1500, 0), (1, 600, 700))],
+}
+
+
+def _fill(op, a, b, t):
+    one_parameter = op in ("exponential_", "geometric_", "bernoulli_.float")
+    return getattr(t, op.split(".")[0])(*((a,) if one_parameter else (a, b)))
+
+
+def _box(t, offsets, sizes):
+    return t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+
+
+@pytest.mark.parametrize("op,a,b", BOX_FILLS, ids=[f[0] for f in BOX_FILLS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool])
+def test_a_box_draw_is_the_box_of_the_whole_fill_and_moves_the_generator_alike(op, a, b, dtype):
+    if dtype == torch.bool and op != "bernoulli_.float":
+        pytest.skip("only bernoulli_ fills bool tensors")
+    failures = []
+    for shape, boxes in BOX_SHAPES.items():
+        torch.cuda.manual_seed(11)
+        whole = _fill(op, a, b, torch.empty(shape, dtype=dtype, device="cuda"))
+        after = torch.cuda.get_rng_state()
+        for offsets, sizes in boxes:
+            torch.cuda.manual_seed(11)
+            out = torch.empty(sizes, dtype=dtype, device="cuda")
+            assert _C._rng_draw_box(op, a, b, list(shape), list(offsets), list(sizes), out)
+            want = _box(whole, offsets, sizes)
+            if not torch.equal(out, want):
+                failures.append(f"{shape} {offsets} {sizes}: {int((out != want).sum())} of {want.numel()} differ")
+            if not torch.equal(torch.cuda.get_rng_state(), after):
+                failures.append(f"{shape} {offsets} {sizes}: generator state")
+    assert failures == []
+
+
+# numel divisible by 8; by 4 only; by 2 only; odd: each vector width of torch's dropout
+# kernel (16 bytes, halved until it divides numel), and a shape of several rounds
+DROPOUT_SHAPES = {
+    (64, 1000): [((0, 0), (32, 1000)), ((32, 0), (32, 1000)), ((0, 250), (64, 250))],
+    (3, 2, 1002): [((1, 0, 0), (1, 2, 1002)), ((0, 1, 500), (3, 1, 502))],
+    (2, 3, 1001): [((0, 0, 0), (1, 3, 1001)), ((0, 2, 0), (2, 1, 1001))],
+    (37, 53): [((10, 0), (9, 53)), ((0, 13), (37, 14))],
+    (4, 2100, 700): [((0, 525, 0), (4, 525, 700)), ((3, 0, 0), (1, 2100, 700))],
+}
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_a_dropout_box_is_the_box_of_the_whole_dropout(dtype, p):
+    failures = []
+    for shape, boxes in DROPOUT_SHAPES.items():
+        torch.manual_seed(2)
+        x = torch.randn(shape, device="cuda").to(dtype)  # fresh, as an activation is
+        torch.cuda.manual_seed(7)
+        want_out, want_mask = torch.ops.aten.native_dropout(x, p, True)
+        after = torch.cuda.get_rng_state()
+        for offsets, sizes in boxes:
+            torch.cuda.manual_seed(7)
+            got = _C._rng_dropout_box(_box(x, offsets, sizes).contiguous(), p, list(shape), list(offsets), list(sizes))
+            assert got is not None
+            for what, g, w in zip(("output", "mask"), got, (_box(want_out, offsets, sizes), _box(want_mask, offsets, sizes))):
+                if not torch.equal(g, w):
+                    failures.append(f"{shape} {offsets} {sizes}: {what}, {int((g != w).sum())} of {w.numel()} differ")
+            if not torch.equal(torch.cuda.get_rng_state(), after):
+                failures.append(f"{shape} {offsets} {sizes}: generator state")
+    assert failures == []
+
+
+# Two ranks on the one GPU (gloo between them: random ops communicate nothing): every
+# rank's block of a sharded draw is its block of the one-device draw, and both leave the
+# generator where the one-device draw does. (`device` "cpu" runs the same on the CPU.)
+def _random_ops_on_two_ranks(rank: int, world: int, port: int, device: str = "cuda") -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    seed = torch.cuda.manual_seed if cuda else torch.manual_seed
+    rng_state = torch.cuda.get_rng_state if cuda else torch.get_rng_state
+    m = vescale.init_device_mesh(device, (world,), mesh_dim_names=("TP",))
+    ops = {
+        "normal_": lambda t: t.normal_(0.5, 2.0),
+        "uniform_": lambda t: t.uniform_(-1.0, 1.0),
+        "bernoulli_": lambda t: t.bernoulli_(0.3),
+        "exponential_": lambda t: t.exponential_(2.0),
+        "dropout": lambda t: F.dropout(t, 0.1, training=True),
+        "trunc_normal_": lambda t: torch.nn.init.trunc_normal_(t, std=0.02),
+    }
+    layouts = [[Shard(0)], [Shard(1)], [Replicate()], [InterleavedShard(1, 2)]]
+    failures = []
+    for dtype, shape in [(torch.float32, (13, 32)), (torch.bfloat16, (13, 32)), (torch.float32, (520, 2100))]:
+        for (name, fn), placements in itertools.product(ops.items(), layouts):
+            torch.manual_seed(3)
+            x = torch.randn(shape).to(dtype).to(device)
+            seed(9)
+            want = fn(x.clone())
+            after = rng_state()
+            seed(9)
+            d = vescale.distribute_tensor(x.clone(), m, placements, src_data_rank=None)
+            _C._rng_reset_drawn_elements()
+            with torch.no_grad():
+                got = fn(d)
+            drawn = _C._rng_drawn_elements()
+            local_want = vescale.distribute_tensor(want, m, placements, src_data_rank=None).to_local()
+            where = f"rank {rank} {name} {dtype} {shape} {placements}"
+            if not torch.equal(got.to_local(), local_want):
+                failures.append(f"{where}: values")
+            if not torch.equal(rng_state(), after):
+                failures.append(f"{where}: generator state")
+            local = d.to_local().numel()
+            if cuda and isinstance(placements[0], Shard) and name in ("normal_", "dropout") and drawn != local:
+                failures.append(f"{where}: drew {drawn} elements, the block has {local}")
+    # a bad argument raises torch's own error and leaves the generator alone
+    d = vescale.distribute_tensor(torch.empty(8, 8, device=device), m, [Shard(0)], src_data_rank=None)
+    before = rng_state()
+    with pytest.raises(RuntimeError, match="uniform_ expects"):
+        d.uniform_(3.0, 1.0)
+    if not torch.equal(rng_state(), before):
+        failures.append(f"rank {rank}: a refused fill moved the generator")
+    dist.destroy_process_group()
+    assert failures == [], failures
+
+
+def test_random_ops_on_two_ranks_draw_each_ranks_block_of_one_devices_values():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_random_ops_on_two_ranks, args=(2, port), nprocs=2)

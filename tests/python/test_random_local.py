@@ -139,6 +139,58 @@ def test_fills_match_single_device_values_and_state(pool4, mesh_name, dtype_name
         assert failures == []
 
 
+def _case_low_precision_dropout(mesh_name: str) -> list[str]:
+    # p = 0.1 scales by 1 / 0.9, which bfloat16 and float16 cannot hold: native_dropout
+    # (F.dropout's kernel on CUDA) computes input * mask * scale in float and rounds
+    # once, and a sharded one must too (the InterleavedShard layouts draw the whole mask,
+    # the others their block)
+    m = mesh(mesh_name)
+    failures = []
+    for dtype, (shape, placements) in itertools.product([torch.bfloat16, torch.float16], LAYOUTS[mesh_name]):
+        torch.manual_seed(4)  # the same input on every rank
+        x = torch.randn(shape).to(dtype)
+        torch.manual_seed(5)
+        expected = torch.ops.aten.native_dropout(x, 0.1, True)
+        torch.manual_seed(5)
+        with torch.no_grad():
+            out = torch.ops.aten.native_dropout(vescale.distribute_tensor(x, m, placements), 0.1, True)
+        for what, o, e in zip(("output", "mask"), out, expected):
+            if not torch.equal(o.full_tensor(), e):
+                failures.append(f"{dtype} {placements}: {what}")
+    return failures
+
+
+@pytest.mark.parametrize("mesh_name", ["1d4", "2d"])
+def test_low_precision_dropout_rounds_once_as_the_op_does(pool4, mesh_name):
+    for failures in pool4.run(_case_low_precision_dropout, mesh_name):
+        assert failures == []
+
+
+def _case_refused_fills() -> list[str]:
+    m = mesh("1d4")
+    failures = []
+    for name, fn in [("uniform_", lambda t: t.uniform_(3.0, 1.0)), ("normal_", lambda t: t.normal_(0.0, -1.0)),
+                     ("bernoulli_", lambda t: t.bernoulli_(2.0)), ("random_", lambda t: t.random_(5, 2))]:
+        d = vescale.distribute_tensor(torch.zeros(64, 40), m, [Shard(0)])
+        before = torch.get_rng_state()
+        try:
+            fn(d)
+            failures.append(f"{name}: no error")
+        except RuntimeError as e:
+            if name.rstrip("_") not in str(e) and "expects" not in str(e):
+                failures.append(f"{name}: {e}")
+        if not torch.equal(torch.get_rng_state(), before):
+            failures.append(f"{name}: the refused fill moved the generator")
+    return failures
+
+
+def test_a_refused_fill_leaves_every_ranks_generator_alone(pool4):
+    # the box drawer jumps to the block's start before the fill runs: torch's argument
+    # checks must come first, or the ranks' generators fall out of step
+    for failures in pool4.run(_case_refused_fills):
+        assert failures == []
+
+
 def _case_sequence_parallel_dropout() -> dict:
     m = mesh("1d4")
     x = torch.randn(512, 64)  # (sequence, hidden), the sequence split: sequence parallelism
