@@ -161,7 +161,10 @@ at::Tensor finish(InFlight f) {
 // process groups written in Python (vescale.debug.simulate's) do not have.
 bool runs_on_gloo(const std::string& group, c10::DeviceType device) {
   auto pg = c10d::resolve_process_group(group);
-  return pg->hasBackendForDeviceType(device) && pg->getBackend(device)->getBackendName() == "gloo";
+  const auto devices = pg->getDeviceTypes();  // (hasBackendForDeviceType is torch >= 2.13 only)
+  const bool has_backend = std::any_of(devices.begin(), devices.end(),
+                                       [device](const c10::Device& d) { return d.type() == device; });
+  return has_backend && pg->getBackend(device)->getBackendName() == "gloo";
 }
 
 Issued issue_all_gather_dim0(const at::Tensor& x, const Mesh& mesh, int32_t mesh_dim) {
