@@ -15,11 +15,14 @@ against the whole draw's values first. A benchmark, never a test.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 
 import torch
 
-from vescale import _C
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from vescale import _C  # noqa: E402
 
 
 def _median_ms(fn, reps: int) -> float:
