@@ -28,19 +28,33 @@ namespace {
 constexpr int kMaxDims = 25;
 constexpr int64_t kBlock = 256;  // torch's block size for fills and dropout
 
-// Where the box's element e lies in the whole row-major tensor.
+// Where the box's element e lies in the whole row-major tensor. The box is also a set of
+// runs, contiguous in the whole tensor: the dims after the last dim the box cuts are
+// whole, so a run spans sizes[split] x the whole dims after it.
 struct Box {
   int ndim = 0;
   int64_t sizes[kMaxDims];
   int64_t offsets[kMaxDims];
   int64_t strides[kMaxDims];  // the whole tensor's
   int64_t count = 1;
+  int split = 0;         // the last dim the box cuts (0 when it cuts none)
+  int64_t run_len = 1;   // elements in a run
+  int64_t runs = 1;
 
   __device__ int64_t whole_index(int64_t e) const {
     int64_t li = 0;
     for (int d = ndim - 1; d >= 0; --d) {
       li += (offsets[d] + e % sizes[d]) * strides[d];
       e /= sizes[d];
+    }
+    return li;
+  }
+
+  __device__ int64_t run_start(int64_t r) const {
+    int64_t li = offsets[split] * strides[split];
+    for (int d = split - 1; d >= 0; --d) {
+      li += (offsets[d] + r % sizes[d]) * strides[d];
+      r /= sizes[d];
     }
     return li;
   }
@@ -56,6 +70,12 @@ Box make_box(at::IntArrayRef shape, at::IntArrayRef offsets, at::IntArrayRef siz
     box.strides[d] = stride;
     stride *= shape[d];
     box.count *= sizes[d];
+  }
+  for (int d = 0; d < box.ndim; ++d)
+    if (sizes[d] != shape[d]) box.split = d;
+  if (box.ndim > 0) {
+    box.run_len = box.count == 0 ? 0 : sizes[box.split] * box.strides[box.split];
+    box.runs = box.run_len == 0 ? 0 : box.count / box.run_len;
   }
   return box;
 }
@@ -155,10 +175,40 @@ struct BernoulliT {
 };
 
 // ---- the kernels ----------------------------------------------------------------------------
+//
+// Two ways to walk a box. Long runs (a quarter of a round of the grid or more, a round
+// being S x unroll elements: a sharded sequence, the rows of a weight) go as torch's
+// kernel goes: thread t of the whole grid starts Philox once, at the run's first round,
+// and calls its distribution function round after round, keeping the values that fall
+// in the run (one Philox call per `unroll` elements). Anything else goes element by
+// element: a Philox start and call for each element of the box.
 
 template <typename scalar_t, typename acc_t, int unroll, typename Dist, typename Transform>
-__global__ void fill_box_kernel(Box box, int64_t S, at::PhiloxCudaState philox, Dist dist, Transform transform,
-                                scalar_t* out) {
+__global__ void fill_runs_kernel(Box box, int64_t S, at::PhiloxCudaState philox, Dist dist, Transform transform,
+                                 scalar_t* out) {
+  const auto [seed, offset] = at::cuda::philox::unpack(philox);
+  const int64_t r = blockIdx.y;
+  const int64_t start = box.run_start(r), end = start + box.run_len;
+  const int64_t window = S * unroll;  // elements a round of the grid covers
+  const int64_t first = start / window, last = (end - 1) / window;
+  scalar_t* run_out = out + r * box.run_len;
+  for (int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; t < S; t += int64_t{gridDim.x} * blockDim.x) {
+    curandStatePhilox4_32_10_t state;
+    curand_init(seed, t, offset + 4 * first, &state);
+    for (int64_t k = first; k <= last; ++k) {
+      auto rand = dist(&state);
+#pragma unroll
+      for (int ii = 0; ii < unroll; ++ii) {
+        const int64_t li = (k * unroll + ii) * S + t;
+        if (li >= start && li < end) run_out[li - start] = transform(static_cast<acc_t>((&rand.x)[ii]));
+      }
+    }
+  }
+}
+
+template <typename scalar_t, typename acc_t, int unroll, typename Dist, typename Transform>
+__global__ void fill_elements_kernel(Box box, int64_t S, at::PhiloxCudaState philox, Dist dist, Transform transform,
+                                     scalar_t* out) {
   const auto [seed, offset] = at::cuda::philox::unpack(philox);
   const int64_t step = int64_t{gridDim.x} * blockDim.x;
   for (int64_t e = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < box.count; e += step) {
@@ -171,13 +221,60 @@ __global__ void fill_box_kernel(Box box, int64_t S, at::PhiloxCudaState philox, 
   }
 }
 
-// fused_dropout_kernel_vec (VEC >= 2: thread (li / VEC) % S, round li / (S x VEC), VEC / 4
-// calls a round when VEC >= 4, one call a round using .x and .y when VEC == 2) and
-// fused_dropout_kernel (VEC == 1: as the fills, unroll 4). An element is kept when its
-// uniform is below 1 - p, and scaled by 1 / (1 - p), in the kernels' types.
+// native_dropout's kernels. With a vector width VEC >= 2 (fused_dropout_kernel_vec),
+// thread t takes elements [(k x S + t) x VEC, + VEC) in round k, with VEC / 4 calls of
+// curand_uniform4 a round when VEC >= 4 and one call (its .x and .y) when VEC == 2.
+// With VEC == 1 (fused_dropout_kernel) elements go as in the fills, 4 to a call. An
+// element is kept when its uniform is below 1 - p, and scaled by 1 / (1 - p), in the
+// kernels' types.
+struct DropoutGrid {
+  int64_t S;
+  int vec;
+  __host__ __device__ int64_t window() const { return S * (vec == 1 ? 4 : vec); }
+  __host__ __device__ int calls() const { return vec >= 4 ? vec / 4 : 1; }
+  // the element of thread t's j-th value in round k
+  __device__ int64_t element(int64_t k, int64_t t, int j) const {
+    return vec == 1 ? (k * 4 + j) * S + t : (k * S + t) * vec + j;
+  }
+};
+
 template <typename scalar_t, typename acc_t>
-__global__ void dropout_box_kernel(Box box, int64_t S, int vec, at::PhiloxCudaState philox, acc_t keep_p,
-                                   const scalar_t* in, scalar_t* out, bool* mask) {
+__device__ void drop_one(float uniform, acc_t keep_p, acc_t scale, scalar_t x, scalar_t& out, bool& mask) {
+  float r = uniform;
+  r = r < keep_p;  // as the kernel: the uniform's slot holds the kept flag (0 or 1)
+  out = x * r * scale;
+  mask = static_cast<bool>(r);
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void dropout_runs_kernel(Box box, DropoutGrid grid, at::PhiloxCudaState philox, acc_t keep_p,
+                                    const scalar_t* in, scalar_t* out, bool* mask) {
+  const auto [seed, offset] = at::cuda::philox::unpack(philox);
+  const acc_t scale = 1.0 / keep_p;
+  const int64_t r = blockIdx.y;
+  const int64_t start = box.run_start(r), end = start + box.run_len, base = r * box.run_len;
+  const int64_t first = start / grid.window(), last = (end - 1) / grid.window();
+  const int per_round = grid.vec == 1 ? 4 : grid.vec;
+  for (int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; t < grid.S; t += int64_t{gridDim.x} * blockDim.x) {
+    curandStatePhilox4_32_10_t state;
+    curand_init(seed, t, offset + 4 * grid.calls() * first, &state);
+    for (int64_t k = first; k <= last; ++k) {
+      float4 rand[2];
+      for (int c = 0; c < grid.calls(); ++c) rand[c] = curand_uniform4(&state);
+      for (int j = 0; j < per_round; ++j) {
+        const int64_t li = grid.element(k, t, j);
+        if (li < start || li >= end) continue;
+        const float u = grid.vec >= 4 ? (&rand[j / 4].x)[j % 4] : (&rand[0].x)[j];
+        const int64_t e = base + li - start;
+        drop_one(u, keep_p, scale, in[e], out[e], mask[e]);
+      }
+    }
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void dropout_elements_kernel(Box box, DropoutGrid grid, at::PhiloxCudaState philox, acc_t keep_p,
+                                        const scalar_t* in, scalar_t* out, bool* mask) {
   const auto [seed, offset] = at::cuda::philox::unpack(philox);
   const acc_t scale = 1.0 / keep_p;
   const int64_t step = int64_t{gridDim.x} * blockDim.x;
@@ -185,25 +282,34 @@ __global__ void dropout_box_kernel(Box box, int64_t S, int vec, at::PhiloxCudaSt
     const int64_t li = box.whole_index(e);
     int64_t thread, call;
     int value;
-    if (vec == 1) {
-      thread = li % S;
-      call = li / S / 4;
-      value = static_cast<int>(li / S % 4);
+    if (grid.vec == 1) {
+      thread = li % grid.S;
+      call = li / grid.S / 4;
+      value = static_cast<int>(li / grid.S % 4);
     } else {
-      thread = li / vec % S;
-      const int64_t round = li / (S * vec);
-      const int j = static_cast<int>(li % vec);
-      call = vec >= 4 ? round * (vec / 4) + j / 4 : round;
-      value = vec >= 4 ? j % 4 : j;
+      thread = li / grid.vec % grid.S;
+      const int64_t round = li / (grid.S * grid.vec);
+      const int j = static_cast<int>(li % grid.vec);
+      call = round * grid.calls() + (grid.vec >= 4 ? j / 4 : 0);
+      value = grid.vec >= 4 ? j % 4 : j;
     }
     curandStatePhilox4_32_10_t state;
     curand_init(seed, thread, offset + 4 * call, &state);
     float4 rand = curand_uniform4(&state);
-    float& r = (&rand.x)[value];
-    r = r < keep_p;
-    out[e] = in[e] * r * scale;
-    mask[e] = static_cast<bool>(r);
+    drop_one((&rand.x)[value], keep_p, scale, in[e], out[e], mask[e]);
   }
+}
+
+dim3 runs_grid(int64_t S, int64_t runs) {
+  return dim3(static_cast<unsigned>((S + kBlock - 1) / kBlock), static_cast<unsigned>(runs));
+}
+
+// Runs of at least a quarter of a round go round by round: a run meets at most
+// run / round + 2 rounds, each S Philox calls (x calls a round), where element by element
+// costs two Philox evaluations (the start and the call) per element; a quarter of a
+// round is where the two meet at worst.
+bool walk_by_runs(const Box& box, int64_t window) {
+  return box.run_len * 4 >= window && box.runs <= 65535;  // (gridDim.y's limit)
 }
 
 template <typename scalar_t, typename acc_t, typename Dist, typename Transform>
@@ -212,8 +318,13 @@ void launch_fill(const Box& box, int64_t n, at::CUDAGeneratorImpl* gen, Transfor
   const int64_t S = grid_threads(n);
   const auto philox = take_offset(gen, (n - 1) / (S * unroll) * 4 + 4);
   if (box.count == 0) return;
-  fill_box_kernel<scalar_t, acc_t, unroll><<<box_grid(box.count), kBlock, 0, at::cuda::getCurrentCUDAStream()>>>(
-      box, S, philox, Dist{}, transform, out.data_ptr<scalar_t>());
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  if (walk_by_runs(box, S * unroll))
+    fill_runs_kernel<scalar_t, acc_t, unroll><<<runs_grid(S, box.runs), kBlock, 0, stream>>>(
+        box, S, philox, Dist{}, transform, out.data_ptr<scalar_t>());
+  else
+    fill_elements_kernel<scalar_t, acc_t, unroll><<<box_grid(box.count), kBlock, 0, stream>>>(
+        box, S, philox, Dist{}, transform, out.data_ptr<scalar_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -318,15 +429,23 @@ bool dropout_box(const at::Tensor& input, double p, at::IntArrayRef shape, at::I
   const Box box = make_box(shape, offsets, sizes);
   if (box.count == 0) return true;
   const double keep = 1. - p;
+  const auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "vescale_dropout_box", [&] {
     using acc_t = at::acc_type<scalar_t, true>;
     // get_vector_size for a fresh (aligned) contiguous tensor of n elements: 16 bytes,
     // halved until it divides n
     int vec = 16 / static_cast<int>(sizeof(scalar_t));
     while (vec > 1 && n % vec) vec /= 2;
-    dropout_box_kernel<scalar_t, acc_t><<<box_grid(box.count), kBlock, 0, at::cuda::getCurrentCUDAStream()>>>(
-        box, S, vec, philox, static_cast<acc_t>(keep), input.data_ptr<scalar_t>(), output.data_ptr<scalar_t>(),
-        mask.data_ptr<bool>());
+    const DropoutGrid grid{S, vec};
+    const auto* in = input.data_ptr<scalar_t>();
+    auto* out = output.data_ptr<scalar_t>();
+    auto* kept = mask.data_ptr<bool>();
+    if (walk_by_runs(box, grid.window()))
+      dropout_runs_kernel<scalar_t, acc_t><<<runs_grid(S, box.runs), kBlock, 0, stream>>>(
+          box, grid, philox, static_cast<acc_t>(keep), in, out, kept);
+    else
+      dropout_elements_kernel<scalar_t, acc_t><<<box_grid(box.count), kBlock, 0, stream>>>(
+          box, grid, philox, static_cast<acc_t>(keep), in, out, kept);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   count_drawn(box.count);

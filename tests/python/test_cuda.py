@@ -293,11 +293,15 @@ def test_hugging_face_llama_generates_the_same_tokens(mesh):
 # (op, a, b): the fill's op name and parameters as _C._rng_draw_box takes them
 BOX_FILLS = [("uniform_", -1.0, 3.0), ("normal_", 0.5, 2.0), ("log_normal_", 0.1, 0.5), ("exponential_", 1.5, 0.0),
              ("cauchy_", 0.2, 1.1), ("geometric_", 0.3, 0.0), ("bernoulli_.float", 0.3, 0.0)]
-# shape -> boxes (offsets, sizes); (3, 2100, 700) takes several rounds of the fill's grid
+# shape -> boxes (offsets, sizes). The big shapes take several rounds of the fill's grid
+# (on an H100, 270,336 threads x 4 values); boxes whose runs span a round or more go
+# round by round as torch's kernel does, the others element by element: both are here,
+# runs starting off a round's edge included.
 BOX_SHAPES = {
     (1000,): [((0,), (1000,)), ((250,), (250,)), ((993,), (7,)), ((3,), (1,))],
     (37, 53): [((10, 0), (9, 53)), ((0, 13), (37, 14)), ((36, 40), (1, 13))],
     (3, 2100, 700): [((1, 0, 0), (1, 2100, 700)), ((0, 0, 175), (3, 2100, 175)), ((2, 1500, 0), (1, 600, 700))],
+    (3, 4200, 700): [((0, 1000, 0), (3, 2100, 700)), ((1, 0, 0), (2, 4200, 700))],
 }
 
 
@@ -340,6 +344,9 @@ DROPOUT_SHAPES = {
     (2, 3, 1001): [((0, 0, 0), (1, 3, 1001)), ((0, 2, 0), (2, 1, 1001))],
     (37, 53): [((10, 0), (9, 53)), ((0, 13), (37, 14))],
     (4, 2100, 700): [((0, 525, 0), (4, 525, 700)), ((3, 0, 0), (1, 2100, 700))],
+    (2, 8000, 700): [((0, 1000, 0), (2, 4000, 700))],    # runs of 2.8M: a round even at width 8
+    (3, 4201, 701): [((0, 1000, 0), (3, 2100, 701))],    # odd: width 1, runs of 1.5M
+    (3, 4201, 702): [((0, 1000, 0), (3, 2100, 702))],    # even, not by 4: width 2
 }
 
 
