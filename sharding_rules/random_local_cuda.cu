@@ -232,10 +232,6 @@ struct DropoutGrid {
   int vec;
   __host__ __device__ int64_t window() const { return S * (vec == 1 ? 4 : vec); }
   __host__ __device__ int calls() const { return vec >= 4 ? vec / 4 : 1; }
-  // the element of thread t's j-th value in round k
-  __device__ int64_t element(int64_t k, int64_t t, int j) const {
-    return vec == 1 ? (k * 4 + j) * S + t : (k * S + t) * vec + j;
-  }
 };
 
 template <typename scalar_t, typename acc_t>
@@ -246,27 +242,31 @@ __device__ void drop_one(float uniform, acc_t keep_p, acc_t scale, scalar_t x, s
   mask = static_cast<bool>(r);
 }
 
-template <typename scalar_t, typename acc_t>
-__global__ void dropout_runs_kernel(Box box, DropoutGrid grid, at::PhiloxCudaState philox, acc_t keep_p,
+// VEC is a template parameter here: the values of a round then stay in registers.
+template <typename scalar_t, typename acc_t, int VEC>
+__global__ void dropout_runs_kernel(Box box, int64_t S, at::PhiloxCudaState philox, acc_t keep_p,
                                     const scalar_t* in, scalar_t* out, bool* mask) {
+  constexpr int per_round = VEC == 1 ? 4 : VEC;
+  constexpr int calls = VEC >= 4 ? VEC / 4 : 1;
   const auto [seed, offset] = at::cuda::philox::unpack(philox);
   const acc_t scale = 1.0 / keep_p;
   const int64_t r = blockIdx.y;
   const int64_t start = box.run_start(r), end = start + box.run_len, base = r * box.run_len;
-  const int64_t first = start / grid.window(), last = (end - 1) / grid.window();
-  const int per_round = grid.vec == 1 ? 4 : grid.vec;
-  for (int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; t < grid.S; t += int64_t{gridDim.x} * blockDim.x) {
+  const int64_t window = S * per_round;
+  const int64_t first = start / window, last = (end - 1) / window;
+  for (int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; t < S; t += int64_t{gridDim.x} * blockDim.x) {
     curandStatePhilox4_32_10_t state;
-    curand_init(seed, t, offset + 4 * grid.calls() * first, &state);
+    curand_init(seed, t, offset + 4 * calls * first, &state);
     for (int64_t k = first; k <= last; ++k) {
-      float4 rand[2];
-      for (int c = 0; c < grid.calls(); ++c) rand[c] = curand_uniform4(&state);
+      float4 rand[calls];
+#pragma unroll
+      for (int c = 0; c < calls; ++c) rand[c] = curand_uniform4(&state);
+#pragma unroll
       for (int j = 0; j < per_round; ++j) {
-        const int64_t li = grid.element(k, t, j);
+        const int64_t li = VEC == 1 ? (k * 4 + j) * S + t : (k * S + t) * VEC + j;
         if (li < start || li >= end) continue;
-        const float u = grid.vec >= 4 ? (&rand[j / 4].x)[j % 4] : (&rand[0].x)[j];
         const int64_t e = base + li - start;
-        drop_one(u, keep_p, scale, in[e], out[e], mask[e]);
+        drop_one((&rand[j / 4].x)[j % 4], keep_p, scale, in[e], out[e], mask[e]);
       }
     }
   }
@@ -440,10 +440,17 @@ bool dropout_box(const at::Tensor& input, double p, at::IntArrayRef shape, at::I
     const auto* in = input.data_ptr<scalar_t>();
     auto* out = output.data_ptr<scalar_t>();
     auto* kept = mask.data_ptr<bool>();
-    if (walk_by_runs(box, grid.window()))
-      dropout_runs_kernel<scalar_t, acc_t><<<runs_grid(S, box.runs), kBlock, 0, stream>>>(
-          box, grid, philox, static_cast<acc_t>(keep), in, out, kept);
-    else
+    if (walk_by_runs(box, grid.window())) {
+      const auto launch = [&](auto kernel) {
+        kernel<<<runs_grid(S, box.runs), kBlock, 0, stream>>>(box, S, philox, static_cast<acc_t>(keep), in, out, kept);
+      };
+      switch (vec) {
+        case 8: launch(dropout_runs_kernel<scalar_t, acc_t, 8>); break;
+        case 4: launch(dropout_runs_kernel<scalar_t, acc_t, 4>); break;
+        case 2: launch(dropout_runs_kernel<scalar_t, acc_t, 2>); break;
+        default: launch(dropout_runs_kernel<scalar_t, acc_t, 1>); break;
+      }
+    } else
       dropout_elements_kernel<scalar_t, acc_t><<<box_grid(box.count), kBlock, 0, stream>>>(
           box, grid, philox, static_cast<acc_t>(keep), in, out, kept);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
