@@ -7,7 +7,9 @@ deferred_init and checkpoints onto a GPU, a Hugging Face model's ``generate``. A
 of one rank issues no collective, so every difference from plain torch would be the
 engine's own (layouts, kernels chosen, dtypes, devices). Tolerances: the same kernels
 run on the same shapes, so results agree to rounding (rtol 1e-5; gradients within 1e-5
-of each tensor's largest element).
+of each tensor's largest element). Random draws of a rank's block
+(sharding_rules/random_local_cuda.h) are compared bit for bit with torch's whole draws,
+directly and on two gloo ranks sharing the GPU.
 
 They need a GPU and are skipped without one (CI's machines have none). On a GPU
 machine: ``python -m pytest tests/python/test_cuda.py``; results are recorded in
