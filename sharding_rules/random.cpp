@@ -267,7 +267,10 @@ void dropout_locally(const c10::OperatorHandle& op, torch::jit::Stack* stack, co
   const double p = (*stack)[base + 1].toDouble();
   const auto& train = (*stack)[base + 2];
   const bool training = train.isNone() || train.toBool();
-  if (training && in_spec.numel() > 0 && block_drawable(mask_spec, input) &&
+  // on the CPU a p outside [0, 1] goes to the whole op, which refuses it before anything
+  // is drawn (CUDA's kernel takes any p, and so does its block draw)
+  const bool valid = p >= 0 && p <= 1;
+  if (training && valid && in_spec.numel() > 0 && block_drawable(mask_spec, input) &&
       rng::model_for("bernoulli_.float", at::kBool, mask_spec.numel()).ok()) {
     at::Tensor mask = at::empty(mask_spec.local.sizes, input.options().dtype(at::kBool));
     rng::draw_box(cpu_generator(c10::IValue()), rng::model_for("bernoulli_.float", at::kBool, mask_spec.numel()),

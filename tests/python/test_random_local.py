@@ -166,11 +166,37 @@ def test_low_precision_dropout_rounds_once_as_the_op_does(pool4, mesh_name):
         assert failures == []
 
 
+def _case_dropout_of_a_transposed_value(mesh_name: str) -> list[str]:
+    # native_dropout draws its mask in the input's memory order (empty_like keeps a
+    # permuted layout); a sharded one of a transposed value must too
+    m = mesh(mesh_name)
+    failures = []
+    for placements in ([Shard(0)], [Shard(1)], [Replicate()]) if m.ndim == 1 else ([Shard(0), Shard(1)],):
+        torch.manual_seed(4)
+        x = torch.randn(12, 40)
+        torch.manual_seed(6)
+        expected = torch.ops.aten.native_dropout(x.t(), 0.3, True)
+        torch.manual_seed(6)
+        with torch.no_grad():
+            out = torch.ops.aten.native_dropout(vescale.distribute_tensor(x, m, placements).t(), 0.3, True)
+        for what, o, e in zip(("output", "mask"), out, expected):
+            if not torch.equal(o.full_tensor(), e):
+                failures.append(f"{placements}: {what}")
+    return failures
+
+
+@pytest.mark.parametrize("mesh_name", ["1d4", "2d"])
+def test_dropout_of_a_transposed_value_draws_in_its_memory_order(pool4, mesh_name):
+    for failures in pool4.run(_case_dropout_of_a_transposed_value, mesh_name):
+        assert failures == []
+
+
 def _case_refused_fills() -> list[str]:
     m = mesh("1d4")
     failures = []
     for name, fn in [("uniform_", lambda t: t.uniform_(3.0, 1.0)), ("normal_", lambda t: t.normal_(0.0, -1.0)),
-                     ("bernoulli_", lambda t: t.bernoulli_(2.0)), ("random_", lambda t: t.random_(5, 2))]:
+                     ("bernoulli_", lambda t: t.bernoulli_(2.0)), ("random_", lambda t: t.random_(5, 2)),
+                     ("native_dropout", lambda t: torch.ops.aten.native_dropout(t, 1.5, True))]:
         d = vescale.distribute_tensor(torch.zeros(64, 40), m, [Shard(0)])
         before = torch.get_rng_state()
         try:
