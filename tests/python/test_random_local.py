@@ -139,6 +139,16 @@ def test_fills_match_single_device_values_and_state(pool4, mesh_name, dtype_name
         assert failures == []
 
 
+def _native_dropout_differences(x, m, placements, p, view=lambda t: t) -> list[str]:
+    """Where native_dropout of view(x distributed) differs from one device's (output, mask)."""
+    torch.manual_seed(5)
+    expected = torch.ops.aten.native_dropout(view(x), p, True)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        out = torch.ops.aten.native_dropout(view(vescale.distribute_tensor(x, m, placements)), p, True)
+    return [what for what, o, e in zip(("output", "mask"), out, expected) if not torch.equal(o.full_tensor(), e)]
+
+
 def _case_low_precision_dropout(mesh_name: str) -> list[str]:
     # p = 0.1 scales by 1 / 0.9, which bfloat16 and float16 cannot hold: native_dropout
     # (F.dropout's kernel on CUDA) computes input * mask * scale in float and rounds
@@ -149,14 +159,7 @@ def _case_low_precision_dropout(mesh_name: str) -> list[str]:
     for dtype, (shape, placements) in itertools.product([torch.bfloat16, torch.float16], LAYOUTS[mesh_name]):
         torch.manual_seed(4)  # the same input on every rank
         x = torch.randn(shape).to(dtype)
-        torch.manual_seed(5)
-        expected = torch.ops.aten.native_dropout(x, 0.1, True)
-        torch.manual_seed(5)
-        with torch.no_grad():
-            out = torch.ops.aten.native_dropout(vescale.distribute_tensor(x, m, placements), 0.1, True)
-        for what, o, e in zip(("output", "mask"), out, expected):
-            if not torch.equal(o.full_tensor(), e):
-                failures.append(f"{dtype} {placements}: {what}")
+        failures += [f"{dtype} {placements}: {what}" for what in _native_dropout_differences(x, m, placements, 0.1)]
     return failures
 
 
@@ -174,14 +177,8 @@ def _case_dropout_of_a_transposed_value(mesh_name: str) -> list[str]:
     for placements in ([Shard(0)], [Shard(1)], [Replicate()]) if m.ndim == 1 else ([Shard(0), Shard(1)],):
         torch.manual_seed(4)
         x = torch.randn(12, 40)
-        torch.manual_seed(6)
-        expected = torch.ops.aten.native_dropout(x.t(), 0.3, True)
-        torch.manual_seed(6)
-        with torch.no_grad():
-            out = torch.ops.aten.native_dropout(vescale.distribute_tensor(x, m, placements).t(), 0.3, True)
-        for what, o, e in zip(("output", "mask"), out, expected):
-            if not torch.equal(o.full_tensor(), e):
-                failures.append(f"{placements}: {what}")
+        failures += [f"{placements}: {what}"
+                     for what in _native_dropout_differences(x, m, placements, 0.3, view=lambda t: t.t())]
     return failures
 
 
