@@ -308,12 +308,28 @@ ShardingChoice dropout_rule(const OpCall& call) {
   return c;
 }
 
+// An in-place fill's result is self. Used when the fill's meta kernel refuses its
+// arguments (normal_ with std < 0): the fill still reaches its local function, where
+// torch's own check raises on every rank, instead of the replicate fallback gathering
+// self first (and reporting the fill as an op without a meta kernel).
+std::vector<TensorArg> fill_result(const OpCall& call) {
+  TensorArg out = call.inputs[0];
+  out.is_dtensor = false;
+  out.written = false;
+  out.placements.clear();
+  return {out};
+}
+
 }  // namespace
 
 VESCALE_RULES(random) {
   for (const char* base : {"aten::normal_", "aten::uniform_", "aten::exponential_", "aten::cauchy_",
                            "aten::log_normal_", "aten::geometric_", "aten::random_", "aten::bernoulli_"})
     rules.add_overloads(base, fill_rule);
+  for (const char* op : {"aten::normal_", "aten::uniform_", "aten::exponential_", "aten::cauchy_", "aten::log_normal_",
+                         "aten::geometric_", "aten::random_", "aten::random_.from", "aten::random_.to",
+                         "aten::bernoulli_.float", "aten::bernoulli_.Tensor"})
+    rules.add_shape_fn(op, fill_result);
   for (const char* op : {"aten::rand_like", "aten::rand_like.generator", "aten::randn_like",
                          "aten::randn_like.generator", "aten::randint_like", "aten::randint_like.low_dtype",
                          "aten::randint_like.generator", "aten::randint_like.low_generator_dtype",

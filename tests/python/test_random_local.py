@@ -196,6 +196,7 @@ def _case_refused_fills() -> list[str]:
                      ("native_dropout", lambda t: torch.ops.aten.native_dropout(t, 1.5, True))]:
         d = vescale.distribute_tensor(torch.zeros(64, 40), m, [Shard(0)])
         before = torch.get_rng_state()
+        vescale.debug.reset_fallback_counts()
         try:
             fn(d)
             failures.append(f"{name}: no error")
@@ -204,6 +205,8 @@ def _case_refused_fills() -> list[str]:
                 failures.append(f"{name}: {e}")
         if not torch.equal(torch.get_rng_state(), before):
             failures.append(f"{name}: the refused fill moved the generator")
+        if vescale.debug.fallback_counts():  # torch's error, not a gather through the fallback first
+            failures.append(f"{name}: went through the replicate fallback {vescale.debug.fallback_counts()}")
     return failures
 
 
