@@ -32,10 +32,9 @@ std::atomic<int64_t>* fallback_counter(const std::string& op, const std::string&
   auto [it, inserted] = entries().try_emplace(op);
   if (inserted) {
     it->second.reason = reason;
-    TORCH_WARN("vescale: ", op, " has no sharding rule (", reason,
-               "); it runs through the replicate fallback, which gathers its DTensor inputs "
-               "to Replicate. Results stay correct, at the cost of communication. "
-               "vescale.fallback_counts() lists every op that did this.");
+    TORCH_WARN("vescale: ", op, " runs through the replicate fallback (", reason,
+               "), which gathers its DTensor inputs to Replicate. Results stay correct, at "
+               "the cost of communication. vescale.fallback_counts() lists every op that did this.");
   }
   return &it->second.count;
 }

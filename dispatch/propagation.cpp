@@ -64,7 +64,9 @@ at::Tensor meta_like(const at::Tensor& t, const TensorArg& a) {
 }
 
 // Runs the op on meta tensors with the global metadata. Returns false (with the
-// reason) when the op has no meta kernel or its result shape depends on data.
+// reason) when the op has no meta kernel, when its meta kernel refuses the call
+// (arguments the op itself would refuse too, or a meta kernel stricter than the CPU
+// kernel), or when its result shape depends on data.
 bool run_meta(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRef<c10::IValue> args,
               const CallScan& scan, const std::vector<TensorArg>& inputs,
               std::vector<TensorArg>& outputs, std::string& why) {
@@ -76,14 +78,17 @@ bool run_meta(const c10::OperatorHandle& op, const OpInfo& info, c10::ArrayRef<c
   replace_tensors(stack, 0, info, scan.slots, metas);
   try {
     op.callBoxed(stack);
-  } catch (const c10::Error& e) {
+  } catch (const c10::NotImplementedError& e) {
     why = std::string("no meta kernel: ") + e.what_without_backtrace();
+    return false;
+  } catch (const c10::Error& e) {
+    why = std::string("its meta kernel refused the call: ") + e.what_without_backtrace();
     return false;
   } catch (const std::exception& e) {
     // A meta kernel written in Python raises a Python exception (nonzero's, reached by
     // x[mask] with a bool mask: its result's shape depends on the data).
     const std::string what = e.what();  // its first line (a Python traceback follows)
-    why = "no meta kernel: " + what.substr(0, what.find('\n'));
+    why = "its meta kernel raised: " + what.substr(0, what.find('\n'));
     return false;
   }
   map_results(stack, 0, info, [&](const at::Tensor& t, int) {

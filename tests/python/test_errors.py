@@ -47,6 +47,17 @@ def _write_into_view_of_shared_base() -> str | None:
     return None
 
 
+def _refused_by_the_meta_kernel(x) -> str | None:
+    """An op's own argument error (its meta kernel refuses the call) is torch's error; the
+    fallback it went through first says so rather than "no meta kernel"."""
+    err = _raises(lambda: x.view(7), RuntimeError, "shape '[7]' is invalid")
+    if err:
+        return err
+    reasons = {op: why for op, _, why in vescale.debug.fallback_report()}
+    return None if "its meta kernel refused the call" in reasons.get("aten::view", "") else \
+        f"fallback reason of aten::view: {reasons.get('aten::view')!r}"
+
+
 def _setitem(x, value):
     x[:, :, 1:3] = value
 
@@ -89,6 +100,7 @@ def _case_errors():
                                         "redistribute"),
         "DTensor constructor": _raises(lambda: vescale.DTensor(), TypeError, "from_local"),
         "write into a view of a copy": _write_into_view_of_shared_base(),
+        "an argument the meta kernel refuses": _refused_by_the_meta_kernel(x),
         # Five columns over four ranks leave rank 3 an empty shard: it once skipped the
         # error the others raised and waited alone in the next collective.
         "write into a slice of an expanded tensor": _raises(
