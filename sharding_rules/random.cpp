@@ -134,38 +134,45 @@ void check_fill_arguments(const c10::OperatorHandle& op, const torch::jit::Stack
   op.callBoxed(&check);
 }
 
+// Writes this rank's block of the stack's in-place fill into self through `draw`, which
+// fills a contiguous tensor of the block's sizes (self, or a buffer then copied into
+// self) and returns false, having drawn nothing, where it cannot.
+template <typename Draw>
+bool fill_block(torch::jit::Stack* stack, size_t n_args, const TensorSpec& spec, Draw&& draw) {
+  const at::Tensor self = (*stack)[stack->size() - n_args].toTensor();
+  at::Tensor out = self.is_contiguous() ? self
+                                        : at::empty(spec.local.sizes, self.options().memory_format(at::MemoryFormat::Contiguous));
+  if (!draw(out)) return false;
+  if (!out.is_same(self)) self.copy_(out);
+  torch::jit::drop(*stack, n_args);
+  torch::jit::push(*stack, self);
+  return true;
+}
+
 #ifdef VESCALE_CUDA
-// In-place fills on CUDA: this rank's block alone where the fill is handled, else the
-// whole tensor.
-void fill_cuda_local_or_whole(const c10::OperatorHandle& op, torch::jit::Stack* stack, const LocalContext& ctx,
-                              const std::string& name) {
+// CUDA fills: the block alone where rng::cuda handles the fill and the layout.
+bool fill_cuda_block(const c10::OperatorHandle& op, torch::jit::Stack* stack, const TensorSpec& spec,
+                     const std::string& name) {
   const auto& schema = op.schema();
   const size_t n_args = schema.arguments().size();
   const size_t base = stack->size() - n_args;
-  const at::Tensor self = (*stack)[base].toTensor();
-  const auto& spec = *ctx.inputs[0];
   const auto g_index = schema.argumentIndexWithName("generator");
+  if (!g_index || !rng::cuda::handles(name, spec.dtype) || !block_layout(spec)) return false;
   std::optional<at::Generator> gen;
-  if (g_index && !(*stack)[base + *g_index].isNone()) gen = (*stack)[base + *g_index].toGenerator();
-  if (!g_index || !rng::cuda::handles(name, spec.dtype) || !block_layout(spec) ||
-      (gen && gen->device().type() != c10::DeviceType::CUDA))
-    return draw_whole_keep_block(op, stack, ctx);
+  if (!(*stack)[base + *g_index].isNone()) gen = (*stack)[base + *g_index].toGenerator();
+  if (gen && gen->device().type() != c10::DeviceType::CUDA) return false;
   check_fill_arguments(op, *stack, base);
   // every handled fill takes one or two floats after self
   const auto& second = (*stack)[base + 2];
   const rng::cuda::Fill fill{name, (*stack)[base + 1].toDouble(), second.isDouble() ? second.toDouble() : 0.};
-  at::Tensor out = self.is_contiguous() ? self
-                                        : at::empty(spec.local.sizes, self.options().memory_format(at::MemoryFormat::Contiguous));
-  if (!rng::cuda::draw_box(fill, gen, spec.shape, spec.local.offsets, spec.local.sizes, out))
-    return draw_whole_keep_block(op, stack, ctx);
-  if (!out.is_same(self)) self.copy_(out);
-  torch::jit::drop(*stack, n_args);
-  torch::jit::push(*stack, self);
+  return fill_block(stack, n_args, spec, [&](at::Tensor& out) {
+    return rng::cuda::draw_box(fill, gen, spec.shape, spec.local.offsets, spec.local.sizes, out);
+  });
 }
 #endif
 
-// In-place fills: this rank's block alone where the fill's consumption is known, else
-// the whole tensor.
+// In-place fills: this rank's block alone where the fill's use of the generator is
+// known, else the whole tensor.
 void fill_local_or_whole(const c10::OperatorHandle& op, torch::jit::Stack* stack, const LocalContext& ctx) {
   const auto& schema = op.schema();
   const size_t n_args = schema.arguments().size();
@@ -175,7 +182,10 @@ void fill_local_or_whole(const c10::OperatorHandle& op, torch::jit::Stack* stack
   std::string name = schema.name().substr(6);  // past "aten::"
   if (!schema.overload_name().empty()) name += "." + schema.overload_name();
 #ifdef VESCALE_CUDA
-  if (self.is_cuda()) return fill_cuda_local_or_whole(op, stack, ctx, name);
+  if (self.is_cuda()) {
+    if (!fill_cuda_block(op, stack, spec, name)) draw_whole_keep_block(op, stack, ctx);
+    return;
+  }
 #endif
   int64_t range = -1;
   if (name == "random_.to") range = (*stack)[base + 1].toInt();
@@ -188,18 +198,16 @@ void fill_local_or_whole(const c10::OperatorHandle& op, torch::jit::Stack* stack
   if (!gen) return draw_whole_keep_block(op, stack, ctx);
   check_fill_arguments(op, *stack, base);
   const torch::jit::Stack args(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
-  at::Tensor out = self.is_contiguous() ? self
-                                        : at::empty(spec.local.sizes, self.options().memory_format(at::MemoryFormat::Contiguous));
-  rng::draw_box(gen, model, spec.shape, spec.local.offsets, spec.local.sizes,
-                [&](at::Tensor& buf) {
-                  torch::jit::Stack s = args;
-                  s[0] = buf;
-                  op.callBoxed(&s);
-                },
-                out);
-  if (!out.is_same(self)) self.copy_(out);
-  torch::jit::drop(*stack, n_args);
-  torch::jit::push(*stack, self);
+  fill_block(stack, n_args, spec, [&](at::Tensor& out) {
+    rng::draw_box(gen, model, spec.shape, spec.local.offsets, spec.local.sizes,
+                  [&](at::Tensor& buf) {
+                    torch::jit::Stack s = args;
+                    s[0] = buf;
+                    op.callBoxed(&s);
+                  },
+                  out);
+    return true;
+  });
 }
 
 ShardingChoice with_draw(ShardingChoice c) {

@@ -80,11 +80,15 @@ Box make_box(at::IntArrayRef shape, at::IntArrayRef offsets, at::IntArrayRef siz
   return box;
 }
 
+// Blocks of kBlock threads the device runs at once: torch's cap on a fill's grid.
+int64_t resident_blocks() {
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  return int64_t{props->multiProcessorCount} * (props->maxThreadsPerMultiProcessor / kBlock);
+}
+
 // Threads in the grid torch launches over n elements (calc_execution_policy, dropout_cuda).
 int64_t grid_threads(int64_t n) {
-  const auto* props = at::cuda::getCurrentDeviceProperties();
-  const int64_t cap = int64_t{props->multiProcessorCount} * (props->maxThreadsPerMultiProcessor / kBlock);
-  return std::min(cap, (n + kBlock - 1) / kBlock) * kBlock;
+  return std::min(resident_blocks(), (n + kBlock - 1) / kBlock) * kBlock;
 }
 
 at::PhiloxCudaState take_offset(at::CUDAGeneratorImpl* gen, int64_t increment) {
@@ -93,9 +97,7 @@ at::PhiloxCudaState take_offset(at::CUDAGeneratorImpl* gen, int64_t increment) {
 }
 
 dim3 box_grid(int64_t count) {
-  const auto* props = at::cuda::getCurrentDeviceProperties();
-  const int64_t cap = int64_t{props->multiProcessorCount} * (props->maxThreadsPerMultiProcessor / kBlock);
-  return dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min(cap, (count + kBlock - 1) / kBlock))));
+  return dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min(resident_blocks(), (count + kBlock - 1) / kBlock))));
 }
 
 // ---- the distribution functions torch's fills call, one Philox counter each ----------------

@@ -316,11 +316,14 @@ def _box(t, offsets, sizes):
     return t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
 
 
-@pytest.mark.parametrize("op,a,b", BOX_FILLS, ids=[f[0] for f in BOX_FILLS])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool])
+# every fill in every floating dtype, and bernoulli_, the one fill of bool tensors
+BOX_CASES = [(*fill, dtype) for fill in BOX_FILLS
+             for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)]
+BOX_CASES.append(("bernoulli_.float", 0.3, 0.0, torch.bool))
+
+
+@pytest.mark.parametrize("op,a,b,dtype", BOX_CASES, ids=[f"{c[0]}-{c[3]}" for c in BOX_CASES])
 def test_a_box_draw_is_the_box_of_the_whole_fill_and_moves_the_generator_alike(op, a, b, dtype):
-    if dtype == torch.bool and op != "bernoulli_.float":
-        pytest.skip("only bernoulli_ fills bool tensors")
     failures = []
     for shape, boxes in BOX_SHAPES.items():
         torch.cuda.manual_seed(11)
