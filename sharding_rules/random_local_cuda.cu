@@ -27,6 +27,7 @@ namespace {
 
 constexpr int kMaxDims = 25;
 constexpr int64_t kBlock = 256;  // torch's block size for fills and dropout
+constexpr int64_t kMaxGridY = 65535;  // a launch's limit on gridDim.y, which walks a box's runs
 
 // Where the box's element e lies in the whole row-major tensor. The box is also a set of
 // runs, contiguous in the whole tensor: the dims after the last dim the box cuts are
@@ -244,31 +245,87 @@ __device__ void drop_one(float uniform, acc_t keep_p, acc_t scale, scalar_t x, s
   mask = static_cast<bool>(r);
 }
 
-// VEC is a template parameter here: the values of a round then stay in registers.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+// v / d and v % d, in 32 bits where both fit (a 64-bit division costs several times more,
+// and the vector walk below divides once per vector).
+__device__ __forceinline__ void divmod(int64_t v, int64_t d, int64_t& q, int64_t& r) {
+  if (v <= INT32_MAX && d <= INT32_MAX) {
+    const auto v32 = static_cast<uint32_t>(v), d32 = static_cast<uint32_t>(d);
+    q = v32 / d32;
+    r = v32 % d32;
+  } else {
+    q = v / d;
+    r = v % d;
+  }
+}
+
+// VEC >= 2: one thread per vector of the whole tensor that meets the run (blockIdx.y),
+// starting Philox at that vector's own thread and round of the whole kernel: vector v is
+// thread v % S's in round v / S. Only the run's vectors are drawn, and those lying whole
+// in the run move as one 16-byte load and two stores, as torch's kernel moves them.
 template <typename scalar_t, typename acc_t, int VEC>
-__global__ void dropout_runs_kernel(Box box, int64_t S, at::PhiloxCudaState philox, acc_t keep_p,
-                                    const scalar_t* in, scalar_t* out, bool* mask) {
-  constexpr int per_round = VEC == 1 ? 4 : VEC;
+__global__ void dropout_vectors_kernel(Box box, int64_t S, bool aligned, at::PhiloxCudaState philox, acc_t keep_p,
+                                       const scalar_t* in, scalar_t* out, bool* mask) {
   constexpr int calls = VEC >= 4 ? VEC / 4 : 1;
   const auto [seed, offset] = at::cuda::philox::unpack(philox);
   const acc_t scale = 1.0 / keep_p;
   const int64_t r = blockIdx.y;
+  const int64_t start = box.run_start(r), end = start + box.run_len;
+  const int64_t shift = r * box.run_len - start;  // a whole-tensor index's place in the box
+  const bool whole_vectors = aligned && shift % VEC == 0;
+  const int64_t step = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t v = start / VEC + int64_t{blockIdx.x} * blockDim.x + threadIdx.x; v * VEC < end; v += step) {
+    int64_t round, thread;
+    divmod(v, S, round, thread);
+    curandStatePhilox4_32_10_t state;
+    curand_init(seed, thread, offset + 4 * calls * round, &state);
+    float4 rand[calls];
+#pragma unroll
+    for (int c = 0; c < calls; ++c) rand[c] = curand_uniform4(&state);
+    const int64_t first = v * VEC, e = first + shift;
+    if (whole_vectors && first >= start && first + VEC <= end) {
+      const auto x = *reinterpret_cast<const Pack<scalar_t, VEC>*>(in + e);
+      Pack<scalar_t, VEC> y;
+      Pack<bool, VEC> kept;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) drop_one((&rand[j / 4].x)[j % 4], keep_p, scale, x.v[j], y.v[j], kept.v[j]);
+      *reinterpret_cast<Pack<scalar_t, VEC>*>(out + e) = y;
+      *reinterpret_cast<Pack<bool, VEC>*>(mask + e) = kept;
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j)
+        if (first + j >= start && first + j < end)
+          drop_one((&rand[j / 4].x)[j % 4], keep_p, scale, in[e + j], out[e + j], mask[e + j]);
+    }
+  }
+}
+
+// VEC == 1 (fused_dropout_kernel): element li is value (li / S) % 4 of thread li % S's call
+// in round li / S / 4, so a run is walked round by round, as the fills' runs are.
+template <typename scalar_t, typename acc_t>
+__global__ void dropout_runs_kernel(Box box, int64_t S, at::PhiloxCudaState philox, acc_t keep_p,
+                                    const scalar_t* in, scalar_t* out, bool* mask) {
+  const auto [seed, offset] = at::cuda::philox::unpack(philox);
+  const acc_t scale = 1.0 / keep_p;
+  const int64_t r = blockIdx.y;
   const int64_t start = box.run_start(r), end = start + box.run_len, base = r * box.run_len;
-  const int64_t window = S * per_round;
+  const int64_t window = S * 4;
   const int64_t first = start / window, last = (end - 1) / window;
   for (int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; t < S; t += int64_t{gridDim.x} * blockDim.x) {
     curandStatePhilox4_32_10_t state;
-    curand_init(seed, t, offset + 4 * calls * first, &state);
+    curand_init(seed, t, offset + 4 * first, &state);
     for (int64_t k = first; k <= last; ++k) {
-      float4 rand[calls];
+      const float4 rand = curand_uniform4(&state);
 #pragma unroll
-      for (int c = 0; c < calls; ++c) rand[c] = curand_uniform4(&state);
-#pragma unroll
-      for (int j = 0; j < per_round; ++j) {
-        const int64_t li = VEC == 1 ? (k * 4 + j) * S + t : (k * S + t) * VEC + j;
+      for (int j = 0; j < 4; ++j) {
+        const int64_t li = (k * 4 + j) * S + t;
         if (li < start || li >= end) continue;
         const int64_t e = base + li - start;
-        drop_one((&rand[j / 4].x)[j % 4], keep_p, scale, in[e], out[e], mask[e]);
+        drop_one((&rand.x)[j], keep_p, scale, in[e], out[e], mask[e]);
       }
     }
   }
@@ -311,7 +368,7 @@ dim3 runs_grid(int64_t S, int64_t runs) {
 // costs two Philox evaluations (the start and the call) per element; a quarter of a
 // round is where the two meet at worst.
 bool walk_by_runs(const Box& box, int64_t window) {
-  return box.run_len * 4 >= window && box.runs <= 65535;  // (gridDim.y's limit)
+  return box.run_len * 4 >= window && box.runs <= kMaxGridY;
 }
 
 template <typename scalar_t, typename acc_t, typename Dist, typename Transform>
@@ -442,19 +499,25 @@ bool dropout_box(const at::Tensor& input, double p, at::IntArrayRef shape, at::I
     const auto* in = input.data_ptr<scalar_t>();
     auto* out = output.data_ptr<scalar_t>();
     auto* kept = mask.data_ptr<bool>();
-    if (walk_by_runs(box, grid.window())) {
+    const auto keep_p = static_cast<acc_t>(keep);
+    if (vec >= 2 && box.runs <= kMaxGridY) {
+      // 16-byte moves need the input aligned as a fresh tensor is (output and mask are fresh)
+      const bool aligned = reinterpret_cast<uintptr_t>(in) % (vec * sizeof(scalar_t)) == 0;
+      const dim3 blocks(static_cast<unsigned>(std::min(resident_blocks(), (box.run_len / vec + 2 + kBlock - 1) / kBlock)),
+                        static_cast<unsigned>(box.runs));
       const auto launch = [&](auto kernel) {
-        kernel<<<runs_grid(S, box.runs), kBlock, 0, stream>>>(box, S, philox, static_cast<acc_t>(keep), in, out, kept);
+        kernel<<<blocks, kBlock, 0, stream>>>(box, S, aligned, philox, keep_p, in, out, kept);
       };
       switch (vec) {
-        case 8: launch(dropout_runs_kernel<scalar_t, acc_t, 8>); break;
-        case 4: launch(dropout_runs_kernel<scalar_t, acc_t, 4>); break;
-        case 2: launch(dropout_runs_kernel<scalar_t, acc_t, 2>); break;
-        default: launch(dropout_runs_kernel<scalar_t, acc_t, 1>); break;
+        case 8: launch(dropout_vectors_kernel<scalar_t, acc_t, 8>); break;
+        case 4: launch(dropout_vectors_kernel<scalar_t, acc_t, 4>); break;
+        default: launch(dropout_vectors_kernel<scalar_t, acc_t, 2>); break;
       }
-    } else
-      dropout_elements_kernel<scalar_t, acc_t><<<box_grid(box.count), kBlock, 0, stream>>>(
-          box, grid, philox, static_cast<acc_t>(keep), in, out, kept);
+    } else if (vec == 1 && walk_by_runs(box, grid.window())) {
+      dropout_runs_kernel<scalar_t, acc_t><<<runs_grid(S, box.runs), kBlock, 0, stream>>>(box, S, philox, keep_p, in, out, kept);
+    } else {
+      dropout_elements_kernel<scalar_t, acc_t><<<box_grid(box.count), kBlock, 0, stream>>>(box, grid, philox, keep_p, in, out, kept);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   count_drawn(box.count);

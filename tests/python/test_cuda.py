@@ -344,8 +344,8 @@ def test_a_box_draw_is_the_box_of_the_whole_fill_and_moves_the_generator_alike(o
 # numel divisible by 8; by 4 only; by 2 only; odd: each vector width of torch's dropout
 # kernel (16 bytes, halved until it divides numel), and a shape of several rounds
 DROPOUT_SHAPES = {
-    (64, 1000): [((0, 0), (32, 1000)), ((32, 0), (32, 1000)), ((0, 250), (64, 250))],
-    (3, 2, 1002): [((1, 0, 0), (1, 2, 1002)), ((0, 1, 500), (3, 1, 502))],
+    (64, 1000): [((0, 0), (32, 1000)), ((32, 0), (32, 1000)), ((0, 250), (64, 250)), ((5, 3), (50, 250))],
+    (3, 2, 1002): [((1, 0, 0), (1, 2, 1002)), ((0, 1, 500), (3, 1, 502)), ((0, 0, 3), (3, 2, 997))],
     (2, 3, 1001): [((0, 0, 0), (1, 3, 1001)), ((0, 2, 0), (2, 1, 1001))],
     (37, 53): [((10, 0), (9, 53)), ((0, 13), (37, 14))],
     (4, 2100, 700): [((0, 525, 0), (4, 525, 700)), ((3, 0, 0), (1, 2100, 700))],
@@ -355,9 +355,19 @@ DROPOUT_SHAPES = {
 }
 
 
+def _unaligned_copy(t):
+    """t's values in a contiguous tensor one element past an allocation's start: 16-byte
+    vector loads cannot be used on it."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = buf[1:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-def test_a_dropout_box_is_the_box_of_the_whole_dropout(dtype, p):
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned_input"])
+def test_a_dropout_box_is_the_box_of_the_whole_dropout(dtype, p, aligned):
     failures = []
     for shape, boxes in DROPOUT_SHAPES.items():
         torch.manual_seed(2)
@@ -367,7 +377,9 @@ def test_a_dropout_box_is_the_box_of_the_whole_dropout(dtype, p):
         after = torch.cuda.get_rng_state()
         for offsets, sizes in boxes:
             torch.cuda.manual_seed(7)
-            got = _C._rng_dropout_box(_box(x, offsets, sizes).contiguous(), p, list(shape), list(offsets), list(sizes))
+            block = _box(x, offsets, sizes).contiguous()
+            got = _C._rng_dropout_box(block if aligned else _unaligned_copy(block), p, list(shape), list(offsets),
+                                      list(sizes))
             assert got is not None
             for what, g, w in zip(("output", "mask"), got, (_box(want_out, offsets, sizes), _box(want_mask, offsets, sizes))):
                 if not torch.equal(g, w):
