@@ -67,6 +67,7 @@ class Way:
         self.name, self.model, self.opt, self.loss_ctx = name, model, opt, loss_ctx
         self.times: list[float] = []
         self.host: list[float] = []  # until the host had issued the whole step
+        self.phases: list[list[float]] = []  # host seconds of forward, backward, optimizer step, zero_grad
         self.losses: list[torch.Tensor] = []
 
 
@@ -84,15 +85,24 @@ def build(name: str, cfg: GPTConfig, mesh) -> Way:
     return Way(name, model, torch.optim.AdamW(model.parameters(), lr=LR))
 
 
-def step(w: Way, batch, precision: str) -> None:
+PHASES = ("forward", "backward", "optimizer", "zero_grad")
+
+
+def step(w: Way, batch, precision: str, stamps: list | None = None) -> None:
+    """One training step; ``stamps`` gets the host clock after each of PHASES."""
+    mark = (lambda: stamps.append(time.perf_counter())) if stamps is not None else (lambda: None)
     idx, tgt = batch
     autocast = torch.autocast(DEVICE, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
     with w.loss_ctx():
         with autocast:  # autocast runs the model's cross_entropy in fp32
             loss = w.model(idx, tgt)
+        mark()
         loss.backward()
+        mark()
     w.opt.step()
+    mark()
     w.opt.zero_grad(set_to_none=True)
+    mark()
     w.losses.append(loss.detach())
 
 
@@ -104,8 +114,10 @@ def sync() -> None:
 def timed(w: Way, batch, precision: str) -> None:
     sync()
     t0 = time.perf_counter()
-    step(w, batch, precision)
+    stamps = [t0]
+    step(w, batch, precision, stamps)
     w.host.append(time.perf_counter() - t0)
+    w.phases.append([b - a for a, b in zip(stamps, stamps[1:])])
     sync()
     w.times.append(time.perf_counter() - t0)
 
@@ -126,6 +138,10 @@ def print_profile(title: str, w: Way, batch, precision: str) -> None:
           f"device-to-host copy), {gpu_ms:.1f} ms of GPU time; top GPU time:")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
         print(f"  {e.self_device_time_total / 1e3:8.2f} ms  x{e.count:<5d} {e.key[:90]}")
+    cpu_ms = sum(e.self_cpu_time_total for e in events) / 1e3
+    print(f"    and top host time ({cpu_ms:.1f} ms in all, under the profiler):")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]:
+        print(f"  {e.self_cpu_time_total / 1e3:8.2f} ms  x{e.count:<5d} {e.key[:90]}")
 
 
 def loss_value(v) -> float:
@@ -176,6 +192,8 @@ def run(size: str, precision: str, mesh, steps: int, problems: list) -> dict:
         row["ways"][name] = dict(
             median_ms=round(ms, 2), iqr_ms=[round(q[0] * 1e3, 2), round(q[2] * 1e3, 2)],
             host_ms=round(statistics.median(w.host) * 1e3, 2),
+            host_ms_by_phase={ph: round(statistics.median(p[i] for p in w.phases) * 1e3, 2)
+                              for i, ph in enumerate(PHASES)},
             tokens_per_s=round(batch * seq / (ms / 1e3)), peak_mb=round(peak[name]),
             throughput_vs_torch=None if base is None else round(base * 1e3 / ms, 4),
             # the first step starts from the same weights; later ones drift apart as the GPU's
@@ -197,6 +215,11 @@ def print_rows(rows: list, problems: list) -> None:
                   f"{w['tokens_per_s']:10d} "
                   f"{'-' if ratio is None else f'{ratio:.3f}':>9} {w['peak_mb']:9d} "
                   f"{'-' if first is None else f'{first:.1e}':>11} {'-' if diff is None else f'{diff:.1e}':>9}")
+    print(f"\nhost ms by phase (medians; the GPU runs behind): {', '.join(PHASES)}")
+    for r in rows:
+        for name, w in r["ways"].items():
+            print(f"{r['size']:6} {r['precision']:5} {name:14} " +
+                  " ".join(f"{w['host_ms_by_phase'][ph]:9.2f}" for ph in PHASES))
     for p in problems:
         print("PROBLEM:", p)
 
