@@ -345,7 +345,9 @@ def _convert(value, placements, mesh: DeviceMesh, where: str, key: str):
         return value  # meta: a pipeline stage working out the shapes of another stage's module
     placements = _fitted(placements, value, f"forward plan key {key!r} ({where})")
     if isinstance(value, DTensor):
-        return value.redistribute(mesh, placements)
+        # through the class: a DTensor's Python class is torch.Tensor, whose attribute
+        # lookup would reach DTensor's methods only after a failed search (_tensor_methods)
+        return DTensor.redistribute(value, mesh, placements)
     if on_stand_ins():
         return _stand_in_shard(value, mesh, placements)
     return DTensor.from_local(value, mesh, placements)
