@@ -213,6 +213,13 @@ FINDINGS = {
                                       [["local_round_trip", [0], {"seed": 145332}]], "train.adam_fused.none"],
     "kept_through_view_of_copy_then_step": ["2d", [[[4, 2, 2, 6], 203297, ["P.sum", "I0.2"], True]],
                                             [["reshape", [0], {"shape": [2, 2, 2, 2, 6]}]], "train.adamw_foreach.keep"],
+    # a hang: linear's internal view of a transposed Partial max value shared its kept
+    # reduction only on the ranks whose shard had no dim of one element (the shards'
+    # strides were compared), so reading the value later ran a fresh reduction on some
+    # ranks and the kept one's moves on others (seed 84000575, 6 ranks; here 2x2)
+    "alias_decided_alike_on_uneven_shards": ["2d", [[[3, 3, 9], 134311, ["P.max", "S1"], True]],
+                                             [["transpose", [0], {"d0": 1, "d1": 0}],
+                                              ["linear", [1], {"fresh": True, "n": 4, "seed": 3423}]]],
 }
 
 
