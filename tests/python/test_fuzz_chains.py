@@ -44,3 +44,14 @@ def test_random_chains_trained_for_two_steps_match_single_device():
     seed = int(os.environ.get("VESCALE_FUZZ_SEED", "7000000")) + 800000
     result = campaign(chains, seed, shrink_findings=True, log=lambda *a: None, mode="train")
     _assert_all_ok(result, chains)
+
+
+def test_random_chains_on_a_2x3_mesh_match_single_device():
+    """Six ranks on a 2x3 mesh: a dim of 7 splits 3/3/1 over the 3-long mesh dim, so
+    some ranks' shards have dims of one element where others' do not. Decisions that
+    read a shard rather than the global spec split the ranks there: a 6-rank campaign
+    found such a hang (seed 84000575) that 4-rank meshes had not reached."""
+    chains = int(os.environ.get("VESCALE_FUZZ_CHAINS", "400")) * 3 // 8
+    seed = int(os.environ.get("VESCALE_FUZZ_SEED", "7000000")) + 900000
+    result = campaign(chains, seed, shrink_findings=True, log=lambda *a: None, mesh="2d23", world=6)
+    _assert_all_ok(result, chains)
