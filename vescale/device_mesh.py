@@ -12,6 +12,8 @@ torch's ``new_group`` falls back to torch's default, not the world group's timeo
 
 from __future__ import annotations
 
+import atexit
+import gc
 import itertools
 import math
 import os
@@ -297,12 +299,53 @@ _meshes: dict[tuple, tuple[object, DeviceMesh]] = {}
 _groups: dict[tuple, tuple[object, dist.ProcessGroup]] = {}
 
 
-def _once_per_world(made: dict, key: tuple, make):
+def of_this_world(kept: tuple | None, make) -> tuple:
+    """``kept``, a ``(world group, value)`` pair, if it was made in the current world;
+    else a new pair with ``make()``. What holds a process group must not outlive its world:
+    after destroy_process_group and a new init_process_group, the old groups are gone."""
     world = dist.group.WORLD if dist.is_initialized() else None
-    hit = made.get(key)
-    if hit is None or hit[0] is not world:
-        hit = made[key] = (world, make())
-    return hit[1]
+    return kept if kept is not None and kept[0] is world else (world, make())
+
+
+def _once_per_world(made: dict, key: tuple, make):
+    made[key] = of_this_world(made.get(key), make)
+    return made[key][1]
+
+
+# ---- exit ------------------------------------------------------------------------------------
+# What vescale keeps for reuse (the meshes and groups above, the Python mesh of each C++
+# mesh, the checkpoint's group) would keep torch's process groups alive after
+# destroy_process_group, until the interpreter tears itself down. A gloo group's worker
+# thread lets go of its last collective's work a moment after the collective completes;
+# when that work holds a tensor whose Python object is already gone (the `status` of a
+# closing `dist.broadcast(status)`), letting go takes the GIL, and a thread that takes the
+# GIL during teardown exits on the spot, inside a destructor: "terminate called without an
+# active exception", SIGABRT, after the program has finished. So at exit, while Python
+# still runs, vescale lets go of what it kept: groups nothing else holds are destroyed
+# there, their worker threads joined. (A mesh or DTensor the program itself still holds
+# keeps its groups, as torch's own DeviceMesh does.)
+_exit_releases: list = []
+
+
+def release_at_exit(release) -> None:
+    """Has ``release()`` (which drops references vescale keeps to meshes or process groups)
+    run at interpreter exit, before teardown."""
+    _exit_releases.append(release)
+
+
+def _release_kept_groups() -> None:
+    global _global_mesh
+    _global_mesh = None
+    _meshes.clear()
+    _groups.clear()
+    for release in _exit_releases:
+        release()
+    gc.collect()  # meshes held only in reference cycles (a model's hooks) go now too
+
+
+# Registered before the checkpoint module's join of a background save (atexit runs the
+# latest first), so a save still writing keeps its group until it is done.
+atexit.register(_release_kept_groups)
 
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,

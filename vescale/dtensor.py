@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .device_mesh import DeviceMesh, get_device_mesh
+from .device_mesh import DeviceMesh, get_device_mesh, release_at_exit
 from .placement_types import Placement, Replicate, from_c, to_c
 
 __all__ = ["DTensor", "distribute_tensor"]
 
 _meshes: dict = {}  # _C.Mesh -> DeviceMesh, to hand back the Python mesh of a DTensor
+release_at_exit(_meshes.clear)
 
 
 def _register(mesh: DeviceMesh) -> "_C.Mesh":

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..boxes import Box, whole
+from ..device_mesh import collective_timeout, of_this_world, release_at_exit
 from .layout import Layout, build
 from .storage import CorruptCheckpoint, Reader, write_file
 from .values import decode, encode
@@ -74,8 +75,18 @@ class _Pending:
 
 
 _pending = _Pending()
-_group = None  # a process group of its own, so that a background save never mixes with training collectives
+# A process group of its own, so that a background save never mixes with training
+# collectives: (the world it was made in, the group), as device_mesh.of_this_world keeps it.
+_group: tuple | None = None
 atexit.register(lambda: _pending.thread and _pending.thread.join())
+
+
+def _forget_group() -> None:
+    global _group
+    _group = None
+
+
+release_at_exit(_forget_group)
 
 
 def wait() -> None:
@@ -180,11 +191,9 @@ def _checkpoint_group():
     global _group
     if not dist.is_initialized():
         return None
-    if _group is None:
-        from ..device_mesh import collective_timeout  # torch's default would be 30 minutes
-
-        _group = dist.new_group(backend="gloo", timeout=collective_timeout())
-    return _group
+    # torch's default timeout would be 30 minutes
+    _group = of_this_world(_group, lambda: dist.new_group(backend="gloo", timeout=collective_timeout()))
+    return _group[1]
 
 
 def _rank_world(group) -> tuple[int, int]:
