@@ -218,6 +218,10 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release no_gil;
     return distribute_tensor(full, mesh, p, src_rank);
   });
+  m.def("strides_of_mesh_rank", [](std::vector<int64_t> strides, const std::shared_ptr<Mesh>& mesh, int64_t src) {
+    py::gil_scoped_release no_gil;
+    return strides_of_mesh_rank(strides, *mesh, src);
+  });
   m.def("align_grad_placements", [](const at::Tensor& t) { align_grad_placements(t); });
   m.def("defer_partial_grads", [](const at::Tensor& t) { defer_partial_grads(t); });
   m.def("relabel", [](const at::Tensor& t, const py::sequence& placements) { relabel(t, to_placements(placements)); });

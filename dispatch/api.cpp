@@ -261,6 +261,36 @@ void relabel(const at::Tensor& dtensor, PlacementsRef placements) {
   impl->relayout(impl->local(), std::move(dst));
 }
 
+namespace {
+
+// The mesh coordinate of the mesh's `rank`-th rank (row-major).
+std::vector<int64_t> coordinate_of(const Mesh& mesh, int64_t rank) {
+  std::vector<int64_t> coord(mesh.shape.size());
+  for (size_t m = mesh.shape.size(); m-- > 0;) {
+    coord[m] = rank % mesh.shape[m];
+    rank /= mesh.shape[m];
+  }
+  return coord;
+}
+
+// `x` as the rank at `src` holds it, on every rank: broadcast along each mesh dim in
+// turn, from the source's index on that dim. After dims 0..m, every rank whose
+// coordinates past m equal the source's holds the source's data; after the last dim,
+// every rank does.
+at::Tensor broadcast_from(at::Tensor x, const Mesh& mesh, const std::vector<int64_t>& src) {
+  for (size_t m = 0; m < mesh.shape.size(); ++m)
+    if (mesh.shape[m] > 1) x = collectives::broadcast(x, src[m], mesh, static_cast<int32_t>(m));
+  return x;
+}
+
+}  // namespace
+
+std::vector<int64_t> strides_of_mesh_rank(c10::IntArrayRef strides, const Mesh& mesh, int64_t src_rank) {
+  auto sent = at::tensor(strides.vec(), at::kLong).to(at::Device(mesh.device_type));
+  auto got = broadcast_from(sent, mesh, coordinate_of(mesh, src_rank)).cpu();
+  return {got.data_ptr<int64_t>(), got.data_ptr<int64_t>() + got.numel()};
+}
+
 at::Tensor distribute_tensor(const at::Tensor& full, MeshPtr mesh, PlacementsRef placements,
                              std::optional<int64_t> src_rank) {
   TORCH_CHECK_TYPE(!is_dtensor(full), "distribute_tensor expects a plain tensor, got a DTensor; "
@@ -272,24 +302,19 @@ at::Tensor distribute_tensor(const at::Tensor& full, MeshPtr mesh, PlacementsRef
   static const std::string kName = "distribute_tensor";
   const collectives::trace::ApiContext context(kName);
   const auto shape = full.sizes();
-  auto spec = make_spec(mesh, placements, shape, strides_like(shape, full.strides()), full.scalar_type());
   at::Tensor data = full.detach();
+  std::vector<int64_t> layout = full.strides().vec();
   if (src_rank) {
-    // Broadcast along each mesh dim in turn, from the source's index on that dim.
-    // After dims 0..m, every rank whose coordinates past m equal the source's holds
-    // the source's data; after the last dim, every rank does.
     TORCH_CHECK_VALUE(*src_rank >= 0 && *src_rank < mesh->numel(), "distribute_tensor: src_data_rank ",
                       *src_rank, " is outside ", mesh->str(), " (it counts the mesh's own ranks, 0..",
                       mesh->numel() - 1, ")");
-    int64_t flat = *src_rank;
-    std::vector<int64_t> src_coord(mesh->shape.size());
-    for (size_t m = mesh->shape.size(); m-- > 0;) {
-      src_coord[m] = flat % mesh->shape[m];
-      flat /= mesh->shape[m];
-    }
-    for (size_t m = 0; m < mesh->shape.size(); ++m)
-      if (mesh->shape[m] > 1) data = collectives::broadcast(data, src_coord[m], *mesh, static_cast<int32_t>(m));
+    // The source's layout too: the others' tensors only receive its values (often a
+    // torch.empty placeholder beside rank 0's loaded, maybe transposed, weight), and the
+    // global strides, which steer later ops, must be the same on every rank.
+    layout = strides_of_mesh_rank(layout, *mesh, *src_rank);
+    data = broadcast_from(data, *mesh, coordinate_of(*mesh, *src_rank));
   }
+  auto spec = make_spec(mesh, placements, shape, strides_like(shape, layout), full.scalar_type());
   const Placements replicated(placements.size(), Placement::replicate());
   auto full_spec = with_placements(spec, replicated);
   const auto plan = collectives::plan_redistribution(*full_spec, spec->placements);

@@ -44,6 +44,11 @@ void defer_partial_grads(const at::Tensor& param);
 // wrote the sum into a Partial shard in place, say): the spec changes, no data moves.
 void relabel(const at::Tensor& dtensor, PlacementsRef placements);
 
+// `strides` as the mesh's `src_rank`-th rank (row-major) passes them, on every rank of
+// the mesh (a broadcast): for layouts that must be agreed but that each rank reads off
+// tensors of its own.
+std::vector<int64_t> strides_of_mesh_rank(c10::IntArrayRef strides, const Mesh& mesh, int64_t src_rank);
+
 // Shards a full tensor present on every rank. With `src_rank` set, the values are
 // first broadcast from the mesh's `src_rank`-th rank (row-major), so ranks need not
 // agree beforehand.

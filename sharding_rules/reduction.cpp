@@ -28,6 +28,7 @@
 #include "sharding_rules/rule.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch_v2.h>
 
 #include <cmath>
 #include <limits>
@@ -103,8 +104,10 @@ void extreme_of_block(const c10::OperatorHandle& op, torch::jit::Stack* stack, c
     identity = is_max ? -std::numeric_limits<double>::infinity() : std::numeric_limits<double>::infinity();
   } else if (out->dtype == at::kBool) {
     identity = !is_max;
-  } else {
-    identity = is_max ? std::numeric_limits<int64_t>::lowest() : std::numeric_limits<int64_t>::max();
+  } else {  // the dtype's own extreme: int64's would not fit an int32 block, on the empty ranks only
+    AT_DISPATCH_V2(out->dtype, "vescale_extreme_identity", AT_WRAP([&] {
+      identity = is_max ? std::numeric_limits<scalar_t>::lowest() : std::numeric_limits<scalar_t>::max();
+    }), AT_EXPAND(AT_INTEGRAL_TYPES_V2));
   }
   auto result = at::full(c10::IntArrayRef(out->local.sizes), identity, self.options().dtype(out->dtype));
   torch::jit::drop(*stack, n_args);

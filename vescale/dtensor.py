@@ -75,11 +75,14 @@ class DTensor(torch.Tensor, metaclass=_DTensorMeta):
         mesh, cp = _resolve(device_mesh, placements, local_tensor.dim())
         if run_check:
             local_tensor = _broadcast_replicated(local_tensor, mesh, cp)
+        uneven = shape is not None or run_check  # without either, shards are even by contract
         if shape is None:
             shape = _global_shape(local_tensor, mesh, cp, exact=run_check)
         shape = [int(s) for s in shape]
         if stride is None:
             stride = _global_strides_of(shape, local_tensor)
+            if uneven and _layouts_may_disagree(shape, mesh, cp):
+                stride = _C.strides_of_mesh_rank(stride, _register(mesh), 0)
         return _C.from_local(local_tensor, _register(mesh), cp, shape, list(stride))
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -223,10 +226,22 @@ def _strides_like(shape: Sequence[int], like: Sequence[int]) -> list[int]:
 def _global_strides_of(shape: Sequence[int], local: torch.Tensor) -> list[int]:
     """The global strides a shard implies, as torch's from_local reads them: the shard's dim
     order, densely packed, and stride 0 where the shard is expanded (a broadcast shard
-    stays a broadcast, sharing its memory, rather than becoming a dense copy)."""
+    stays a broadcast, sharing its memory, rather than becoming a dense copy). Where the
+    ranks' shards may imply different strides, from_local takes the first rank's."""
     expanded = [d for d in range(local.dim()) if local.size(d) > 1 and local.stride(d) == 0]
     packed = _strides_like([1 if d in expanded else n for d, n in enumerate(shape)], local.stride())
     return [0 if d in expanded else s for d, s in enumerate(packed)]
+
+
+def _layouts_may_disagree(shape: Sequence[int], mesh: DeviceMesh, cp) -> bool:
+    """Whether the global strides the ranks read off their own shards may differ: when a
+    dim has one element or none on some ranks and more on others (uneven shards, 7 rows
+    over 4 ranks). A dim of one element may have any stride, and one of none says nothing,
+    so those ranks cannot tell where it lies in memory or whether it is expanded. The
+    mesh's first rank holds the largest shard of every dim and the last the smallest."""
+    first = _C.local_shape(shape, cp, list(mesh.shape), [0] * mesh.ndim)[0]
+    last = _C.local_shape(shape, cp, list(mesh.shape), [n - 1 for n in mesh.shape])[0]
+    return any(lo <= 1 < hi for lo, hi in zip(last, first))
 
 
 def _global_shape(local: torch.Tensor, mesh: DeviceMesh, cp, exact: bool) -> list[int]:

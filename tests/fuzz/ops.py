@@ -524,6 +524,11 @@ OPS: list[Op] = [
     Op("int_sum", with_dim, lambda x, dim: _ints(x).sum(dim).to(x.dtype)),
     Op("int_cumsum", with_dim, lambda x, dim: _ints(x).cumsum(dim).to(x.dtype)),
     Op("int_amax", with_dim, lambda x, dim: _ints(x).amax(dim).to(x.dtype)),
+    # narrower integers: an empty shard's block of a max/min is filled with the dtype's own
+    # extreme (int64's did not fit, and only the ranks with empty shards raised)
+    Op("int32_amin", with_dim, lambda x, dim: _ints(x).int().amin(dim).to(x.dtype)),
+    Op("int8_amax", with_dim, lambda x, dim: (_ints(x) % 201 - 100).to(torch.int8).amax(dim).to(x.dtype)),
+    Op("uint8_min_dim", with_dim, lambda x, dim: (_ints(x) % 256).to(torch.uint8).min(dim).values.to(x.dtype)),
     Op("int_sort", with_dim, lambda x, dim: _ints(x).sort(stable=True, dim=dim).values.to(x.dtype)),
     Op("int_inplace", unary, _int_inplace),
     Op("bool_count", with_dim, lambda x, dim: (x > 0).sum(dim).to(x.dtype)),

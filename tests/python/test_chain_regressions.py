@@ -220,6 +220,12 @@ FINDINGS = {
     "alias_decided_alike_on_uneven_shards": ["2d", [[[3, 3, 9], 134311, ["P.max", "S1"], True]],
                                              [["transpose", [0], {"d0": 1, "d1": 0}],
                                               ["linear", [1], {"fresh": True, "n": 4, "seed": 3423}]]],
+    # found by reading the rules (stop 48): a max/min over a dim that leaves some ranks an
+    # empty shard filled their block with int64's extreme, which int32, int8 and uint8
+    # cannot hold: those ranks raised, the others waited in the all-reduce
+    "int32_amin_over_empty_shards": ["2d", [[[1, 5], 7, ["S0", "R"], False]], [["int32_amin", [0], {"dim": 0}]]],
+    "int8_amax_over_empty_shards": ["1d4", [[[3, 2], 8, ["S0"], False]], [["int8_amax", [0], {"dim": 0}]]],
+    "uint8_min_over_empty_shards": ["2d", [[[2, 1, 3], 9, ["R", "S0"], False]], [["uint8_min_dim", [0], {"dim": 0}]]],
 }
 
 

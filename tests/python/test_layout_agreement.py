@@ -1,0 +1,88 @@
+"""Every rank must agree on a DTensor's global strides: they steer later ops (whether
+``contiguous()`` copies, whether a ``view`` is legal, whether a result aliases its input).
+The ranks used to read them off tensors of their own, which can differ:
+
+- ``DTensor.from_local`` with uneven shards: a dim with one element on some ranks and
+  more on others may have any stride there, so those ranks placed it elsewhere in memory
+  order (or missed that it was expanded). Now the mesh's first rank's reading is taken.
+- ``distribute_tensor`` with ``src_data_rank`` (the default): the values come from that
+  rank, but each rank took the strides of its own tensor (rank 0's loaded, transposed
+  weight beside the others' ``torch.empty`` placeholders). Now the source's strides are.
+
+Each case failed silently before: ``y = x.contiguous(); y.mul_(0)`` zeroed ``x`` on some
+ranks, because there ``contiguous()`` returned ``x`` itself. On 4 ranks, a 2x2 mesh.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dist_utils import mesh
+
+
+def _contiguous_copy_leaves_original(x, expected: torch.Tensor) -> tuple:
+    y = x.contiguous()
+    y.mul_(0)
+    return tuple(x.stride()), torch.equal(x.full_tensor(), expected)
+
+
+def _from_local_uneven_transposed() -> tuple:
+    from vescale import DTensor, Shard, Replicate
+
+    m = mesh("2d")
+    B, S, D = 3, 2, 2  # 3 rows over 2 ranks: 2 and 1
+    row = m.get_coordinate()[0]
+    n = 2 if row == 0 else 1
+    h = torch.randn(S, B, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    # a sequence-first buffer of this rank's rows, handed over batch-first (a transposed view)
+    local = h[:, 2 * row:2 * row + n].contiguous().transpose(0, 1)
+    x = DTensor.from_local(local, m, [Shard(0), Replicate()], shape=(B, S, D))
+    return _contiguous_copy_leaves_original(x, h.transpose(0, 1))
+
+
+def _from_local_uneven_expanded() -> tuple:
+    from vescale import DTensor, Shard, Replicate
+
+    m = mesh("2d")
+    row = m.get_coordinate()[0]
+    bias = torch.arange(4, dtype=torch.float64)
+    local = bias.expand(2 if row == 0 else 1, 4)  # 3 rows over 2 ranks, each a broadcast of one row
+    x = DTensor.from_local(local, m, [Shard(0), Replicate()], shape=(3, 4))
+    return tuple(x.stride()), torch.equal(x.full_tensor(), bias.expand(3, 4))
+
+
+def _distribute_from_rank0_layout() -> tuple:
+    import torch.distributed as dist
+
+    import vescale
+    from vescale import Shard, Replicate
+
+    m = mesh("2d")
+    w = torch.randn(6, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64).t()
+    full = w if dist.get_rank() == 0 else torch.empty(4, 6, dtype=torch.float64)  # only rank 0 loaded it
+    x = vescale.distribute_tensor(full, m, [Shard(0), Replicate()])
+    return _contiguous_copy_leaves_original(x, w)
+
+
+def _agree(results: list) -> None:
+    strides = {r[0] for r in results}
+    assert len(strides) == 1, f"ranks disagree on the global strides: {[r[0] for r in results]}"
+    assert all(r[1] for r in results), f"wrong values on some ranks: {results}"
+
+
+def test_from_local_uneven_transposed_shards_agree(pool4):
+    results = pool4.run(_from_local_uneven_transposed)
+    _agree(results)
+    assert results[0][0] == (2, 6, 1)  # the first rank's order (dim 1 outermost), densely packed
+
+
+def test_from_local_uneven_expanded_shards_agree(pool4):
+    results = pool4.run(_from_local_uneven_expanded)
+    _agree(results)
+    assert results[0][0] == (0, 1)  # stays a broadcast
+
+
+def test_distribute_tensor_takes_the_source_layout(pool4):
+    results = pool4.run(_distribute_from_rank0_layout)
+    _agree(results)
+    assert results[0][0] == (1, 4)  # rank 0's transposed weight
