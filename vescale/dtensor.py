@@ -66,7 +66,10 @@ class DTensor(torch.Tensor, metaclass=_DTensorMeta):
         Without ``shape``, shards are assumed even (global size = local size x shards),
         unless ``run_check`` is set: then the local sizes are gathered to get the exact
         global shape (uneven shards allowed), and Replicate dims are broadcast from the
-        first rank of the mesh dim, as torch's DTensor does.
+        first rank of the mesh dim, as torch's DTensor does. Without ``stride`` the global
+        strides follow the shard's layout; where shards are uneven so that a dim has one
+        element or none on some ranks and more on others, the ranks cannot all read it and
+        take the mesh's first rank's (a small broadcast: every rank of the mesh calls this).
         """
         if not isinstance(local_tensor, torch.Tensor):
             raise TypeError(f"from_local expects a torch.Tensor, got {type(local_tensor).__name__}")
