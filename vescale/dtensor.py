@@ -78,15 +78,16 @@ class DTensor(torch.Tensor, metaclass=_DTensorMeta):
         mesh, cp = _resolve(device_mesh, placements, local_tensor.dim())
         if run_check:
             local_tensor = _broadcast_replicated(local_tensor, mesh, cp)
-        uneven = shape is not None or run_check  # without either, shards are even by contract
+        may_be_uneven = shape is not None or run_check  # without either, shards are even by contract
         if shape is None:
             shape = _global_shape(local_tensor, mesh, cp, exact=run_check)
         shape = [int(s) for s in shape]
+        c_mesh = _register(mesh)
         if stride is None:
             stride = _global_strides_of(shape, local_tensor)
-            if uneven and _layouts_may_disagree(shape, mesh, cp):
-                stride = _C.strides_of_mesh_rank(stride, _register(mesh), 0)
-        return _C.from_local(local_tensor, _register(mesh), cp, shape, list(stride))
+            if may_be_uneven and _layouts_may_disagree(shape, mesh, cp):
+                stride = _C.strides_of_mesh_rank(stride, c_mesh, 0)
+        return _C.from_local(local_tensor, c_mesh, cp, shape, list(stride))
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's shard (shares storage). Differentiable; where the tensor is Partial, the
