@@ -132,10 +132,12 @@ at::Tensor from_local(const at::Tensor& local, SpecPtr spec) {
   // The DTensor wraps the user's tensor itself (writes to either show in the other, as
   // with torch's from_local) unless its dim order is not the global one: then a copy in
   // the global order, which memory-order ops (dropout's draws) need to match one device.
-  const auto laid_out = collectives::keeps_order_of(local, spec->stride) ? local
-                                                                        : collectives::with_layout_of(local, spec->stride);
+  bool wrap = collectives::keeps_order_of(local, spec->stride);
+  auto record = copy_record_to_adopt(local, *spec->mesh, wrap);
+  auto laid_out = wrap ? local : collectives::with_layout_of(local, spec->stride);
+  if (!wrap && laid_out.is_same(local)) laid_out = local.clone();  // another rank could not wrap: none does
   auto out = FromLocal::apply(laid_out, capsule(std::move(spec)));
-  adopt_copy_record(out);
+  if (record) dtensor_impl(out)->copy_of = std::move(record);
   return out;
 }
 

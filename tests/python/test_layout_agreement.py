@@ -9,6 +9,12 @@ The ranks used to read them off tensors of their own, which can differ:
   rank, but each rank took the strides of its own tensor (rank 0's loaded, transposed
   weight beside the others' ``torch.empty`` placeholders). Now the source's strides are.
 
+- ``DTensor.from_local`` over a view-copy's shard (the to_local of a view that had to be
+  taken from a copy): whether the DTensor wraps the shard or copies it is each rank's own
+  answer (uneven shards answer differently), and only the wrapping ranks took the copy's
+  record in a collective of their own, which paired with the others' next collective
+  (``x.sum()`` returned half the sum, then gloo aborted). Now the ranks agree on both.
+
 Each case failed silently before: ``y = x.contiguous(); y.mul_(0)`` zeroed ``x`` on some
 ranks, because there ``contiguous()`` returned ``x`` itself. On 4 ranks, a 2x2 mesh.
 """
@@ -64,6 +70,26 @@ def _distribute_from_rank0_layout() -> tuple:
     return _contiguous_copy_leaves_original(x, w)
 
 
+def _from_local_over_a_view_copy() -> tuple:
+    import vescale
+    from vescale import DTensor, Shard, Replicate
+
+    m = mesh("2d")
+    full = torch.arange(3 * 4 * 6, dtype=torch.float64).reshape(3, 4, 6)
+    x = vescale.distribute_tensor(full, m, [Shard(0), Replicate()])  # 3 rows over 2 ranks: 2 and 1
+    y = x.view(12, 6)  # cannot stay sharded: a view of a copy, kept in step with x
+    shard = y.to_local()
+    row = m.get_coordinate()[0]
+    mine = shard[:2] if row == 0 else shard[2:3]  # y's first 3 rows, split unevenly, as views
+    # the claimed global layout is column-major: the ranks with 2 rows must copy their
+    # row-major views, the ranks with 1 row could wrap theirs, and must not alone
+    z = DTensor.from_local(mine, m, [Shard(0), Replicate()], shape=(3, 6), stride=(1, 3))
+    total = x.sum().full_tensor().item()  # the collective after from_local
+    right = total == full.sum().item() and torch.equal(z.full_tensor(), full.view(12, 6)[:3])
+    z.mul_(0)  # a copy on every rank: x is left alone
+    return tuple(z.stride()), right and torch.equal(x.full_tensor(), full)
+
+
 def _agree(results: list) -> None:
     strides = {r[0] for r in results}
     assert len(strides) == 1, f"ranks disagree on the global strides: {[r[0] for r in results]}"
@@ -86,3 +112,10 @@ def test_distribute_tensor_takes_the_source_layout(pool4):
     results = pool4.run(_distribute_from_rank0_layout)
     _agree(results)
     assert results[0][0] == (1, 4)  # rank 0's transposed weight
+
+
+def test_from_local_over_a_view_copy_copies_everywhere_or_nowhere(pool4):
+    results = pool4.run(_from_local_over_a_view_copy)
+    _agree(results)
+    assert results[0][0] == (1, 3)
+
