@@ -9,6 +9,8 @@ HOW:   kill  (SIGKILL: the process vanishes)
        raise (the victim raises, catches it and goes on to a different collective)
 POINT diverge: no training; the victim's tensor has a data-dependent number of rows, so
        its all-reduce differs from its TP partner's (run with VESCALE_DEBUG=1)
+POINT finalist: no training; the planner trains its finalists and the victim's first
+       optimizer step raises (as running out of memory on the fullest stage would)
 
 Every rank writes "vescale-fault-test: rank R <event> at T" lines to stderr (T: wall clock),
 so the test can measure how long the others took to fail after the victim did.
@@ -29,6 +31,7 @@ from vescale.parallel import DDP, DistributedOptimizer, parallelize_module
 from vescale.parallel.plans import llama_plan
 from examples.models.llama import LlamaConfig, LlamaForCausalLM
 
+WORLD = 4
 STEPS = 3
 FAIL_AT_STEP = 1  # fail in the second step, with every collective already set up
 
@@ -45,11 +48,38 @@ def diverge(mesh, victim: int) -> None:
     log("finished")
 
 
+def failing_finalist(victim: int) -> None:
+    import vescale.autoplan.trials as trials
+    from vescale.autoplan import plan_eager
+    from autoplan_models import COMM, gpt, tokens
+
+    real_train, real_step = trials._train, torch.optim.AdamW.step
+
+    def train(*args, **kwargs):  # a finalist's training: its optimizer (AdamW) fails on the victim
+        torch.optim.AdamW.step = step
+        try:
+            return real_train(*args, **kwargs)
+        finally:
+            torch.optim.AdamW.step = real_step
+
+    def step(self, *args, **kwargs):
+        if dist.get_rank() == victim:
+            log("fails in finalist")
+            raise RuntimeError("injected failure in a finalist")
+        return real_step(self, *args, **kwargs)
+
+    trials._train = train
+    plan_eager(gpt(), tokens(), world=WORLD, steps=1, tp_degrees=[1], comm=COMM, trials=2)
+    log("finished")
+
+
 def main(point: str, how: str, victim: int, ckpt: str) -> None:
     mesh = vescale.init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
     rank = dist.get_rank()
     if point == "diverge":
         return diverge(mesh, victim)
+    if point == "finalist":
+        return failing_finalist(victim)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2))
     parallelize_module(model, mesh["TP"], llama_plan(sequence_parallel=True))

@@ -159,6 +159,38 @@ def test_a_generated_plan_trains_to_single_device_losses(pool4, constraints, lik
         assert ("recompute.modules : []" in text) != bool(constraints.get("recompute")), text
 
 
+# ---- every rank the same plan ------------------------------------------------------------------------
+
+def _case_rank_readings():
+    """Plans the GPT twice: once measured, once from that profile with the host memory in
+    use read 8 MiB higher per rank index (glibc's counters differ between processes by what
+    each allocated) and a memory limit that only rank 0's reading of the best plan meets."""
+    import dataclasses
+    import torch.distributed as dist
+    from autoplan_models import COMM
+
+    mib = float(2**20)
+    model = gpt()
+    first = plan_eager(model, tokens(), world=4, steps=1, tp_degrees=[1], comm=COMM)
+    p = first.profile
+    mine = dataclasses.replace(p, working=(p.working[0] + 8 * mib * dist.get_rank(), p.working[1]))
+    limit = first.best.memory["total"] + 4 * mib
+    second = plan_eager(model, tokens(), world=4, steps=1, tp_degrees=[1], comm=COMM, profile=mine,
+                        constraints={"memory_per_device": limit})
+    return ((p.working, p.optimizer_temp), first.best.key(), second.best.key(),
+            [(c.key(), c.config["blocks_per_stage"], c.memory["total"]) for c in second.ranked])
+
+
+def test_every_rank_plans_alike_from_its_own_memory_readings(pool4):
+    """The host memory a rank measures is its own; the ranks agree on the largest reading
+    and plan from rank 0's problem, so a plan at the memory limit's edge cannot be kept by
+    one rank and refused by another (they then trained different plans)."""
+    answers = pool4.run(_case_rank_readings)
+    assert all(a[0] == answers[0][0] for a in answers), [a[0] for a in answers]  # the profile's readings agree
+    assert all(a[1:] == answers[0][1:] for a in answers), [a[2] for a in answers]
+    assert answers[0][2] == answers[0][1]  # rank 0's reading: its best fits
+
+
 # ---- the finalists, trained ----------------------------------------------------------------------
 
 def _case_trials():

@@ -109,6 +109,21 @@ def test_rank_that_raises_and_moves_on_makes_the_others_time_out(tmp_path):
     print(f"raise in forward: every rank exited {elapsed:.1f} s after the victim raised")
 
 
+def test_finalist_failing_on_one_rank_ends_planning_with_its_error(tmp_path):
+    """The planner trains its finalists; the victim's first optimizer step raises while the
+    others wait in the step's collectives. The victim cannot rejoin them: it raises an
+    error naming the finalist and its own error (it used to go on to the next collective
+    and pair it with theirs), and the others time out."""
+    codes, texts, elapsed = _launch(tmp_path, "finalist")
+    assert elapsed is not None, f"the victim never trained a finalist:\n{_explain(codes, texts)}"
+    assert all(c not in (None, 0) for c in codes), _explain(codes, texts)
+    assert re.search(r"training the finalist .+ failed on rank 2 \(RuntimeError: injected failure in a finalist\)",
+                     texts[VICTIM]), _explain(codes, texts)
+    for rank in set(range(WORLD)) - {VICTIM}:
+        assert TIMED_OUT in texts[rank] or any(s in texts[rank] for s in PEER_LOST), _explain(codes, texts)
+    print(f"a finalist failing on one rank: every rank exited {elapsed:.1f} s after the victim raised")
+
+
 def test_debug_mode_reports_ranks_that_issue_different_collectives(tmp_path):
     """Rank 2's all-reduce has more rows than rank 3's (its TP partner): in debug mode
     both fail at once, naming the two collectives, instead of exchanging data of the

@@ -501,7 +501,15 @@ def _plan_eager(model, sample_batch, world, constraints, comm, loss_fn, blocks, 
                "action_seconds": profile.action_s, "gather_copies": _gather_copies()}
     search = {key: k[key] for key in ("pp", "dp", "tp", "zero", "sp", "recompute", "microbatches", "vp", "schedule",
                                       "split", "memory_limit") if key in k}
-    r = _C.autoplan_eager_search(problem, search)
+    if running and ranks > 1:
+        # Rank 0 searches and every rank takes its problem and answer. The inputs are agreed
+        # (medians and maxima over the ranks), but a candidate at the memory limit's edge, or
+        # two a last digit apart, must not split the ranks over arithmetic done per rank.
+        box = [problem, _C.autoplan_eager_search(problem, search) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        problem, r = box
+    else:
+        r = _C.autoplan_eager_search(problem, search)
     seconds["search"] = time.perf_counter() - t
     ranked = [EagerCandidate(d) for d in r["ranked"]]
     rejected = [EagerCandidate(d) for d in r["rejected"]]
@@ -509,12 +517,6 @@ def _plan_eager(model, sample_batch, world, constraints, comm, loss_fn, blocks, 
         rejected.append(EagerCandidate({"config": {}, "label": why.split(":")[0], "verdict": why, "feasible": False,
                                         "step_s": 0.0, "memory": {}, "rank_memory": [], "breakdown": {},
                                         "bubble": 0.0}))
-    if running and ranks > 1:  # every rank takes rank 0's order (timings differ in the last digits)
-        order = [c.key() for c in ranked]
-        box = [order]
-        dist.broadcast_object_list(box, src=0)
-        index = {c.key(): c for c in ranked}
-        ranked = [index[key] for key in box[0] if key in index]
     answer = EagerPlan(type(model).__name__, world, batch, ranked, rejected, profile, comm, tp_choices, seconds,
                        r["enumerated"], dict(constraints or {}), problem)
     # 5. the finalists, trained on the ranks at hand

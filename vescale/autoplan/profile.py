@@ -222,9 +222,14 @@ def profile_model(model: nn.Module, sample_batch, *, loss_fn=None, blocks: str |
               [b1.get(n, 0.0) for n in names] + [b2.get(n, 0.0) for n in names] + \
               [tf1, tf2, tb1, tb2, opt[0], opt[1], copy_s] + list(shares.values()) + list(split_costs.values()) + \
               [shadows.get(n, 0.0) for n in names] + [wall_per_cpu]
+        # host memory in use (glibc's counters) differs between ranks by what each process
+        # happened to allocate: the ranks take the largest, the cautious reading
+        held = [working.get(small, 0.0), working.get(B, 0.0), opt_temp]
         gathered = [None] * ranks  # the median over ranks: one rank descheduled for a while does not count
-        dist.all_gather_object(gathered, vec)
-        v = [statistics.median(col) for col in zip(*gathered)]
+        dist.all_gather_object(gathered, (vec, held))
+        v = [statistics.median(col) for col in zip(*(g[0] for g in gathered))]
+        working_small, working_b, opt_temp = (max(col) for col in zip(*(g[1] for g in gathered)))
+        working = {small: working_small, B: working_b}
         k = len(names)
         f1, f2 = dict(zip(names, v[:k])), dict(zip(names, v[k:2 * k]))
         b1, b2 = dict(zip(names, v[2 * k:3 * k])), dict(zip(names, v[3 * k:4 * k]))

@@ -13,10 +13,15 @@ finalists. The finalists are the top ``count`` plans with distinct step structur
 one micro-batch GPipe and 1F1B run the same actions) predicted within ``margin`` of the
 best.
 
-A finalist that fails to build or to train is refused with its error. With a memory
-limit, one whose measured peak (glibc's counters, CPU) exceeds it is refused too. Each
-finalist trains a copy of the model: the model itself is left as it was. Collective:
-every rank runs the same finalists in the same order.
+A finalist that fails to build or to train on every rank is refused with its error.
+One that fails on some ranks only cannot be: the others wait in its collectives, which
+the failed ranks can no longer join. The ranks agree on each finalist's outcome through
+a group of their own with vescale's collective timeout, so a failed rank that hears
+nothing from the others raises, naming the finalist and its error, instead of pairing
+its next collective with theirs (the others' collectives time out too). With a memory limit, a finalist whose measured peak
+(glibc's counters, CPU) exceeds it is refused too. Each finalist trains a copy of the
+model: the model itself is left as it was. Collective: every rank runs the same
+finalists in the same order.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from ..device_mesh import collective_timeout
 from .host_memory import PeakInUse, in_use, malloc_counted
 from .calling import batch_size_of, loss_of
 
@@ -138,21 +144,42 @@ def run_trials(result, model: nn.Module, batch, cands: list, *, loss_fn=None, st
     """Trains each of ``cands`` on a copy of ``model`` (collective: the same list on every
     rank) and returns {candidate key: Trial}."""
     watch_memory = bool(result.constraints.get("memory_per_device")) and malloc_counted()
+    outcomes = dist.new_group(backend="gloo", timeout=collective_timeout())
     out = {}
-    for c in cands:
-        try:
-            mine = _train(result, c, model, batch, loss_fn, steps, watch_memory)
-        except Exception as e:  # noqa: BLE001  (a plan vescale cannot run is refused with the reason)
-            mine = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        errors = [e for e in every if isinstance(e, str)]
-        if errors:
-            out[c.key()] = Trial(error=errors[0])
-            continue
-        slowest = [max(ts) for ts in zip(*(e[0] for e in every))]
-        out[c.key()] = Trial(statistics.median(slowest), slowest, max(e[1] for e in every))
+    try:
+        for c in cands:
+            try:
+                mine = _train(result, c, model, batch, loss_fn, steps, watch_memory)
+            except Exception as e:  # noqa: BLE001  (a plan vescale cannot run is refused with the reason)
+                mine = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            every = _agree(mine, outcomes, c)
+            errors = [e for e in every if isinstance(e, str)]
+            if errors:
+                out[c.key()] = Trial(error=errors[0])
+                continue
+            slowest = [max(ts) for ts in zip(*(e[0] for e in every))]
+            out[c.key()] = Trial(statistics.median(slowest), slowest, max(e[1] for e in every))
+    finally:
+        dist.destroy_process_group(outcomes)
     return out
+
+
+def _agree(mine, group, candidate) -> list:
+    """Every rank's outcome of one finalist. A rank whose finalist failed and that hears
+    nothing within the group's time limit failed alone: it raises."""
+    every = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(every, mine, group=group)
+    except RuntimeError as e:
+        if not isinstance(mine, str):
+            raise
+        raise RuntimeError(
+            f"vescale.generate_plan: training the finalist {candidate.label} failed on rank {dist.get_rank()} "
+            f"({mine}), and the other ranks did not report theirs within the collective timeout "
+            f"({collective_timeout().total_seconds():.0f} s): they are waiting in its collectives, which this "
+            "rank can no longer join, so planning cannot go on. Constrain the search away from this plan, or "
+            "skip the trials with trials=0") from e
+    return every
 
 
 def ranked_by_trials(ranked: list, rejected: list, measured: dict, problem: dict,
