@@ -122,6 +122,24 @@ struct Redistribute : torch::autograd::Function<Redistribute> {
 
 }  // namespace
 
+namespace {
+
+// Whether a dim takes more than one step in some ranks' shards and not in others' (uneven
+// shards: 7 rows over 4 ranks), so that their answers on its layout can differ. The mesh's
+// first coordinate holds the largest shard of every dim and the last the smallest.
+bool shard_steps_may_differ(const TensorSpec& spec) {
+  const auto& mesh_shape = spec.mesh->shape;
+  std::vector<int64_t> first(mesh_shape.size(), 0), last(mesh_shape.size());
+  for (size_t m = 0; m < mesh_shape.size(); ++m) last[m] = mesh_shape[m] - 1;
+  const auto largest = local_box(spec.shape, spec.placements, mesh_shape, first).sizes;
+  const auto smallest = local_box(spec.shape, spec.placements, mesh_shape, last).sizes;
+  for (size_t d = 0; d < largest.size(); ++d)
+    if (smallest[d] <= 1 && largest[d] > 1) return true;
+  return false;
+}
+
+}  // namespace
+
 at::Tensor from_local(const at::Tensor& local, SpecPtr spec) {
   TORCH_CHECK_TYPE(!is_dtensor(local), "from_local expects a plain local tensor, got a DTensor");
   TORCH_CHECK_VALUE(local.sizes() == c10::IntArrayRef(spec->local.sizes),
@@ -132,12 +150,20 @@ at::Tensor from_local(const at::Tensor& local, SpecPtr spec) {
   // The DTensor wraps the user's tensor itself (writes to either show in the other, as
   // with torch's from_local) unless its dim order is not the global one: then a copy in
   // the global order, which memory-order ops (dropout's draws) need to match one device.
+  // Every rank must answer alike (a write into the DTensor would reach the user's tensor
+  // on some ranks only), and so must taking over a view-copy's record (its write-back is
+  // collective): the ranks agree where their answers can differ.
   bool wrap = collectives::keeps_order_of(local, spec->stride);
-  auto record = copy_record_to_adopt(local, *spec->mesh, wrap);
+  auto record = copy_record_of(local, *spec->mesh);
+  if (record || shard_steps_may_differ(*spec)) {
+    const auto agreed = collectives::all_ranks(*spec->mesh, {wrap, record && *record});
+    wrap = agreed[0];
+    if (!(wrap && agreed[1])) record.reset();
+  }
   auto laid_out = wrap ? local : collectives::with_layout_of(local, spec->stride);
-  if (!wrap && laid_out.is_same(local)) laid_out = local.clone();  // another rank could not wrap: none does
+  if (!wrap && laid_out.is_same(local)) laid_out = local.clone();  // another rank cannot wrap: none does
   auto out = FromLocal::apply(laid_out, capsule(std::move(spec)));
-  if (record) dtensor_impl(out)->copy_of = std::move(record);
+  if (record) dtensor_impl(out)->copy_of = std::move(*record);
   return out;
 }
 

@@ -106,24 +106,19 @@ void record_view_of_copy(const at::Tensor& view, const at::Tensor& base, at::Ten
   r.get(local).push_back(record);
 }
 
-std::shared_ptr<const Record> copy_record_to_adopt(const at::Tensor& local, const Mesh& mesh, bool& wrap) {
+std::optional<std::shared_ptr<const Record>> copy_record_of(const at::Tensor& local, const Mesh& mesh) {
   auto& by_copy = records_by_copy();
-  if (by_copy.size() == 0 || !local.has_storage()) return nullptr;
+  if (by_copy.size() == 0 || !local.has_storage()) return std::nullopt;
   std::shared_ptr<const Record> record;
   {
     std::lock_guard<std::mutex> lock(by_copy.mutex);
     const auto* weak = by_copy.find(local);
-    if (weak == nullptr) return nullptr;  // the same answer on every rank: the storage is alive
+    if (weak == nullptr) return std::nullopt;  // the same answer on every rank: the storage is alive
     record = weak->lock();
   }
-  // Whether the record is still alive is a per-rank fact (the views holding it may be
-  // gone on one rank only), and so is whether the shard can be wrapped; a write would
-  // push back through a collective, so the ranks agree first. A copy on another mesh is
-  // left alone: its ranks are not all here.
-  const bool same_mesh = record == nullptr || record->copy_spec->mesh.get() == &mesh;
-  const auto agreed = collectives::all_ranks(mesh, {wrap, record != nullptr && same_mesh});
-  wrap = agreed[0];
-  return wrap && agreed[1] ? std::move(record) : nullptr;
+  // A copy on another mesh is left alone: its ranks are not all here.
+  if (record != nullptr && record->copy_spec->mesh.get() != &mesh) record = nullptr;
+  return record;
 }
 
 void after_write(const at::Tensor& written, const void* skip) {

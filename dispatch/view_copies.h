@@ -20,13 +20,11 @@ namespace vescale {
 // Records `view` as a view of `copy_local` (laid out as `copy_spec`), a copy of `base`.
 void record_view_of_copy(const at::Tensor& view, const at::Tensor& base, at::Tensor copy_local, SpecPtr copy_spec);
 
-// from_local of `local` over (part of) a copy's storage: the copy's record, for the new
-// DTensor to take, so that writes into it reach the copy's base as writes into the view
-// do; null when there is none. That needs the DTensor to wrap `local` itself, so `wrap`
-// (whether this rank would: its shard keeps the global dim order) comes back agreed by
-// every rank of `mesh`: uneven shards can answer differently, and a rank that adopted
-// alone would push back through collectives the others never enter.
-std::shared_ptr<const DTensorImpl::CopyOf> copy_record_to_adopt(const at::Tensor& local, const Mesh& mesh, bool& wrap);
+// The record of the copy whose storage `local` shares (from_local of a view-copy's
+// to_local): nullopt when there is none (the same answer on every rank), else the record
+// for the new DTensor to take, so that writes into it reach the copy's base as writes
+// into the view do, or null where it is gone on this rank or belongs to another mesh.
+std::optional<std::shared_ptr<const DTensorImpl::CopyOf>> copy_record_of(const at::Tensor& local, const Mesh& mesh);
 
 // After an op wrote into `written`'s shard: refresh the copies taken from what it
 // aliases (except the one whose shard is `skip`), and push a copy back into its base.

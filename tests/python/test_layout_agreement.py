@@ -15,6 +15,10 @@ The ranks used to read them off tensors of their own, which can differ:
   record in a collective of their own, which paired with the others' next collective
   (``x.sum()`` returned half the sum, then gloo aborted). Now the ranks agree on both.
 
+- ``DTensor.from_local`` with uneven shards whose layout differs from the claimed global
+  one: the ranks with more rows copied their shard, those with one row wrapped it, so a
+  later write into the caller's tensor reached the DTensor on some ranks only.
+
 Each case failed silently before: ``y = x.contiguous(); y.mul_(0)`` zeroed ``x`` on some
 ranks, because there ``contiguous()`` returned ``x`` itself. On 4 ranks, a 2x2 mesh.
 """
@@ -90,6 +94,19 @@ def _from_local_over_a_view_copy() -> tuple:
     return tuple(z.stride()), right and torch.equal(x.full_tensor(), full)
 
 
+def _from_local_uneven_claimed_layout() -> tuple:
+    from vescale import DTensor, Shard, Replicate
+
+    m = mesh("2d")
+    row = m.get_coordinate()[0]
+    full = torch.arange(3 * 6, dtype=torch.float64).reshape(3, 6)
+    mine = full[:2].clone() if row == 0 else full[2:].clone()  # row-major, 3 rows over 2 ranks
+    # claimed column-major: the 2-row ranks copy; the 1-row ranks could wrap, and must not alone
+    z = DTensor.from_local(mine, m, [Shard(0), Replicate()], shape=(3, 6), stride=(1, 3))
+    mine.add_(100)  # the caller reuses its buffer: z follows it on every rank, or on none
+    return tuple(z.stride()), torch.equal(z.full_tensor(), full)
+
+
 def _agree(results: list) -> None:
     strides = {r[0] for r in results}
     assert len(strides) == 1, f"ranks disagree on the global strides: {[r[0] for r in results]}"
@@ -119,3 +136,9 @@ def test_from_local_over_a_view_copy_copies_everywhere_or_nowhere(pool4):
     _agree(results)
     assert results[0][0] == (1, 3)
 
+
+
+def test_from_local_uneven_wraps_everywhere_or_nowhere(pool4):
+    results = pool4.run(_from_local_uneven_claimed_layout)
+    _agree(results)
+    assert results[0][0] == (1, 3)
