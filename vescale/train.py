@@ -38,7 +38,12 @@ What each section of the plan becomes (``vescale.Plan``):
 
 ``model(batch)`` calls the user's model with ``**batch`` for a dict, ``*batch`` for a
 tuple or list, else ``batch``. The loss it returns (the model's output when that is a
-scalar, or ``output.loss``) is the global one: the mean over DP ranks.
+scalar, or ``output.loss``) is the global one: the mean over the DP ranks' samples, each
+rank's loss (a mean over its rows) weighted by its rows (dim 0 of the batch's first
+tensor), as one device's mean over the global batch is: the last, smaller batch of a
+``drop_last=False`` loader splits unevenly, and a rank may have none. The gradient is
+weighted alike. Under a pipeline, uneven batches over the DP ranks are refused on every
+rank (the schedule runs backward itself, unweighted).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from .deferred import cast_deferred
@@ -239,20 +245,32 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class _GlobalLoss(torch.autograd.Function):
-    """``value`` (the loss's mean over the DP ranks, the same bits on every rank) forward,
-    and this rank's loss's gradient backward. Adding ``mean - mine`` to the loss instead
-    rounded differently on each rank (a Partial loss's sum rounds once per TP rank: DP rows
-    an ulp apart, in fp32 too), and ranks that log, or branch on, the loss drift apart."""
+    """``value`` (the loss's mean over the DP ranks' samples, the same bits on every rank)
+    forward, and this rank's loss's gradient times ``weight`` (its share of the global
+    batch's rows, relative to an even share) backward. Adding ``mean - mine`` to the loss
+    instead rounded differently on each rank (a Partial loss's sum rounds once per TP rank:
+    DP rows an ulp apart, in fp32 too), and ranks that log, or branch on, the loss drift
+    apart."""
 
     @staticmethod
-    def forward(ctx, loss, value):
+    def forward(ctx, loss, value, weight):
+        ctx.weight = weight
         if isinstance(loss, DTensor):
             return DTensor.from_local(value, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim)
         return value.clone()
 
     @staticmethod
-    def backward(ctx, g):
-        return g, None
+    def backward(ctx, g):  # an even share's weight is exactly 1
+        return g * ctx.weight.to(g.dtype), None, None
+
+
+def _rows(args: tuple, kwargs: dict) -> int:
+    """The batch's rows on this rank: dim 0 of its first tensor that has dims (1 where it
+    has none: every rank then weighs the same)."""
+    for x in tree_flatten((args, kwargs))[0]:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return x.shape[0]
+    return 1
 
 
 def _call_args(batch: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -289,7 +307,7 @@ class ParallelModel(nn.Module):
         loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
         if loss is None:
             return out
-        loss = self._global(self._for_backward(loss))
+        loss = self._global(self._for_backward(loss), _rows(args, kwargs))
         if isinstance(out, torch.Tensor):
             return loss
         out.loss = loss
@@ -321,26 +339,49 @@ class ParallelModel(nn.Module):
                 loss = as_shares(loss, [self.ddp])
         return _ScaleGrad.apply(loss, factor) if factor != 1.0 and loss.requires_grad else loss
 
-    def _global(self, loss: torch.Tensor) -> torch.Tensor:
-        """The mean over DP ranks as the value; the gradient is this rank's loss's."""
+    def _global(self, loss: torch.Tensor, rows: int) -> torch.Tensor:
+        """The mean over the DP ranks' samples as the value (each rank's loss weighted by its
+        ``rows``); the gradient is this rank's loss's, weighted the same. A rank without rows
+        has a NaN loss (a mean over nothing): it counts for nothing."""
         if self._dp_group is None:
             return loss
         mine = loss.detach()
         mine = mine.full_tensor() if isinstance(mine, DTensor) else mine
-        total = mine.clone()  # (mine may share the loss's storage)
-        dist.all_reduce(total, group=self._dp_group)
-        return _GlobalLoss.apply(loss, total / self._dp_size)
+        sums = torch.zeros(2, dtype=torch.float64, device=mine.device)
+        if rows:
+            sums[0] = mine.double() * rows
+        sums[1] = rows
+        dist.all_reduce(sums, group=self._dp_group)
+        weight = (rows * self._dp_size) / sums[1]  # a tensor: no wait for the device here
+        return _GlobalLoss.apply(loss, (sums[0] / sums[1]).to(mine.dtype), weight)
 
     def _pipeline_step(self, args, kwargs) -> torch.Tensor:
         """Training (grad enabled, train mode): the schedule's forward and backward passes.
         Otherwise evaluation: its forward passes only, the loss and no gradients."""
         train = torch.is_grad_enabled() and self.training
+        if self._dp_group is not None:
+            self._check_even_rows(_rows(args, kwargs))
         loss = (self.pipeline.step if train else self.pipeline.evaluate)(*args, **kwargs)
         if self._dp_group is not None:
             dist.all_reduce(loss, group=self._dp_group)
             loss = loss / self._dp_size
         # training: gradients are in place already, backward() has nothing to do
         return loss.float().requires_grad_() if train else loss.float()
+
+    def _check_even_rows(self, rows: int) -> None:
+        """Under a pipeline, every DP rank must have as many rows as the others and at least
+        one per micro-batch; decided on every rank alike (one rank raising alone would leave
+        the others waiting in the schedule's collectives)."""
+        bounds = torch.tensor([rows, -rows], dtype=torch.int64)
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self._dp_group)
+        most, fewest = int(bounds[0]), -int(bounds[1])
+        m = self.pipeline.schedule.microbatches
+        if most != fewest or fewest < m:
+            raise ValueError(
+                f"under a pipeline, the DP ranks' batches must be even and hold at least one sample per "
+                f"micro-batch ({m}); this step's have {fewest} to {most} rows (the last, smaller batch of a "
+                f"drop_last=False loader?). Use data.drop_last=True, or a batch of {m} x DP samples or more "
+                f"that divides by the DP degree")
 
     # The inner model's own views: a pipeline stage lists only the parameters it holds.
     def parameters(self, recurse: bool = True):

@@ -108,6 +108,54 @@ def _sgd(model):
     return torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+def _case_last_batch_smaller(name: str, epochs: int) -> tuple[list[float], list[float]]:
+    """Two epochs of a dataset whose last global batch (3 samples of 8) splits unevenly
+    over the DP ranks: 1, 1, 1 and 0 rows on DP4 (a rank without samples), 2 and 1 on DP2."""
+    n = GLOBAL_BATCH * 2 + 3
+    plan = Plan(PLANS[name])
+    plan.update({"data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False, "data.drop_last": False})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 2}), _sgd, None, _dataset(n))
+    losses = [loss for _ in range(epochs) for loss in _rfc_loop(model, optimizer, loader, 3)]
+    data = _dataset(n)
+    batches = [(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+               for i in range(0, n, GLOBAL_BATCH)] * epochs
+    return losses, _single_device(lambda: _gpt({"n_layer": 2}), _sgd, batches)
+
+
+@pytest.mark.parametrize("name", ["dp4", "dp2-tp2-sp-zero2"])
+def test_a_last_batch_split_unevenly_trains_as_on_one_device(pool4, name):
+    """With drop_last=False the epoch's last, smaller batch gives the DP ranks different
+    numbers of rows, or none: the global loss and the gradient weigh each rank by its rows,
+    as one device's mean over the batch does (they used to average the ranks' means: the
+    loss NaN where a rank had no rows, the gradient off by the ranks' share). SGD, so the
+    next epoch's losses show the gradient of the uneven step."""
+    for losses, ref in pool4.run(_case_last_batch_smaller, name, 2):
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+
+
+def _case_pipeline_uneven() -> list[str]:
+    plan = Plan({"mesh": {"PP": 2, "DP": 2}, "pipeline_parallel.microbatches": 2})
+    plan.update({"data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False, "data.drop_last": False})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 2}), _sgd, None,
+                                                      _dataset(GLOBAL_BATCH + 3))
+    errors = []
+    for batch in loader:  # 4 rows per DP rank, then 2 and 1
+        optimizer.zero_grad()
+        try:
+            model(batch)
+        except ValueError as e:
+            errors.append(str(e))
+        optimizer.step()
+    return errors
+
+
+def test_a_pipeline_refuses_uneven_batches_on_every_rank(pool4):
+    """Under a pipeline the uneven last batch is refused on every rank alike: the rank with
+    fewer rows than micro-batches used to raise alone while the others waited."""
+    for errors in pool4.run(_case_pipeline_uneven):
+        assert len(errors) == 1 and "must be even" in errors[0] and "1 to 2 rows" in errors[0], errors
+
+
 def _with_l2(model, *args):
     """The model's loss plus a term computed outside it (an L2 penalty on the parameters)."""
     loss = model(*args)
