@@ -183,7 +183,9 @@ def test_async_save_writes_the_snapshot(pool4, tmp_path):
     assert pool4.run(_case_async, str(tmp_path / "ckpt")) == [[]] * 4
 
 
-def _case_crash_mid_save(path: str) -> list[str]:
+def _case_crash_mid_save(path: str, failing: list[int], async_save: bool) -> list[str]:
+    import os
+    import torch.distributed as dist
     import vescale.checkpoint.api as api
 
     run = _Run("dp2_tp2", seed=0)
@@ -194,24 +196,36 @@ def _case_crash_mid_save(path: str) -> list[str]:
     real = api.write_file
 
     def dies_halfway(file, chunks):
+        if dist.get_rank() not in failing:
+            return real(file, chunks)
         real(file, chunks[: len(chunks) // 2])
         raise OSError("disk full (simulated)")
 
     api.write_file = dies_halfway
+    problems = []
     try:
-        vescale.save(path, run.state())
-        return ["the failing save did not raise"]
-    except OSError:
-        pass
+        vescale.save(path, run.state(), async_save=async_save)
+        vescale.checkpoint.wait()
+        problems.append("the failing save did not raise")
+    except (OSError, RuntimeError) as e:  # on every rank, naming the first that failed (async: at wait)
+        if not isinstance(e, RuntimeError if async_save else OSError) or f"found by rank {failing[0]}" not in str(e):
+            problems.append(f"the error does not name rank {failing[0]}: {e}")
     finally:
         api.write_file = real
+    dist.barrier()
+    parent, base = os.path.split(path)
+    problems += [f"left behind: {n}" for n in os.listdir(parent) if n.startswith(base + ".tmp-")]
     other = _Run("tp4", seed=1)
     vescale.load(path, other.state())
-    return [n for n, p in other.full_parameters().items() if not torch.equal(p, good[n])]
+    return problems + [n for n, p in other.full_parameters().items() if not torch.equal(p, good[n])]
 
 
-def test_crash_mid_save_keeps_the_previous_checkpoint(pool4, tmp_path):
-    assert pool4.run(_case_crash_mid_save, str(tmp_path / "ckpt")) == [[]] * 4
+@pytest.mark.parametrize("failing, async_save", [([0, 1, 2, 3], False), ([2], False), ([1], True)])
+def test_crash_mid_save_keeps_the_previous_checkpoint(pool4, tmp_path, failing, async_save):
+    """A write that fails on some ranks (a full disk, a directory not shared) makes every
+    rank raise it (the others used to wait for the failed rank until the collective
+    timeout), leaves no unfinished directory, and the previous checkpoint loads."""
+    assert pool4.run(_case_crash_mid_save, str(tmp_path / "ckpt"), failing, async_save) == [[]] * 4
 
 
 # ---- damaged, foreign and crafted checkpoints: every rank raises the same error, none changes --

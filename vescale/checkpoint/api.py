@@ -208,11 +208,6 @@ def _all_gather(obj, group) -> list:
     return out
 
 
-def _barrier(group) -> None:
-    if group is not None:
-        dist.barrier(group=group)
-
-
 def _encode_agreed(group, objects: dict) -> tuple[dict, list[torch.Tensor]]:
     """values.encode of the objects on every rank (they may differ by rank), agreed: a
     value that one rank cannot store stops every rank's save before anything is written."""
@@ -226,7 +221,8 @@ def _encode_agreed(group, objects: dict) -> tuple[dict, list[torch.Tensor]]:
 
 
 # the errors that every rank raises as they are; any other becomes a RuntimeError naming it
-_SHARED_ERRORS = {c.__name__: c for c in (CorruptCheckpoint, ValueError, TypeError, FileNotFoundError)}
+_SHARED_ERRORS = {c.__name__: c for c in (CorruptCheckpoint, ValueError, TypeError, FileNotFoundError, OSError,
+                                           PermissionError, FileExistsError, NotADirectoryError, IsADirectoryError)}
 
 
 def _agree(group, error: Exception | None, outcome: str) -> None:
@@ -264,13 +260,21 @@ def _assign_writers(everyone: list) -> list[set]:
 
 
 def _write(path, tmp, chunks, meta, values, aliases, group, rank, world) -> None:
-    if rank == 0:
+    # Each step on the disk can fail on one rank only (a full disk, a directory that is not
+    # shared): the ranks agree after each, so that all raise that error (the others used to
+    # wait for the failed rank until the collective timeout), and the unfinished directory
+    # goes. The checkpoint already at `path` is kept until the last rename.
+    kept = f"nothing was saved; a checkpoint already at {path} is as it was"
+
+    def prepare():
         _remove_stale(path)
         os.makedirs(tmp, exist_ok=False)
-    _barrier(group)
-    records = write_file(os.path.join(tmp, f"data_{rank:05d}.bin"), chunks)
+
+    _on_disk(group, rank == 0, prepare, tmp, kept)
+    records = _on_disk(group, True, lambda: write_file(os.path.join(tmp, f"data_{rank:05d}.bin"), chunks), tmp, kept)
     gathered = _all_gather(records, group)
-    if rank == 0:
+
+    def finish():
         tensors = {k: dict(m, chunks=[]) for k, m in meta.items()}
         for recs in gathered:
             for r in recs:
@@ -280,7 +284,26 @@ def _write(path, tmp, chunks, meta, values, aliases, group, rank, world) -> None
         manifest = dict(format=FORMAT, world_size=world, tensors=tensors, aliases=aliases, files=files)
         _write_bytes(os.path.join(tmp, MANIFEST), json.dumps(dict(manifest, crc32=_crc_of(manifest))).encode())
         _replace(tmp, path)
-    _barrier(group)
+
+    _on_disk(group, rank == 0, finish, tmp, kept)
+
+
+def _on_disk(group, here: bool, step, tmp: str, outcome: str):
+    """``step()`` where ``here`` (a part of a save that writes), then the ranks agree on how
+    it went; on an error every rank raises it and the unfinished directory is removed."""
+    result, error = None, None
+    if here:
+        try:
+            result = step()
+        except OSError as e:
+            error = e
+    try:
+        _agree(group, error, outcome)
+    except BaseException:
+        if group is None or dist.get_rank(group) == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return result
 
 
 def _entry(records: list[dict]) -> dict:
