@@ -531,6 +531,46 @@ def test_scheduler_param_groups_rng_and_user_values_round_trip_exactly(pool2, tm
     assert pool2.run(_case_round_trip, str(tmp_path / "ckpt")) == [[]] * 2
 
 
+def _case_rng_save(path: str, apart: bool) -> list[float]:
+    """Seeds the ranks apart (or alike), saves, and returns what each draws next."""
+    import torch.distributed as dist
+
+    run = _Run("tp2", seed=0)
+    torch.manual_seed(100 + dist.get_rank() if apart else 100)
+    vescale.save(path, run.state())
+    return torch.rand(3).tolist()
+
+
+def _case_rng_load(path: str, layout: str) -> tuple[list[float], list[str]]:
+    import warnings
+
+    run = _Run(layout, seed=1)
+    torch.manual_seed(12345)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        vescale.load(path, run.state())
+    return torch.rand(3).tolist(), [str(w.message) for w in caught if "random state" in str(w.message)]
+
+
+@pytest.mark.parametrize("apart", [True, False])
+def test_each_rank_resumes_its_own_random_stream(pool2, pool4, tmp_path, apart):
+    """A program that seeds its ranks apart gets each rank's own CPU random state back (all
+    of them used to take rank 0's); on another world size such states cannot be mapped and
+    are left alone, with a warning. Ranks seeded alike resume that one stream anywhere."""
+    path = str(tmp_path / "ckpt")
+    drawn = pool2.run(_case_rng_save, path, apart)
+    assert (drawn[0] != drawn[1]) == apart
+    assert [d for d, _ in pool2.run(_case_rng_load, path, "tp2")] == drawn
+    elsewhere = pool4.run(_case_rng_load, path, "tp4")
+    if apart:
+        assert all(len(w) == 1 and "each of its 2 ranks, and this job has 4" in w[0] for _, w in elsewhere)
+        untouched = torch.Generator().manual_seed(12345)
+        expected = torch.rand(3, generator=untouched).tolist()
+        assert all(d == expected for d, _ in elsewhere)  # left as it was
+    else:
+        assert all(d == drawn[0] and not w for d, w in elsewhere)
+
+
 def _case_unsupported(path: str) -> tuple[str, str]:
     import datetime
 

@@ -36,6 +36,7 @@ import re
 import shutil
 import threading
 import uuid
+import warnings
 import zlib
 from dataclasses import dataclass
 
@@ -107,6 +108,7 @@ def save(path: str, state: dict, *, async_save: bool = False) -> None:
     rank, world = _rank_world(group)
     layout = build(state)
     layout.objects[_RNG_KEY] = torch.get_rng_state()
+    layout.merge[_RNG_KEY] = _rng_states
     values = _encode_agreed(group, layout.objects)
     holdings = [(item.key, piece.box.to_json(), piece.tensor.numel() * piece.tensor.element_size())
                 for item in layout.items.values() for piece in item.pieces]
@@ -419,7 +421,29 @@ def _commit(plan: _Load, state: dict, rng: bool) -> None:
         if key in plan.objects:
             restore(plan.objects[key])
     if rng and _RNG_KEY in plan.objects:
-        torch.set_rng_state(plan.objects[_RNG_KEY])
+        _restore_rng(plan.objects[_RNG_KEY])
+
+
+def _rng_states(states: list[torch.Tensor]):
+    """The CPU generator's state to save, from every rank's (in rank order): one state
+    where they are all the same (vescale's random ops draw as one device does, from one
+    seed on every rank), else each rank's, for a program that seeds its ranks apart."""
+    return states[0] if all(torch.equal(s, states[0]) for s in states[1:]) else list(states)
+
+
+def _restore_rng(saved) -> None:
+    """Each rank's own saved state; where the ranks' states differed and the world size
+    changed since, none (which rank's stream goes where is not known) and a warning."""
+    if isinstance(saved, torch.Tensor):
+        torch.set_rng_state(saved)
+        return
+    rank, world = _rank_world(_checkpoint_group())
+    if len(saved) == world:
+        torch.set_rng_state(saved[rank])
+    else:
+        warnings.warn(f"vescale.load: the checkpoint holds a different CPU random state for each of its "
+                      f"{len(saved)} ranks, and this job has {world}: the random state is left as it is "
+                      "(load(..., rng=False) says so without a warning)", stacklevel=3)
 
 
 def _resolve(path: str) -> str:
