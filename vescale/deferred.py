@@ -32,11 +32,13 @@ have (skipped, without drawing, where the fill's consumption is known), so whate
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import sys
 import weakref
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
@@ -113,6 +115,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.seq = 0
         self.keys: set[int] = set()  # the storages this recording wrote
+        self.random: list[_Node] = []  # the random ops, in order
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -135,6 +138,7 @@ class _Recorder(TorchDispatchMode):
         self.seq += 1
         if rng is not None:
             _advance(node)
+            self.random.append(node)
         for t in _written(func, node.args, node.kwargs, node.out):
             _histories.setdefault(_key(t), _History()).nodes.append(node)
             _alive[_key(t)] = t
@@ -166,7 +170,9 @@ def _written(func, args, kwargs, out) -> list[torch.Tensor]:
 
 def deferred_init(module_cls, *args, **kwargs) -> nn.Module:
     """Runs ``module_cls(*args, **kwargs)`` on the meta device, recording how each
-    parameter and buffer gets its values; nothing is allocated."""
+    parameter and buffer gets its values; nothing is allocated. With torch.distributed
+    initialised every rank calls it (a collective): where the ranks' generators differ,
+    rank 0's recorded states are taken, as a broadcast from rank 0 would give."""
     recorder = _Recorder()
     originals = {name: getattr(torch.nn.init, name) for name in _PYTHON_INITS}
     for name, fn in originals.items():
@@ -179,7 +185,31 @@ def deferred_init(module_cls, *args, **kwargs) -> nn.Module:
             setattr(torch.nn.init, name, fn)
     # the recording lives as long as the module: then its storages may be reused
     weakref.finalize(module, _forget, frozenset(recorder.keys))
+    _agree_random_states(recorder.random)
     return module
+
+
+def _agree_random_states(nodes: list) -> None:
+    """Rank 0's recorded generator states on every rank, where the ranks recorded the same
+    construction from different states (seeded apart, for dropout or augmentation): the
+    values a built model gets from DDP's or distribute_tensor's broadcast from rank 0. A
+    shard or replica replays its tensors from these states, so without agreement replicas
+    differed and shards came from different seeds. Collective over the default group when
+    torch.distributed is initialised; ranks that recorded different numbers of random ops
+    built different things (a pipeline stage each) and are left alone."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    digest = hashlib.sha256()
+    for node in nodes:
+        digest.update(node.rng.numpy().tobytes())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (len(nodes), digest.hexdigest()))
+    if all(e == everyone[0] for e in everyone) or any(e[0] != everyone[0][0] for e in everyone):
+        return
+    states = [[node.rng for node in nodes] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(states, src=0)
+    for node, state in zip(nodes, states[0]):
+        node.rng = state
 
 
 @contextlib.contextmanager
@@ -227,6 +257,7 @@ def _recorded_init(fn, recorder: _Recorder):
         a, k, out = _aliases(((tensor, *args), kwargs, tensor))
         node = _Node(recorder.seq, fn, a, k, rng, out, python=True)
         recorder.seq += 1
+        recorder.random.append(node)
         with _disable_current_modes():
             _advance(node)
         _histories.setdefault(_key(tensor), _History()).nodes.append(node)

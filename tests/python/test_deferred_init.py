@@ -303,6 +303,33 @@ def test_ddp_and_zero_materialise_deferred_models(pool4, stage):
     assert pool4.run(_case_zero, stage) == [[]] * 4
 
 
+def _case_seeded_apart(stage: int, tp: bool) -> list[str]:
+    """Ranks seeded apart (a per-rank seed for dropout or augmentation) before building:
+    what a built model gets from DDP's or distribute_tensor's broadcast from rank 0."""
+    import torch.distributed as dist
+    from vescale.parallel import DDP, DistributedOptimizer, parallelize_module
+    from vescale.parallel.plans import gpt_plan
+
+    cfg = GPTConfig(vocab_size=32, n_embd=16, n_head=2, n_layer=2, dropout=0.0)
+    torch.manual_seed(100)
+    ref = GPT(cfg)
+    torch.manual_seed(100 + dist.get_rank())
+    model = deferred_init(GPT, cfg)
+    if tp:
+        parallelize_module(model, mesh("2d")["TP"], gpt_plan())
+    model = DDP(model, mesh("2d")["DP"] if tp else mesh("1d4"))
+    opt = DistributedOptimizer(torch.optim.SGD, models=[model], zero_stage=stage, lr=0.1) if stage else None
+    if not stage:
+        materialize_module(model.module)  # what DDP's first forward does
+    with opt.full_parameters() if stage else contextlib.nullcontext():
+        return _same(model.module, ref)
+
+
+@pytest.mark.parametrize("stage, tp", [(0, False), (3, False), (0, True), (1, True)])
+def test_ranks_seeded_apart_build_rank_0s_model(pool4, stage, tp):
+    assert pool4.run(_case_seeded_apart, stage, tp) == [[]] * 4
+
+
 def _case_ddp_trains(stage: int) -> list[str]:
     """A deferred model trained under DDP / ZeRO takes the step of the whole batch. DDP
     materialises at the first forward, after registering its gradient hooks: swapping
