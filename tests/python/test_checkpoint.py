@@ -672,6 +672,30 @@ def test_hugging_face_export_and_import(pool2, pool4, tmp_path, src, dst):
     assert pools[WORLD[LAYOUTS[dst][0]]].run(_case_import, dst, directory, "hf") == [[]] * WORLD[LAYOUTS[dst][0]]
 
 
+def _case_import_one_rank_short(directory: str) -> tuple[str, list[str]]:
+    """load_torch_state_dict of a state_dict that lacks a key on rank 1 only (each rank
+    passed its own dict): every rank raises, and no rank's model changes."""
+    run = _Run("dp2_tp2", seed=1)
+    before = run.full_parameters()
+    state = torch.load(directory + ".params.pt")
+    if dist.get_rank() == 1:
+        del state["transformer.h.0.attn.c_attn.weight"]
+    try:
+        vescale.checkpoint.load_torch_state_dict(state, run.model, optimizer=run.opt)
+        error = "no error"
+    except ValueError as e:
+        error = str(e)
+    return error, [n for n, p in run.full_parameters().items() if not torch.equal(p, before[n])]
+
+
+def test_a_state_dict_short_on_one_rank_fails_every_rank(pool4, tmp_path):
+    directory = str(tmp_path / "hf")
+    pool4.run(_case_export, "dp2_tp2", directory)
+    for error, changed in pool4.run(_case_import_one_rank_short, directory):
+        assert "missing in the state_dict: transformer.h.0.attn.c_attn.weight" in error and "rank 1" in error, error
+        assert changed == [], changed
+
+
 def _case_import_escaping(directory: str) -> str:
     """A Hugging Face index naming a file outside its directory (the bytes intact)."""
     run = _Run("tp2", seed=0)

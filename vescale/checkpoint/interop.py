@@ -148,7 +148,37 @@ def _gather_to(item, boxes: list[list[Box]], dst: int) -> torch.Tensor | None:
 
 
 def import_hf(directory: str, model: nn.Module, *, optimizer=None, strict: bool = True) -> None:
-    """Fills the model's shards from a Hugging Face-style safetensors directory."""
+    """Fills the model's shards from a Hugging Face-style safetensors directory. Every rank
+    calls it; an error on any rank is raised on every rank."""
+    _agreed(lambda: _import_hf(directory, model, optimizer, strict), directory)
+
+
+def _agreed(prepare, where: str) -> None:
+    """``prepare()`` (the checks, returning the copy to do) on this rank, the ranks agree,
+    then the copy, and they agree again: a file one rank cannot see or read, or a
+    mismatch only its shards meet, raises on every rank (a rank raising alone left the
+    others to wait for it in their next collective), and a check that fails on any rank
+    changes no rank's model."""
+    from .api import _agree, _checkpoint_group
+
+    group = _checkpoint_group()
+    if group is None:  # one process: its errors as they are
+        prepare()()
+        return
+    copy, error = None, None
+    try:
+        copy = prepare()
+    except Exception as e:  # noqa: BLE001  (shared with the other ranks, then raised on all)
+        error = e
+    _agree(group, error, f"loading {where}: no rank changed its model")
+    try:
+        copy()
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _agree(group, error, f"loading {where}: the ranks' models may be partly filled")
+
+
+def _import_hf(directory: str, model: nn.Module, optimizer, strict: bool):
     from safetensors import safe_open
 
     index = os.path.join(directory, INDEX)
@@ -175,19 +205,27 @@ def import_hf(directory: str, model: nn.Module, *, optimizer=None, strict: bool 
                                                                                                   box.sizes))]
         return part.reshape(box.sizes)
 
-    _fill_model(model, optimizer, set(weight_map), shape_of, read, strict, directory)
+    return _fill_model(model, optimizer, set(weight_map), shape_of, read, strict, directory)
 
 
 def load_torch_state_dict(source, model: nn.Module, *, optimizer=None, strict: bool = True) -> None:
     """Fills the model's shards from a single-device ``state_dict`` (a path to a
-    ``torch.save`` file, memory-mapped so each rank reads only its slices, or a dict)."""
-    state = torch.load(source, mmap=True, weights_only=True, map_location="cpu") if isinstance(source, str) else source
-    _fill_model(model, optimizer, set(state), lambda n: tuple(state[n].shape),
-                lambda n, box: box.view_of(state[n], Box((0,) * state[n].dim(), tuple(state[n].shape))),
-                strict, source if isinstance(source, str) else "the state_dict")
+    ``torch.save`` file, memory-mapped so each rank reads only its slices, or a dict).
+    Every rank calls it; an error on any rank is raised on every rank."""
+    where = source if isinstance(source, str) else "the state_dict"
+
+    def prepare():
+        state = torch.load(source, mmap=True, weights_only=True, map_location="cpu") if isinstance(source, str) \
+            else source
+        return _fill_model(model, optimizer, set(state), lambda n: tuple(state[n].shape),
+                           lambda n, box: box.view_of(state[n], Box((0,) * state[n].dim(), tuple(state[n].shape))),
+                           strict, where)
+
+    _agreed(prepare, where)
 
 
-def _fill_model(model, optimizer, available: set, shape_of, read, strict: bool, where: str) -> None:
+def _fill_model(model, optimizer, available: set, shape_of, read, strict: bool, where: str):
+    """Checks the source against the model; returns the copy into the model's shards."""
     state = {"model": model}
     if optimizer is not None:
         state["optimizer"] = optimizer
@@ -206,7 +244,9 @@ def _fill_model(model, optimizer, available: set, shape_of, read, strict: bool, 
             problems.append(f"'{name}': shape {list(item.shape)} in the model, {list(shape_of(name))} in {where}")
     if problems:
         raise ValueError(f"cannot load {where} into the model: " + "; ".join(problems))
-    with torch.no_grad():
+
+    @torch.no_grad()
+    def copy():
         for name, item in wanted.items():
             if name in available:
                 for piece in item.pieces:
@@ -214,3 +254,5 @@ def _fill_model(model, optimizer, available: set, shape_of, read, strict: bool, 
         if optimizer is not None:
             from .api import _masters_from_parameters
             _masters_from_parameters(state, layout, {})
+
+    return copy
