@@ -696,6 +696,34 @@ def test_a_state_dict_short_on_one_rank_fails_every_rank(pool4, tmp_path):
         assert changed == [], changed
 
 
+def _case_export_fails_on_one_rank(directory: str) -> str:
+    import safetensors.torch
+
+    run = _Run("dp2_tp2", seed=0)
+    real = safetensors.torch.save_file
+
+    def full_disk(*args, **kwargs):
+        if dist.get_rank() == 1:
+            raise OSError("disk full (simulated)")
+        return real(*args, **kwargs)
+
+    safetensors.torch.save_file = full_disk
+    try:
+        vescale.checkpoint.export_hf(directory, run.model, max_shard_size="40KB")
+        return "no error"
+    except OSError as e:
+        return str(e)
+    finally:
+        safetensors.torch.save_file = real
+
+
+def test_an_export_failing_on_one_rank_fails_every_rank(pool4, tmp_path):
+    """A writer's disk error was raised on that rank alone; the others waited for it in the
+    next gather until the collective timeout."""
+    for error in pool4.run(_case_export_fails_on_one_rank, str(tmp_path / "hf")):
+        assert "disk full (simulated)" in error and "found by rank 1" in error, error
+
+
 def _case_import_escaping(directory: str) -> str:
     """A Hugging Face index naming a file outside its directory (the bytes intact)."""
     run = _Run("tp2", seed=0)

@@ -83,9 +83,12 @@ def export_hf(directory: str, model: nn.Module, *, max_shard_size: int | str = "
     count = file_of[-1] + 1 if items else 0
     names = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors"
                                                       for i in range(count)]
-    os.makedirs(directory, exist_ok=True)  # on every rank: a writer other than 0 may not wait for rank 0
     from safetensors.torch import save_file
 
+    # A write can fail on one rank (a full disk, a directory not shared): that rank keeps
+    # taking part in the gathers, writing nothing more, and at the end every rank raises.
+    failed = _Writes()
+    failed.attempt(lambda: os.makedirs(directory, exist_ok=True))  # every rank: a writer may not wait for rank 0
     pending: dict[str, torch.Tensor] = {}
     for n, (name, item, boxes) in enumerate(items):
         writer = file_of[n] % world
@@ -93,14 +96,38 @@ def export_hf(directory: str, model: nn.Module, *, max_shard_size: int | str = "
         if rank == writer:
             pending[name] = full
             if n + 1 == len(items) or file_of[n + 1] != file_of[n]:  # the file is complete
-                save_file(pending, os.path.join(directory, names[file_of[n]]), metadata={"format": "pt"})
+                file = os.path.join(directory, names[file_of[n]])
+                failed.attempt(lambda: save_file(pending, file, metadata={"format": "pt"}))
                 pending = {}
     if rank == 0 and count > 1:
         index = {"metadata": {"total_size": sum(sizes)},
                  "weight_map": {name: names[f] for (name, _, _), f in zip(items, file_of)}}
-        with open(os.path.join(directory, INDEX), "w") as f:
-            json.dump(index, f, indent=2)
-    dist.barrier()
+        failed.attempt(lambda: _write_json(os.path.join(directory, INDEX), index))
+    failed.agree(f"the export to {directory} is incomplete")
+
+
+class _Writes:
+    """The first error of a rank's writes; ``agree`` raises it on every rank."""
+
+    def __init__(self):
+        self.error: Exception | None = None
+
+    def attempt(self, write) -> None:
+        if self.error is None:
+            try:
+                write()
+            except OSError as e:
+                self.error = e
+
+    def agree(self, outcome: str) -> None:
+        from .api import _agree, _checkpoint_group
+
+        _agree(_checkpoint_group(), self.error, outcome)
+
+
+def _write_json(path: str, value) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2)
 
 
 def export_torch(path: str, model: nn.Module, *, optimizer=None) -> None:
@@ -114,12 +141,15 @@ def export_torch(path: str, model: nn.Module, *, optimizer=None) -> None:
         full = _gather_to(item, boxes, 0)
         if rank == 0:
             state[name] = full
+    failed = _Writes()
     if rank == 0:
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
-    dist.barrier()
+        def write():
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            torch.save(state, path + ".tmp")
+            os.replace(path + ".tmp", path)
+
+        failed.attempt(write)
+    failed.agree(f"{path} was not written")
 
 
 def _gather_to(item, boxes: list[list[Box]], dst: int) -> torch.Tensor | None:
