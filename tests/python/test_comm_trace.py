@@ -57,8 +57,9 @@ def _case_comm_trace(path: str):
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
     with vescale.debug.comm_trace() as t:
         model(x).sum().backward()
-    # Each DP rank's gradient bucket holds every local gradient: its bytes.
-    bucket = sum(local_of(p).numel() * local_of(p).element_size() for p in model.parameters())
+    # Each DP rank's gradient bucket holds every local gradient, and one flag per parameter
+    # (whether this rank had a gradient for it): their bytes.
+    bucket = sum((local_of(p).numel() + 1) * local_of(p).element_size() for p in model.parameters())
     # The row-parallel layer's output [4, 8] float32 is Partial over TP: one all-reduce.
     row_out = 4 * 8 * 4
     written = t.to_chrome_trace(path)

@@ -10,6 +10,15 @@ backward waits for every bucket. For a DTensor parameter the reduction acts on t
 rank's local shard: DP ranks at the same tensor-parallel coordinate hold the same
 shard. ``no_sync()`` accumulates locally (gradient accumulation).
 
+Buckets are reduced strictly in bucket order, as torch's Reducer does (a bucket whose
+gradients are all in waits for the earlier ones): every rank then issues the same
+collectives in the same order, whatever order its gradients arrive in. A parameter
+unused in this rank's forward (a data-dependent branch) takes part with zeros; after
+the reduction it gets the reduced gradient wherever some DP rank had a gradient, and
+keeps ``grad None`` only where no rank had one, as torch's DDP with
+``find_unused_parameters``. Whether each rank had a gradient travels as one flag per
+parameter at the end of its bucket's collective (no collective of its own).
+
 With ``shard_gradients()`` (ZeRO-2 and 3, called by DistributedOptimizer) buckets are
 reduce-scattered instead, one per unit as FSDP groups them (each ``nn.ModuleList``
 member, then the rest; ``vescale.parallel.zero3``): each rank keeps only its slice of
@@ -21,6 +30,14 @@ Tensor-parallel parameters replicated over a TP dim get gradients Partial over i
 and TP groups together are the world, by one all-reduce over the world group (the sum
 over both at once); otherwise the TP sum follows the DP one, one collective per bucket.
 Under ZeRO-2 the TP sum is taken of each rank's slices only, after the reduce-scatter.
+Which parameters take these paths is read from their placements, not from their
+gradients, so that a DP rank without a gradient chooses the same collectives; a
+gradient of such a parameter that arrives replicated is divided by the TP size and
+summed the same way.
+
+``broadcast_buffers=True`` (the default, as torch's DDP) broadcasts DP rank 0's buffers
+(BatchNorm's running statistics) before each forward that follows a reducing backward,
+in one collective; a model without buffers sends nothing.
 
 In fp16 the average divides before it sums, as torch's DDP does (an fp16 sum of
 loss-scaled gradients can overflow where their average does not); in wider types it
@@ -42,6 +59,8 @@ from .. import _C, _trace
 from ..device_mesh import DeviceMesh
 from .._local import local_of  # noqa: F401  (re-exported: vescale.parallel.ddp.local_of)
 from ..deferred import has_deferred, is_deferred, materialize_module
+from ..dtensor import DTensor
+from ..placement_types import Partial, to_c
 from .tp_grads import copy_back, land, launch_partial_sums, partial_dims, partial_gradients_of, sum_over_dims
 
 __all__ = ["DDP"]
@@ -56,6 +75,7 @@ class Slot:
     numel: int
     chunk: int   # elements per rank
     offset: int  # in each rank's row of the bucket
+    index: int   # in its bucket's slots (and flags: see Bucket.missing)
 
 
 @dataclass
@@ -76,6 +96,10 @@ class Bucket:
     # world x chunk_total, it also takes ZeRO-1's gather of the updated parameters.
     kept: torch.Tensor | None = None
     cap_bytes: int = 0  # what counts against bucket_cap_mb (_even_share_bytes)
+    # indices of the slots without a gradient on this rank this step: they took part with
+    # zeros, and keep the result only where another DP rank had a gradient (the flags:
+    # one element per slot after the gradients in the collective, 1 where a rank had one)
+    missing: list[int] = field(default_factory=list)
 
     def numel(self) -> int:
         return self.chunk_total
@@ -98,9 +122,13 @@ def _even_share_bytes(p: nn.Parameter) -> int:
 
 class DDP(nn.Module):
     def __init__(self, module: nn.Module, data_parallel: DeviceMesh | dist.ProcessGroup, *,
-                 bucket_cap_mb: float = 25.0, reduce_scatter: bool = False):
+                 bucket_cap_mb: float = 25.0, reduce_scatter: bool = False, broadcast_buffers: bool = True):
         super().__init__()
         self.module = module
+        self.broadcast_buffers = broadcast_buffers
+        # torch's require_forward_param_sync: buffers are broadcast before a forward that
+        # follows one whose backward reduces (or the first), as torch's DDP does
+        self._buffers_due = True
         if isinstance(data_parallel, DeviceMesh):
             if data_parallel.ndim != 1:
                 raise ValueError(f"DDP takes a 1-d data-parallel mesh (e.g. mesh['DP']), got {data_parallel}")
@@ -113,6 +141,7 @@ class DDP(nn.Module):
         self._cap_mb = bucket_cap_mb
         self._sync = True
         self._callback_queued = False
+        self._next_bucket = 0  # buckets launch in order: the first not launched yet this step
         self._shares = False  # this backward's gradients are shares of the average (mark_shares)
         self.sharded_parameters = None  # ZeRO-3's, set by DistributedOptimizer
         self.buckets = self._make_buckets(bucket_cap_mb, by_unit=reduce_scatter)
@@ -153,6 +182,9 @@ class DDP(nn.Module):
 
     def forward(self, *args, **kwargs):
         self.materialize()  # a vescale.deferred_init model: values are needed now
+        if self.broadcast_buffers and self._buffers_due:
+            self._broadcast_buffers()
+        self._buffers_due = torch.is_grad_enabled() and self._sync
         return self.module(*args, **kwargs)
 
     @property
@@ -220,7 +252,7 @@ class DDP(nn.Module):
             # (at least one element: a tensor-parallel split may leave this rank an empty
             # shard, which then takes a padding element per DP rank)
             chunk = max(1, -(-local.numel() // self.world))
-            b.slots.append(Slot(p, local.numel(), chunk, b.chunk_total))
+            b.slots.append(Slot(p, local.numel(), chunk, b.chunk_total, len(b.slots)))
             b.chunk_total += chunk
         return buckets
 
@@ -240,6 +272,32 @@ class DDP(nn.Module):
                 if not is_deferred(t):
                     _trace.call("broadcast", self.group, local_of(t), dist.broadcast, local_of(t), src=src,
                                 group=self.group, source="ddp")
+
+    @torch.no_grad()
+    def _broadcast_buffers(self) -> None:
+        """DP rank 0's buffers on every DP rank (``broadcast_buffers``, as torch's DDP), so
+        that BatchNorm's running statistics stay the same everywhere: one broadcast of
+        all their bytes (none for a model without buffers)."""
+        buffers = [t for t in (local_of(b) for b in self.module.buffers()) if not t.is_meta]
+        if self.world == 1 or not buffers:
+            return
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for t in buffers:
+            by_device.setdefault(t.device, []).append(t)
+        src = dist.get_global_rank(self.group, 0)
+        for tensors in by_device.values():
+            # widest elements first: every piece of the byte buffer then starts at a
+            # multiple of its own element size, so it views back as its dtype in place
+            tensors.sort(key=lambda t: -t.element_size())
+            flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+            _trace.call("broadcast", self.group, flat, dist.broadcast, flat, src=src, group=self.group,
+                        source="ddp")
+            if self.rank != 0:
+                offset = 0
+                for t in tensors:
+                    n = t.numel() * t.element_size()
+                    t.copy_(flat[offset:offset + n].view(t.dtype).view(t.shape))
+                    offset += n
 
     # ---- backward ----
 
@@ -274,62 +332,109 @@ class DDP(nn.Module):
         if self.reduce_scatter:
             self._stage(bucket, slot)
         bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch(bucket)
+        # In bucket order only, as torch's Reducer: launched as they fill up, a parameter
+        # unused on one rank delays its bucket there only, and same-sized buckets of two
+        # ranks would pair up in one collective (mixed gradients, silently).
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
+            self._next_bucket += 1
+            self._launch(self.buckets[self._next_bucket - 1])
 
     def _launch(self, b: Bucket) -> None:
         if self.reduce_scatter:
             self._launch_reduce_scatter(b)
             return
+        # a parameter without a gradient here (unused in this rank's forward) takes part
+        # with zeros: every DP rank sends the same collectives, whatever its data
+        b.missing = [s.index for s in b.slots if s.param.grad is None]
+        for i in b.missing:
+            b.slots[i].param.grad = self._zero_grad(b.slots[i].param)
+        for s in b.slots:
+            self._make_partial(s.param, s.param.grad)
         # all-reduce: gradients back to back, no padding; Partial (TP) gradients summed
         # over DP x TP at once where one group (the world) holds both
         over_world = [self._sums_over_world(s.param) for s in b.slots]
         b.tp = launch_partial_sums([s.param for s, w in zip(b.slots, over_world) if w],
                                    over_world=True, divide_by=self._divisor())
         b.in_buffer = [s for s, w in zip(b.slots, over_world) if not w]
+        flags = torch.ones(len(b.slots), dtype=b.dtype, device=b.device)
+        if b.missing:
+            flags[b.missing] = 0
         if self.world == 1:  # one DP rank: its gradients are their average; only TP sums remain
-            b.tp += launch_partial_sums([s.param for s in b.in_buffer if self._is_partial(s.param)])
+            b.tp += launch_partial_sums([s.param for s in b.in_buffer if self._partial_dims(s.param)])
             b.in_buffer = []
-            b.work = (None, torch.empty(0, dtype=b.dtype, device=b.device))
+            b.work = (None, flags)
             return
-        flat = [local_of(s.param.grad).reshape(-1) if s.param.grad is not None
-                else torch.zeros(s.numel, dtype=b.dtype, device=b.device) for s in b.in_buffer]
-        total = sum(s.numel for s in b.in_buffer)
+        flat = [local_of(s.param.grad).reshape(-1) for s in b.in_buffer] + [flags]
+        total = sum(s.numel for s in b.in_buffer) + len(b.slots)
         if b.kept is None or b.kept.numel() < total:
             # with room for every rank's padded slices: ZeRO-1 gathers the updated
             # parameters into this buffer after the step (DistributedOptimizer)
             b.kept = torch.empty(max(total, self.world * b.chunk_total), dtype=b.dtype, device=b.device)
         b.buffer = b.kept[:total]
-        if flat:
-            torch.cat(flat, out=b.buffer)
+        torch.cat(flat, out=b.buffer)
         self._average(b, b.buffer, before_sum=True)
         token = _trace.collective_started("all_reduce", self.group, b.buffer, source="ddp")
         b.work = (_trace.traced(dist.all_reduce(b.buffer, group=self.group, async_op=True), token), b.buffer)
 
-    def _is_partial(self, p: nn.Parameter) -> tuple[int, ...]:
-        """The TP mesh dims over which ``p``'s gradient is still a Partial sum."""
-        if id(p) not in self._partial_params or p.grad is None:
+    def _partial_dims(self, p: nn.Parameter) -> tuple[int, ...]:
+        """The TP mesh dims over which ``p``'s gradient is summed here: every dim (of more
+        than one rank) that ``p`` is replicated over, for a parameter whose Partial
+        gradients DDP reduces (tp_grads). Read from the parameter, not from its gradient:
+        every DP rank must choose the same collectives, also one that got no gradient
+        (``_make_partial`` makes a gradient that came replicated Partial)."""
+        if id(p) not in self._partial_params:
             return ()
-        return partial_dims(p.grad)
+        return tuple(d for d, pl in enumerate(p.placements) if pl.is_replicate() and p.device_mesh.size(d) > 1)
 
     def _sums_over_world(self, p: nn.Parameter) -> bool:
-        dims = self._is_partial(p)
+        dims = self._partial_dims(p)
         mesh = p.device_mesh if dims else None
         return bool(dims) and len(dims) == sum(n > 1 for n in mesh.shape) \
             and self.world * mesh.size() == dist.get_world_size()
 
+    def _make_partial(self, p: nn.Parameter, grad: torch.Tensor | None) -> None:
+        """Labels ``grad`` (``p``'s) Partial over all of ``_partial_dims(p)``: a gradient
+        replicated over such a dim (as some backward formulas give it) is divided by the
+        dim's size there, so that the sum over it is the gradient again."""
+        dims = self._partial_dims(p)
+        if grad is None or not dims:
+            return
+        have = partial_dims(grad)
+        n = 1
+        for d in dims:
+            if d not in have:
+                n *= p.device_mesh.size(d)
+        if n > 1:
+            local_of(grad).div_(n)
+            _C.relabel(grad, to_c(self._partial_placements(p)))
+
+    def _partial_placements(self, p: nn.Parameter) -> list:
+        dims = self._partial_dims(p)
+        return [Partial("sum") if d in dims else pl for d, pl in enumerate(p.placements)]
+
+    def _zero_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """Zeros in the form of ``p``'s gradient (Partial over ``_partial_dims``)."""
+        zeros = torch.zeros_like(local_of(p))
+        if not _C.is_dtensor(p):
+            return zeros
+        return DTensor.from_local(zeros, p.device_mesh, self._partial_placements(p), shape=p.shape,
+                                  stride=p.stride())
+
     def _stage(self, b: Bucket, s: Slot) -> None:
         """Copies a gradient into its bucket's buffer, rank-major and padded so that a
-        reduce-scatter hands each rank its own slice of every gradient, and drops it."""
+        reduce-scatter hands each rank its own slice of every gradient, and drops it.
+        The buffer's last columns are the flags (one per slot, see Bucket.missing)."""
         if b.buffer is None:
-            b.buffer = torch.empty(self.world, b.chunk_total, dtype=b.dtype, device=b.device)
+            b.buffer = torch.empty(self.world, b.chunk_total + len(b.slots), dtype=b.dtype, device=b.device)
         rows = b.buffer[:, s.offset:s.offset + s.chunk]
         b.staged.add(id(s))
-        if s.param.grad is None:  # unused this step: contributes zeros
-            rows.zero_()
-            return
-        if dims := self._is_partial(s.param):
+        if dims := self._partial_dims(s.param):  # also without a gradient here: see _partial_dims
             b.partial.append((s, dims))
+        if s.param.grad is None:  # unused on this rank this step: contributes zeros
+            rows.zero_()
+            b.missing.append(s.index)
+            return
+        self._make_partial(s.param, s.param.grad)
         flat = local_of(s.param.grad).reshape(-1)
         full = s.numel // s.chunk
         rows[:full].copy_(flat[: full * s.chunk].view(full, s.chunk))
@@ -343,6 +448,10 @@ class DDP(nn.Module):
             if id(s) not in b.staged:
                 self._stage(b, s)
         b.in_buffer, b.staged = b.slots, set()
+        flags = b.buffer[:, b.chunk_total:]
+        flags.fill_(1)
+        if b.missing:
+            flags[:, b.missing] = 0
         # earlier units' reduce-scatters: waited for and their handles dropped, one left in
         # flight (overlapping this unit's backward). Gloo's handle holds a whole copy of its
         # input until the handle itself is freed, so kept handles would add up to the model.
@@ -351,7 +460,7 @@ class DDP(nn.Module):
                 earlier.work[0].wait()
                 earlier.work = (None, earlier.work[1])
         self._average(b, b.buffer, before_sum=True)
-        out = torch.empty(b.chunk_total, dtype=b.dtype, device=b.device)
+        out = torch.empty(b.chunk_total + len(b.slots), dtype=b.dtype, device=b.device)
         token = _trace.collective_started("reduce_scatter", self.group, b.buffer, source="zero")
         b.work = (_trace.traced(_reduce_scatter(out, b.buffer.view(-1), self.group), token), out)
         # the input is the collective's now (gloo copies it at the launch; c10d's other
@@ -360,10 +469,11 @@ class DDP(nn.Module):
 
     def _finish(self) -> None:
         self._callback_queued = False
-        for b in self.buckets:
-            if b.work is None:
-                self._launch(b)  # a parameter did not get a gradient this step
+        for b in self.buckets[self._next_bucket:]:  # in order: gradients that did not all arrive
+            self._launch(b)
+        self._next_bucket = 0
         partial = []  # ZeRO-2: Partial (TP) slices, summed after every bucket's reduce-scatter
+        unused = []  # slots that no DP rank had a gradient for
         for b in self.buckets:
             work, result = b.work
             if work is not None:  # (None: a reduce-scatter waited for already)
@@ -373,18 +483,24 @@ class DDP(nn.Module):
             for s in b.in_buffer:
                 if self.reduce_scatter:  # a view: the bucket's slice buffer lives until zero_grad
                     self.grad_shards[id(s.param)] = result[s.offset:s.offset + s.chunk]
-                elif s.param.grad is not None:
+                else:
                     grad = local_of(s.param.grad)
                     grad.copy_(result[offset:offset + s.numel].view_as(grad))
                 offset += s.numel
+            if b.missing:  # (the flags are read only here: no wait for the device otherwise)
+                had = (result[-len(b.slots):] > 0).tolist()
+                unused += [b.slots[i] for i in b.missing if not had[i]]
             if self.reduce_scatter:
                 partial += b.partial
             else:  # the TP sums: those over the world, and those that follow the DP sum
-                b.tp += launch_partial_sums([s.param for s in b.in_buffer if self._is_partial(s.param)])
+                b.tp += launch_partial_sums([s.param for s in b.in_buffer if self._partial_dims(s.param)])
                 land(b.tp)
-            b.work, b.buffer, b.in_buffer, b.partial = None, None, [], []
+            b.work, b.buffer, b.in_buffer, b.partial, b.missing = None, None, [], [], []
         if partial:
             self._sum_partial_slices(partial)
+        for s in unused:  # unused on every DP rank: no gradient, as torch's DDP leaves it
+            s.param.grad = None
+            self.grad_shards.pop(id(s.param), None)
         self._shares = False  # after every launch above: the next backward says again
 
     def _sum_partial_slices(self, partial: list[tuple[Slot, tuple[int, ...]]]) -> None:

@@ -1,0 +1,271 @@
+"""DDP and ZeRO-1/2 when the DP ranks' forwards differ: a layer that a data-dependent
+branch skips on some ranks (an MoE expert, a layer skipped for some batches).
+
+Each step's single-device reference runs the same code on each DP rank's micro-batch
+and averages the losses, so it takes the same branches. The parallel run must give the
+same losses (rtol 1e-5), the same averaged gradients at every step (to 1e-5 of each
+tensor's largest element, + 1e-6), ``grad None`` exactly where the reference has it (a
+parameter unused on every rank, as torch's DDP leaves it), and after SGD with momentum
+(which moves a parameter with a zero gradient, not one with none) the same parameters
+on every rank. Small buckets (several per model) check that the ranks pair their
+buckets' collectives right when their gradients arrive in different orders.
+
+Buffers (BatchNorm's running statistics) are DP rank 0's on every rank at each forward,
+as torch's DDP with ``broadcast_buffers=True`` keeps them."""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import vescale
+from vescale import Replicate, Shard
+from vescale.parallel import DDP, DistributedOptimizer, parallelize_module
+
+from dist_utils import full_grads, mesh, mismatch, mismatch_to_max
+
+# per step, per DP rank: whether its micro-batch takes the branch (x.sum() > 0)
+TAKEN = {
+    4: [(True, False, False, False), (False, True, True, True), (False,) * 4, (True,) * 4, (False, False, True, False)],
+    2: [(True, False), (False, True), (False, False), (True, True), (False, True)],
+}
+ROWS = 2  # per DP rank
+LR, MOMENTUM = 0.1, 0.9
+
+# layout -> (mesh name in dist_utils, its DP and TP dims; None: the whole mesh is DP)
+MESHES = {"dp4": ("1d4", None, None), "dp2_tp2": ("2d", "DP", "TP")}
+SMALL_BUCKETS_MB = 1e-4  # ~100 bytes: a few parameters per bucket
+
+S0, S1 = Shard(0), Shard(1)
+TP_PLAN = {  # up / b_up column-parallel, down / b_down row-parallel, the rest replicated
+    "parameter": {r"(up|b_up)\.(weight|bias)": [S0], r"(down|b_down)\.weight": [S1]},
+    "forward": {r"(up|b_up)\.input": [[Replicate()]], r"(down|b_down)\.output": [[Replicate()]]},
+}
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(6, 8)
+        self.down = nn.Linear(8, 6)
+        self.b_up = nn.Linear(6, 8)
+        self.b_down = nn.Linear(8, 6)
+        self.b_norm = nn.LayerNorm(6)
+        self.never = nn.Linear(6, 6)  # unused on every rank, every step
+        self.head = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.down(torch.relu(self.up(x)))
+        if x.sum() > 0:  # this rank's data decides
+            h = self.b_norm(h + self.b_down(torch.tanh(self.b_up(h))))
+        return self.head(h).pow(2).mean()
+
+
+def _micro_batch(step: int, dp_rank: int, dp: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + dp_rank)
+    x = torch.randn(ROWS, 6, generator=g).abs() + 0.1
+    return x if TAKEN[dp][step][dp_rank] else -x
+
+
+def _reference(dp: int):
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    losses, grads = [], []
+    for step in range(len(TAKEN[dp])):
+        opt.zero_grad()
+        loss = sum(model(_micro_batch(step, r, dp)) for r in range(dp)) / dp
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _grads(model: DDP) -> dict:
+    grads = full_grads(model)
+    if model.reduce_scatter:  # ZeRO-2: a gradient no rank had has no slice (full_grads gives zeros)
+        for name, p in model.module.named_parameters():
+            if id(p) not in model.grad_shards:
+                grads[name] = None
+    return grads
+
+
+def _case_train(mesh_name: str, zero: int, bucket_cap_mb: float):
+    mesh_key, dp_dim, tp_dim = MESHES[mesh_name]
+    m = mesh(mesh_key)
+    dp_mesh = m[dp_dim] if dp_dim else m
+    torch.manual_seed(0)
+    model = Branchy()
+    if tp_dim:
+        parallelize_module(model, m[tp_dim], TP_PLAN)
+    ddp = DDP(model, dp_mesh, bucket_cap_mb=bucket_cap_mb)
+    if zero:
+        opt = DistributedOptimizer(torch.optim.SGD, models=[ddp], zero_stage=zero, lr=LR, momentum=MOMENTUM)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
+    ref_losses, ref_grads, ref_params = _reference(dp)
+
+    failures, collectives = [], []
+    for step in range(len(TAKEN[dp])):
+        opt.zero_grad()
+        with vescale.debug.comm_trace() as trace:
+            loss = ddp(_micro_batch(step, dp_rank, dp))  # (no buffers: no broadcast)
+            loss.backward()
+        collectives.append(collections.Counter(e["kind"] for e in trace.events if e["source"] in ("ddp", "zero")))
+        value = (loss.full_tensor() if isinstance(loss, vescale.DTensor) else loss).detach().clone()
+        dist.all_reduce(value, group=dp_mesh.get_group())
+        err = mismatch(value / dp, torch.tensor(ref_losses[step]), rtol=1e-5, atol=1e-6)
+        if err:
+            failures.append(f"step {step} loss: {err}")
+        for name, p in model.named_parameters():
+            if p.grad is not None and isinstance(p, vescale.DTensor) and p.grad.placements != p.placements:
+                failures.append(f"step {step} {name}: gradient {p.grad.placements}, parameter {p.placements}")
+        for name, g in _grads(ddp).items():
+            err = mismatch_to_max(g, ref_grads[step][name], atol=1e-6)
+            if err:
+                failures.append(f"step {step} gradient of {name}: {err}")
+        opt.step()
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if isinstance(p, vescale.DTensor) else p.detach()
+        err = mismatch_to_max(full, ref_params[name], atol=1e-6)
+        if err:
+            failures.append(f"{name} after {len(TAKEN[dp])} steps: {err}")
+    state = len(opt.state)  # SGD's momentum buffers: on every rank alike
+    return failures, len(ddp.buckets), collectives, state
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [25.0, SMALL_BUCKETS_MB], ids=["one_bucket", "small_buckets"])
+@pytest.mark.parametrize("zero", [0, 1, 2], ids=["ddp", "zero1", "zero2"])
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_branch_skipped_on_some_ranks_matches_single_device(pool4, mesh_name, zero, bucket_cap_mb):
+    results = pool4.run(_case_train, mesh_name, zero, bucket_cap_mb)
+    for failures, _, _, _ in results:
+        assert failures == []
+    buckets = {r[1] for r in results}
+    assert len(buckets) == 1
+    if bucket_cap_mb == SMALL_BUCKETS_MB:
+        assert buckets.pop() > 3
+    # whether a rank had each gradient travels in the buckets' own collectives: one per
+    # bucket and step, the same on every rank whichever branch its data took
+    per_step = [r[2] for r in results]
+    assert all(c == per_step[0] for c in per_step)
+    assert all(sum(c.values()) == results[0][1] for c in per_step[0])
+    assert len({r[3] for r in results}) == 1
+
+
+def _case_never_used(zero: int):
+    m = mesh("1d4")
+    torch.manual_seed(0)
+    model = Branchy()
+    ddp = DDP(model, m, bucket_cap_mb=SMALL_BUCKETS_MB)
+    options = dict(lr=LR, momentum=MOMENTUM, weight_decay=0.1)  # a zero gradient would move the parameter
+    if zero:
+        opt = DistributedOptimizer(torch.optim.SGD, models=[ddp], zero_stage=zero, **options)
+    else:
+        opt = torch.optim.SGD(model.parameters(), **options)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.zero_grad()
+    ddp(-torch.ones(ROWS, 6)).backward()  # the branch is skipped on every rank
+    unused = [n for n, p in model.named_parameters() if n.startswith(("b_", "never"))]
+    have = [n for n in unused if model.get_parameter(n).grad is not None
+            or id(model.get_parameter(n)) in ddp.grad_shards]
+    opt.step()
+    moved = [n for n in unused if not torch.equal(model.get_parameter(n).detach(), before[n])]
+    return have, moved
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2], ids=["ddp", "zero1", "zero2"])
+def test_parameter_unused_on_every_rank_keeps_no_gradient(pool4, zero):
+    """As torch's DDP: no rank had a gradient, so none gets one and the step skips it."""
+    for have, moved in pool4.run(_case_never_used, zero):
+        assert have == []
+        assert moved == []
+
+
+class Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.lin(x)).pow(2).mean()
+
+
+def _normed_batch(step: int, dp_rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10 * step + dp_rank)
+    return torch.randn(3, 4, generator=g) * (dp_rank + 1) + dp_rank
+
+
+def _case_buffers(broadcast: bool):
+    m, rank = mesh("1d4"), dist.get_rank()
+    torch.manual_seed(0)
+    model = Normed()
+    ref = copy.deepcopy(model)
+    ddp = DDP(model, m, broadcast_buffers=broadcast)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    failures, broadcasts = [], []
+    for step in range(3):
+        opt.zero_grad()
+        with vescale.debug.comm_trace() as trace:
+            loss = ddp(_normed_batch(step, rank))
+        broadcasts.append(sum(e["kind"] == "broadcast" for e in trace.events))
+        loss.backward()
+        opt.step()
+        # the reference: the average loss of the 4 micro-batches (BatchNorm in training
+        # normalises by each batch's own statistics), and the running statistics of rank
+        # 0's micro-batch alone, from rank 0's: what every rank starts the next forward with
+        ref_opt.zero_grad()
+        start = {n: b.clone() for n, b in ref.named_buffers()}
+        others = sum(ref(_normed_batch(step, r)) for r in range(1, 4)) / 4
+        others.backward()
+        for n, b in ref.named_buffers():
+            b.copy_(start[n])
+        first = ref(_normed_batch(step, 0)) / 4
+        first.backward()
+        ref_loss = others + first
+        ref_opt.step()
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        err = mismatch(value / 4, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        if err:
+            failures.append(f"step {step} loss: {err}")
+    ddp.eval()
+    ref.eval()
+    probe = torch.randn(5, 4, generator=torch.Generator().manual_seed(99))
+    with torch.no_grad():
+        ddp(probe)  # broadcasts rank 0's buffers (the last forward reduced), updates none in eval
+        out = ddp.module.bn(ddp.module.lin(probe))
+        expected = ref.bn(ref.lin(probe))
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    gathered = [None] * 4
+    dist.all_gather_object(gathered, buffers)
+    same = all(torch.equal(g[n], buffers[n]) for g in gathered for n in buffers)
+    if broadcast:
+        for n, b in ref.named_buffers():
+            err = mismatch(buffers[n], b, rtol=1e-5, atol=1e-6)
+            if err:
+                failures.append(f"buffer {n}: {err}")
+        err = mismatch(out, expected, rtol=1e-5, atol=1e-6)
+        if err:
+            failures.append(f"eval output: {err}")
+    return failures, broadcasts, same
+
+
+@pytest.mark.parametrize("broadcast", [True, False], ids=["broadcast_buffers", "no_broadcast"])
+def test_buffers_follow_rank_0_at_every_forward(pool4, broadcast):
+    """BatchNorm's running statistics: rank 0's at every forward (one broadcast of all the
+    buffers' bytes, float and int64 together), so eval outputs agree across ranks and
+    with a single device that updated them with rank 0's micro-batches; with
+    ``broadcast_buffers=False`` each rank keeps its own."""
+    for failures, broadcasts, same in pool4.run(_case_buffers, broadcast):
+        assert failures == []
+        assert broadcasts == ([1, 1, 1] if broadcast else [0, 0, 0])
+        assert same == broadcast
