@@ -13,6 +13,14 @@ forward, and once backward has produced every gradient of the module's parameter
 the storage is emptied again. Autograd's saved references see the data again because
 the storage object is the same, and the writes go to the storage directly, so no
 version counter moves (which autograd would report as an in-place modification).
+
+Every rank must issue the same all-gathers in the same order. Which parameters get a
+gradient can differ between ranks (a data-dependent branch), so the early emptying
+after the last gradient is a memory saving only: whether an all-gather is needed is
+decided from a record of what is whole (``_whole``) that changes only at events every
+rank sees alike (a unit's forward starts and ends, a backward gathers a unit and ends,
+``whole``/``held`` open and close, the optimizer steps). At the end of each backward,
+as torch's FSDP does, every unit gathered for it is released, on every rank.
 """
 
 from __future__ import annotations
@@ -47,6 +55,10 @@ class ShardedParameters:
         self.world = dist.get_world_size(group)
         self.sharded: dict[int, _Sharded] = {}
         self._pinned: set[int] = set()  # ids of entries that release() leaves whole (held)
+        # ids of entries whole by agreement (see the module's docstring): gather and release
+        # decide by it, never by this rank's storage, which a rank whose parameter got no
+        # gradient empties later than the others
+        self._whole: set[int] = set()
         for slot, start, end, values in slots:  # `values`: this rank's slice, owned from now on
             if is_deferred(slot.param):  # a storage to gather into, never touched until then
                 storage = torch.empty(slot.param.shape, dtype=values.dtype, device=values.device)
@@ -70,7 +82,9 @@ class ShardedParameters:
         # (the optimizer then changes the slices).
         self._forward_order: list[list[_Sharded]] = []
         self._prefetched: dict[int, list] = {}  # id(unit entries) -> start_gather_slices' result
+        self._backward_units: dict[int, list[_Sharded]] = {}  # units gathered for the running backward
         self._backward_queued = False
+        self._keep_gathered = False  # kept_gathered(): a backward's end releases nothing
         self._forward_restarts = True
         self.prefetch_hits = 0  # gathers served by a prefetch (for tests and benchmarks)
 
@@ -114,6 +128,19 @@ class ShardedParameters:
             self._pinned.difference_update(id(e) for e in entries)
             self.release(entries)
 
+    @contextlib.contextmanager
+    def kept_gathered(self):
+        """Backward passes run meanwhile leave the units they gathered whole: a split
+        backward's input half, whose weight half (``whole_for``) reads them next. That
+        half accumulates no gradient, so no rank has emptied any of them early."""
+        self._keep_gathered = True
+        try:
+            yield
+        finally:
+            self._keep_gathered = False
+            if self._backward_queued:  # it raised before its end (the pipeline then runs a whole backward)
+                self._backward_ended()
+
     def restart_forward_order(self) -> None:
         """The next forward starts a new forward order. A pipeline calls this before each
         forward action, so that backward prefetches a unit that ran before in the same
@@ -134,16 +161,17 @@ class ShardedParameters:
         for the one prefetched for them, if any)."""
         started = self._prefetched.pop(id(entries), None)
         if started is None:
-            empty = [e for e in entries if _empty(e)]  # else whole already
-            started = start_gather_slices(empty, [e.slice for e in empty], self.group)
+            missing = [e for e in entries if id(e) not in self._whole]
+            started = start_gather_slices(missing, [e.slice for e in missing], self.group)
         else:
             self.prefetch_hits += 1
         for e, rows in finish_gather_slices(started):
-            if not _empty(e):  # whole already (a prefetch covers the whole unit)
+            if id(e) in self._whole:  # whole already (a prefetch covers the whole unit)
                 continue
             local = local_of(e.param)
             local.untyped_storage().resize_((local.storage_offset() + local.numel()) * local.element_size())
             fill_rows(_alias(local), rows)
+            self._whole.add(id(e))
 
     def _prefetch_before(self, entries: list[_Sharded]) -> None:
         """Starts gathering the unit whose forward finished just before ``entries``' one."""
@@ -152,20 +180,38 @@ class ShardedParameters:
         if not at:
             return
         previous = order[at - 1]
-        if id(previous) not in self._prefetched and all(_empty(e) for e in previous):
+        if id(previous) not in self._prefetched and not any(id(e) in self._whole for e in previous):
             self._prefetched[id(previous)] = start_gather_slices(previous, [e.slice for e in previous], self.group)
+
+    def _backward_started(self, entries: list[_Sharded]) -> None:
+        """Notes ``entries`` as gathered for the running backward, whose end the first
+        unit queues (in the outermost graph task: a reentrant checkpoint's own backward
+        runs inside it and ends first)."""
+        if not self._backward_queued:
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+        self._backward_units[id(entries)] = entries
 
     def _backward_ended(self) -> None:
         for started in self._prefetched.values():
             _wait(started)  # (then dropped)
         self._prefetched.clear()
+        # Every unit this backward gathered, released on every rank alike (as FSDP reshards
+        # at the end of backward): a rank where one of a unit's parameters got no gradient
+        # (a data-dependent branch) never saw the unit's last gradient, and would keep it
+        # whole and skip the next all-gather of it that the other ranks issue.
+        if not self._keep_gathered:
+            for entries in self._backward_units.values():
+                self.release(entries)
+        self._backward_units.clear()
         self._backward_queued = False
         self._forward_restarts = True
 
     def release(self, entries: list[_Sharded]) -> None:
         for e in entries:
             if id(e) not in self._pinned:
-                local_of(e.param).untyped_storage().resize_(0)
+                self._whole.discard(id(e))
+                _free(e)
 
     # ---- module hooks ----
 
@@ -180,13 +226,13 @@ class ShardedParameters:
             # its parameters (vescale/parallel/pipeline/stage.py): nothing to gather, and
             # it is not a forward that backward will visit
             shadow["now"] = table[name] is not params[0]
+            if self._backward_queued and torch._C._current_graph_task_id() == -1:
+                self._backward_ended()  # the last backward raised: its end never ran
             if not shadow["now"]:
                 self.gather(entries)
 
         def before_backward(*grads):
-            if not self._backward_queued:
-                self._backward_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+            self._backward_started(entries)
             waiting["count"] = len(entries)
             self.gather(entries)
             self._prefetch_before(entries)
@@ -208,7 +254,12 @@ class ShardedParameters:
         def grad_ready(param):
             waiting["count"] -= 1
             if waiting["count"] == 0:
-                self.release(entries)
+                # this rank's copies are not needed any more: emptied now, to save memory;
+                # the record of what is whole changes when backward ends (_backward_ended),
+                # on the ranks where some parameter of the unit got no gradient too
+                for e in entries:
+                    if id(e) not in self._pinned:
+                        _free(e)
 
         module.register_forward_pre_hook(before_forward)
         module.register_forward_hook(after_forward)
@@ -326,6 +377,6 @@ def _wait(started: list) -> None:
         work.wait()
 
 
-def _empty(e: _Sharded) -> bool:
-    """Whether the parameter's storage is released (not whole)."""
-    return local_of(e.param).untyped_storage().nbytes() == 0
+def _free(e: _Sharded) -> None:
+    """Empties the parameter's storage (keeping the storage object)."""
+    local_of(e.param).untyped_storage().resize_(0)

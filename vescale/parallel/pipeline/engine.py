@@ -270,14 +270,19 @@ class PipelineParallel(nn.Module):
         sharded = self._sharded()
         if sharded is not None:  # ZeRO-3's backward prefetch stays within this stage's units
             sharded.restart_forward_order()
-        args, kwargs, target, weight, key = batch
-        received, leaves = None, []
+        args, kwargs, target, weight = batch
+        received, got = None, {}
         if not spec.first:
-            positions, leaves, values = self.boundary.recv_forward(s - 1, mb, key, self.schedule.rank_of(s - 1))
-            received = (positions, values)
+            def received(stand_ins: list[torch.Tensor]):
+                # called at the stage's first block, where its own glue has computed stand-ins
+                # of what crosses the cut: their shapes tell which header applies (p2p.py)
+                positions, got["leaves"], values = self.boundary.recv_forward(s - 1, mb, stand_ins,
+                                                                              self.schedule.rank_of(s - 1))
+                return positions, values
         kind, a, b, _ = self.runner.run(spec, args, kwargs, received)
+        leaves = got.get("leaves", [])
         if kind == "end":
-            roots, works = self.boundary.send_forward(s, mb, key, self.schedule.rank_of(s + 1), a, b)
+            roots, works = self.boundary.send_forward(s, mb, self.schedule.rank_of(s + 1), a, b)
             sends += works
         elif outputs is not None:  # a prediction: the output itself, nothing to differentiate
             outputs[mb] = whole_output(a)
@@ -311,9 +316,12 @@ class PipelineParallel(nn.Module):
         graph is retained, the hooks removed), and the micro-batch's backward runs whole,
         as the first stage's does; one rank raising while the others wait would hang."""
         from torch.distributed.pipelining._backward import stage_backward_input
+        sharded = self._sharded()
         try:
-            _, state["param_groups"] = stage_backward_input(outputs, grads, state["leaves"],
-                                                            iter(self._stage_parameters(s)))
+            # ZeRO-3 keeps the units this half gathers whole for the weight half
+            with sharded.kept_gathered() if sharded is not None else contextlib.nullcontext():
+                _, state["param_groups"] = stage_backward_input(outputs, grads, state["leaves"],
+                                                                iter(self._stage_parameters(s)))
             return True
         except RuntimeError as e:
             if "use_reentrant=True" not in str(e.__cause__ or e):
@@ -478,8 +486,8 @@ def _joined(outputs: list, weights: list[float]):
 
 
 def _microbatches(args, kwargs, target, m: int) -> list[tuple]:
-    """The batch cut along dim 0 into ``m`` micro-batches: (args, kwargs, target, weight,
-    key); tensors without the batch dim go whole to each. ``key`` describes the shapes."""
+    """The batch cut along dim 0 into ``m`` micro-batches: (args, kwargs, target, weight);
+    tensors without the batch dim go whole to each."""
     leaves, tree = tree_flatten((args, kwargs, target))
     sizes = [x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0]
     if not sizes:
@@ -494,7 +502,6 @@ def _microbatches(args, kwargs, target, m: int) -> list[tuple]:
     for i in range(m):
         mine = [c[i] if c is not None else x for c, x in zip(cut, leaves)]
         n = next(c[i].shape[0] for c in cut if c is not None)
-        key = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in mine)
         a, k, t = tree_unflatten(mine, tree)
-        out.append((a, k, t, n / batch, key))
+        out.append((a, k, t, n / batch))
     return out

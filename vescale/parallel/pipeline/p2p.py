@@ -2,12 +2,16 @@
 
 DTensors cross as their local shards and are rebuilt with the same placements on the
 receiver's mesh (Partial values are reduced first). The receiver learns dtype, shapes and
-placements from a small header. Both ends see the same micro-batch, so they key the
-header by the micro-batch's input shapes: the first time a key occurs on a boundary the
-header is sent, later the receiver knows it and only the payload moves (sequence length
-may change between steps; each new shape costs one header). Gradients travel back with
-the shapes of the forward's local tensors, which the receiver of the gradient sent
-itself: no header.
+placements from a small header, sent the first time a key occurs on a boundary; later
+the receiver knows it and only the payload moves. The key is what both ends know of the
+tensors crossing the cut (``_key``): the sender has the tensors, the receiver the
+stand-ins its own forward computed for them before its first block (stage.py: glue on
+the micro-batch's real inputs, earlier stages' units shadowed on meta). So a crossing
+shape that depends on the data (a batch trimmed to its longest sequence) is seen by
+both ends alike, with no message beyond the payload; each new shape costs one header.
+(Keyed by the micro-batch's input shapes instead, a receiver kept receiving into
+buffers of a shape seen before.) Gradients travel back with the shapes of the
+forward's local tensors, which the receiver of the gradient sent itself: no header.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ class Boundary:
 
     # ---- forward: activations ----
 
-    def send_forward(self, stage: int, mb: int, key, dst: int, positions: list[int],
+    def send_forward(self, stage: int, mb: int, dst: int, positions: list[int],
                      tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
         """Sends ``tensors`` (stage ``stage``'s outputs) to group rank ``dst``; returns the
         local tensors to run the backward from and the pending sends."""
@@ -66,21 +70,31 @@ class Boundary:
             return locals_, []
         works = []
         cache = self._sent.setdefault(stage, OrderedDict())
-        if _remember(cache, key):
-            header = self._encode(positions, described)
+        key, words = _key(tensors), self._words(positions, described)
+        if _remember(cache, key, words):
+            header = _header(words)
             self.headers_sent += 1
             works.append((self._isend(header, dst, self._tag(_FORWARD, stage, mb, 0)), header))
+        elif cache[key] != words:
+            # the receiver would build the tensors from the header it holds for these shapes
+            raise RuntimeError(
+                f"what crosses the pipeline boundary after stage {stage} changed its dtype, placements or positions "
+                f"while keeping its shapes {key[0]} (header {cache[key]} before, {words} now); the next stage "
+                f"cannot tell: keep them fixed for a given shape")
         for i, local in enumerate(locals_):
             payload = local.detach().contiguous()
             works.append((self._isend(payload, dst, self._tag(_FORWARD, stage, mb, i + 1)), payload))
         return locals_, works
 
-    def recv_forward(self, stage: int, mb: int, key, src: int):
-        """What stage ``stage`` sent: (positions, leaves requiring grad, values to put in)."""
+    def recv_forward(self, stage: int, mb: int, stand_ins: list[torch.Tensor], src: int):
+        """What stage ``stage`` sent: (positions, leaves requiring grad, values to put in).
+        ``stand_ins``: the receiving stage's own stand-ins for them (their shapes say
+        whether a header comes)."""
         if src == self.me:
             return self._take_local(stage, mb)
         cache = self._known.setdefault(stage, OrderedDict())
-        if _remember(cache, key):
+        key = _key(stand_ins)
+        if _remember(cache, key, None):
             header = torch.empty(_HEADER, dtype=torch.int64)
             self._recv(header, src, self._tag(_FORWARD, stage, mb, 0))
             cache[key] = self._decode(header)
@@ -146,7 +160,9 @@ class Boundary:
             self._submeshes[names] = self.mesh[names]
         return self._submeshes[names]
 
-    def _encode(self, positions: list[int], described: list) -> torch.Tensor:
+    def _words(self, positions: list[int], described: list) -> list[int]:
+        """The header's words: positions, then per tensor its dtype, local shape and (a
+        DTensor) global shape and placements."""
         words = [len(positions), *positions]
         dim_names = list(self.mesh.mesh_dim_names or ())
         for local, dt in described:
@@ -163,7 +179,7 @@ class Boundary:
                 words += [dim_names.index(n), _placement_word(p)]
         if len(words) + 1 > _HEADER:
             raise ValueError("the boundary's description does not fit the pipeline header")
-        return torch.tensor([len(words) + 1, *words] + [0] * (_HEADER - len(words) - 1), dtype=torch.int64)
+        return words
 
     def _decode(self, header: torch.Tensor) -> tuple[list[int], list]:
         w = header.tolist()[1:header[0]]
@@ -186,6 +202,20 @@ class Boundary:
                 w = w[2:]
             specs.append((dtype, local_shape, global_shape, tuple(names), placements))
         return positions, specs
+
+
+def _header(words: list[int]) -> torch.Tensor:
+    """The header message: its length used, the words, zeros to ``_HEADER`` words."""
+    return torch.tensor([len(words) + 1, *words] + [0] * (_HEADER - len(words) - 1), dtype=torch.int64)
+
+
+def _key(tensors: list[torch.Tensor]) -> tuple:
+    """What both ends of a boundary know of the tensors crossing it: their global shapes,
+    and the autocast state, under which the sender's dtype differs from that of the
+    receiver's stand-ins (computed on meta, which autocast leaves alone)."""
+    devices = sorted({t.device.type for t in tensors})
+    autocast = tuple((d, torch.get_autocast_dtype(d)) for d in devices if torch.is_autocast_enabled(d))
+    return tuple(tuple(t.shape) for t in tensors), autocast
 
 
 def _placement_word(p) -> int:
@@ -220,12 +250,13 @@ def _grad_of(leaf: torch.Tensor) -> torch.Tensor:
     return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
 
 
-def _remember(cache: OrderedDict, key) -> bool:
-    """True when ``key`` is new (its header must travel); keeps the newest ``_CACHE`` keys."""
+def _remember(cache: OrderedDict, key, value) -> bool:
+    """True when ``key`` is new (its header must travel; ``value`` is stored for it);
+    keeps the newest ``_CACHE`` keys."""
     if key in cache:
         cache.move_to_end(key)
         return False
-    cache[key] = None
+    cache[key] = value
     if len(cache) > _CACHE:
         cache.popitem(last=False)
     return True

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -52,7 +53,9 @@ class StageEnd(BaseException):
 @dataclass
 class _Run:
     spec: StageSpec
-    received: tuple | None           # (positions, tensors) to put in at the first block
+    # (positions, tensors) to put in at the first block, or a function that receives them,
+    # given the stand-ins the stage's own forward computed there
+    received: tuple | Callable | None
     inside: bool                     # past the boundary: only the stage's own units may run
     meta: bool = False               # a dry run: every unit on meta (see StageRunner.dry_run)
     dummies: list = field(default_factory=list)   # (zeros, unit name)
@@ -100,7 +103,7 @@ class StageRunner:
             self._handles.append(m.register_forward_pre_hook(self._pre_hook(unit), with_kwargs=True, prepend=True))
             self._handles.append(m.register_forward_hook(self._post_hook(unit), with_kwargs=True, always_call=True))
 
-    def run(self, spec: StageSpec, args: tuple, kwargs: dict, received: tuple | None, meta: bool = False):
+    def run(self, spec: StageSpec, args: tuple, kwargs: dict, received: tuple | Callable | None, meta: bool = False):
         """The model's forward on this micro-batch as stage ``spec``: returns
         ``("end", positions, tensors, dummies)`` for a stage that sends on, else
         ``("out", output, None, dummies)``. With ``meta`` every unit runs on meta tensors
@@ -230,7 +233,8 @@ class StageRunner:
     def _swap_in(self, run: _Run, unit: Unit, args, kwargs):
         leaves, tree = tree_flatten((args, kwargs))
         positions = boundary_positions(leaves)
-        got_positions, tensors = run.received
+        received = run.received
+        got_positions, tensors = received([leaves[i] for i in positions]) if callable(received) else received
         if positions != list(got_positions):
             raise PipelineSplitError(
                 f"stage {run.spec.index} expects tensors at input positions {positions} of {unit.name!r} from the "
