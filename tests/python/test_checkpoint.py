@@ -672,6 +672,38 @@ def test_hugging_face_export_and_import(pool2, pool4, tmp_path, src, dst):
     assert pools[WORLD[LAYOUTS[dst][0]]].run(_case_import, dst, directory, "hf") == [[]] * WORLD[LAYOUTS[dst][0]]
 
 
+def _case_ranks_see_different_checkpoints(path: str) -> tuple[str, list[str]]:
+    """Rank 2 resolves the path to another checkpoint than the others (as a machine whose
+    file system still shows a crashed save's .old would): every rank refuses to load."""
+    import shutil
+    import vescale.checkpoint.api as api
+
+    run = _Run("dp2_tp2", seed=0)
+    vescale.save(path, run.state())
+    if dist.get_rank() == 0:
+        shutil.copytree(path, path + ".elsewhere")
+    run.train(_batches()[:1])
+    vescale.save(path, run.state())  # another manifest at the same path
+    target = _Run("dp2_tp2", seed=1)
+    before = target.full_parameters()
+    real = api._resolve
+    api._resolve = (lambda p: p + ".elsewhere") if dist.get_rank() == 2 else real
+    try:
+        vescale.load(path, target.state())
+        error = "no error"
+    except ValueError as e:
+        error = str(e)
+    finally:
+        api._resolve = real
+    return error, [n for n, p in target.full_parameters().items() if not torch.equal(p, before[n])]
+
+
+def test_ranks_that_see_different_checkpoints_load_nothing(pool4, tmp_path):
+    for error, changed in pool4.run(_case_ranks_see_different_checkpoints, str(tmp_path / "ckpt")):
+        assert "the ranks read different checkpoints" in error and ".elsewhere" in error, error
+        assert changed == [], changed
+
+
 def _case_import_one_rank_short(directory: str) -> tuple[str, list[str]]:
     """load_torch_state_dict of a state_dict that lacks a key on rank 1 only (each rank
     passed its own dict): every rank raises, and no rank's model changes."""

@@ -227,12 +227,19 @@ _SHARED_ERRORS = {c.__name__: c for c in (CorruptCheckpoint, ValueError, TypeErr
                                            PermissionError, FileExistsError, NotADirectoryError, IsADirectoryError)}
 
 
-def _agree(group, error: Exception | None, outcome: str) -> None:
+def _agree(group, error: Exception | None, outcome: str, same=None) -> None:
     """One collective in which the ranks tell each other what went wrong: then all go on,
     or all raise the same error, naming the first rank that found one (a rank going on
-    alone would change its state while the others do not, or wait for them forever)."""
-    reports = _all_gather(None if error is None else (type(error).__name__, str(error)), group)
+    alone would change its state while the others do not, or wait for them forever).
+    ``same``: what every rank must have found alike (which checkpoint it read)."""
+    gathered = _all_gather((None if error is None else (type(error).__name__, str(error)), same), group)
+    reports = [report for report, _ in gathered]
     failed = [r for r, report in enumerate(reports) if report is not None]
+    if not failed and any(s != gathered[0][1] for _, s in gathered):
+        seen = ", ".join(f"rank {r}: {s}" for r, (_, s) in enumerate(gathered))
+        raise ValueError(f"the ranks read different checkpoints ({seen}): they see the file system differently "
+                         f"(a copy on each machine? a save that crashed between its two renames, seen by some "
+                         f"ranks only?); {outcome}")
     if not failed:
         return
     kind, message = reports[failed[0]]
@@ -371,6 +378,7 @@ class _Load:
     reader: Reader
     objects: dict    # decoded
     copies: list     # _plan_reads
+    read_from: str   # the directory and its manifest's checksum: the same on every rank
 
 
 def load(path: str, state: dict, *, strict: bool = True, rng: bool = True) -> None:
@@ -386,7 +394,7 @@ def load(path: str, state: dict, *, strict: bool = True, rng: bool = True) -> No
         plan = _prepare(path, state, strict)
     except Exception as e:  # noqa: BLE001  (shared with the other ranks, then raised on all)
         error = e
-    _agree(_checkpoint_group(), error, "no rank loaded anything")
+    _agree(_checkpoint_group(), error, "no rank loaded anything", same=plan.read_from if plan else None)
     _commit(plan, state, rng)
 
 
@@ -403,7 +411,7 @@ def _prepare(path: str, state: dict, strict: bool) -> _Load:
     copies = _plan_reads(layout, saved)
     for key, chunk, dtype, overlap, _ in copies:
         reader.verify(key, chunk, dtype, overlap)
-    return _Load(layout, saved, reader, objects, copies)
+    return _Load(layout, saved, reader, objects, copies, f"{root} (manifest {_crc_of(manifest):08x})")
 
 
 def _commit(plan: _Load, state: dict, rng: bool) -> None:
