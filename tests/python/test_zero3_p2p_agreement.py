@@ -172,14 +172,13 @@ def _case_zero3_unused_on_some_ranks(tp: bool, branching: tuple[int, ...]):
 # Block 0's backward is the last one: its gradients' reduce-scatter comes after every
 # all-gather of the backward, on every rank. Branching in later blocks also needs DDP to
 # launch ZeRO-3's reduce-scatters at points every rank agrees on: launched when a unit's
-# gradients are all in, a rank whose parameter got none launches it later, after
-# all-gathers of the following units, which share the DP group (the collectives then pair
-# up across ranks wrongly, or wait for each other).
+# gradients are all in, a rank whose parameter got none launched it later, after
+# all-gathers of the following units, which share the DP group (the collectives then
+# paired up across ranks wrongly, or waited for each other). DDP now launches a unit's
+# buckets at the latest when backward reaches the next unit, before its gather.
 @pytest.mark.parametrize("branching", [
     (0,),
-    pytest.param((0, 1, 2), marks=pytest.mark.skip(
-        reason="DDP launches a ZeRO-3 unit's reduce-scatter when this rank's gradients are all in, "
-               "not at a point every rank agrees on (vescale/parallel/ddp.py)")),
+    (0, 1, 2),
 ], ids=["first_block", "every_block"])
 @pytest.mark.parametrize("tp", [False, True], ids=["dp4", "dp2_tp2"])
 def test_zero3_parameter_unused_on_some_ranks(pool4, tp, branching):

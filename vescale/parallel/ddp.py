@@ -25,6 +25,20 @@ member, then the rest; ``vescale.parallel.zero3``): each rank keeps only its sli
 every gradient, and each whole gradient is copied into its bucket and dropped as soon
 as backward has produced it, so whole gradients never pile up.
 
+Under ZeRO-3 the all-gathers share the DP group with the reduce-scatters, so a bucket
+is launched at a point every rank agrees on relative to them, not merely when this
+rank's gradients happen to be in (a rank whose parameter got no gradient would launch
+it later, after all-gathers the other ranks issue after it); the order of launches is
+then that agreed one, not strictly bucket order. ZeRO-3 tells DDP when
+backward reaches a unit (its pre-backward gather, on every rank in the same order):
+before that gather, the buckets of the unit reached before it (whose backward has
+ended: it ran after this one in forward) are launched, with zeros where a gradient is
+missing; while that unit's backward runs, its buckets launch as soon as their gradients
+are in (in bucket order, the same launches). Everything else (the root unit, whose
+forward encloses the blocks; a bucket holding a parameter shared by several units,
+whose gradient may arrive in a later unit's backward) is launched at the end of
+backward, in bucket order.
+
 Tensor-parallel parameters replicated over a TP dim get gradients Partial over it (see
 ``vescale.parallel.tp_grads``); DDP reduces those too, in the same buckets: when the DP
 and TP groups together are the world, by one all-reduce over the world group (the sum
@@ -96,6 +110,8 @@ class Bucket:
     # world x chunk_total, it also takes ZeRO-1's gather of the updated parameters.
     kept: torch.Tensor | None = None
     cap_bytes: int = 0  # what counts against bucket_cap_mb (_even_share_bytes)
+    unit: int = -1  # by-unit buckets: the index of the unit in _units(module)
+    shared: bool = False  # holds a parameter of several units (its gradient may come later)
     # indices of the slots without a gradient on this rank this step: they took part with
     # zeros, and keep the result only where another DP rank had a gradient (the flags:
     # one element per slot after the gradients in the collective, 1 where a rank had one)
@@ -142,8 +158,13 @@ class DDP(nn.Module):
         self._sync = True
         self._callback_queued = False
         self._next_bucket = 0  # buckets launch in order: the first not launched yet this step
+        # ZeRO-3: per unit module (id), its buckets that launch when backward reaches the
+        # unit before it; and those due at the next such point (see _unit_backward_started)
+        self._unit_buckets: dict[int, list[Bucket]] = {}
+        self._window: list[Bucket] = []
+        self._sharded = None
         self._shares = False  # this backward's gradients are shares of the average (mark_shares)
-        self.sharded_parameters = None  # ZeRO-3's, set by DistributedOptimizer
+        self.sharded_parameters = None  # ZeRO-3's, set by DistributedOptimizer (see the property)
         self.buckets = self._make_buckets(bucket_cap_mb, by_unit=reduce_scatter)
         from .pipeline.engine import is_pipeline  # (the pipeline imports this module)
         if is_pipeline(module):  # it reduces once per step, after its schedule
@@ -166,6 +187,18 @@ class DDP(nn.Module):
                 s.param.register_post_accumulate_grad_hook(self._grad_ready)
         # ZeRO-2: per parameter, this rank's slice of the averaged gradient.
         self.grad_shards: dict[int, torch.Tensor] = {}
+
+    @property
+    def sharded_parameters(self):
+        """ZeRO-3's ShardedParameters (DistributedOptimizer sets it): DDP then launches its
+        reduce-scatters at the points of backward that ZeRO-3 reports (``_agreed_point``)."""
+        return self._sharded
+
+    @sharded_parameters.setter
+    def sharded_parameters(self, value) -> None:
+        self._sharded = value
+        if value is not None and self not in value._listeners:
+            value._listeners.append(self)
 
     @property
     def deferred(self) -> bool:
@@ -229,11 +262,22 @@ class DDP(nn.Module):
                 seen.add(id(p))
                 params.append(p)
         unit_of: dict[int, int] = {}
+        shared: set[int] = set()
+        units: list[nn.Module] = []
         if by_unit:
             from .zero3 import _units  # (zero3 imports this module)
-            for i, unit in enumerate(_units(self.module)):
+            units = _units(self.module)
+            holders: dict[int, list[nn.Module]] = {}
+            for i, unit in enumerate(units):
                 for p in unit.parameters():
                     unit_of.setdefault(id(p), i)
+                    if unit is not units[-1]:  # (the root holds every parameter)
+                        holders.setdefault(id(p), []).append(unit)
+            for pid, held_by in holders.items():  # in two units neither of which holds the other
+                outer = [u for u in held_by if not any(v is not u and any(m is u for m in v.modules())
+                                                       for v in held_by)]
+                if len(outer) > 1:
+                    shared.add(pid)
         buckets: list[Bucket] = []
         open_buckets: dict[tuple, Bucket] = {}
         cap = int(cap_mb * 2**20)
@@ -245,15 +289,21 @@ class DDP(nn.Module):
             key = (local.dtype, device, unit_of.get(id(p)))
             b = open_buckets.get(key)
             if b is None or b.cap_bytes >= cap:
-                b = Bucket(local.dtype, device)
+                b = Bucket(local.dtype, device, unit=unit_of.get(id(p), -1))
                 buckets.append(b)
                 open_buckets[key] = b
+            b.shared = b.shared or id(p) in shared
             b.cap_bytes += _even_share_bytes(p)
             # (at least one element: a tensor-parallel split may leave this rank an empty
             # shard, which then takes a padding element per DP rank)
             chunk = max(1, -(-local.numel() // self.world))
             b.slots.append(Slot(p, local.numel(), chunk, b.chunk_total, len(b.slots)))
             b.chunk_total += chunk
+        self._unit_buckets = {}
+        for b in buckets:  # (in bucket order)
+            if b.unit >= 0 and not b.shared and b.unit != len(units) - 1:
+                self._unit_buckets.setdefault(id(units[b.unit]), []).append(b)
+        self._window = []
         return buckets
 
     def _index_slots(self) -> None:
@@ -320,24 +370,66 @@ class DDP(nn.Module):
         if (b.dtype == torch.float16) == before_sum and self._divisor() != 1:
             t.div_(self._divisor())
 
-    def _grad_ready(self, param: nn.Parameter) -> None:
-        if not self._sync:
-            return
+    def _begin_backward(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             for b in self.buckets:
                 b.pending = len(b.slots)
+
+    def _agreed_launches(self) -> bool:
+        """ZeRO-3's reduce-scatters of this backward launch at points ZeRO-3 reports."""
+        return self._sync and self.reduce_scatter and self._sharded is not None
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        self._begin_backward()
         bucket, slot = self._slot_of[id(param)]
+        if self._agreed_launches() and bucket.work is not None:
+            raise RuntimeError(
+                f"ZeRO-3: a gradient of a parameter of shape {tuple(param.shape)} arrived after its unit's "
+                "reduce-scatter was launched (its unit's backward had ended on every rank): a parameter used "
+                "by the forward of a unit that runs before its own unit (the first ModuleList member, or "
+                "the root, that holds it) must be held by that unit, or by the root")
         if self.reduce_scatter:
             self._stage(bucket, slot)
         bucket.pending -= 1
+        if self._agreed_launches():
+            # the buckets of the unit whose backward runs, as their gradients are all in
+            # (in bucket order): the next agreed point launches them anyway
+            while self._window and self._window[0].pending == 0:
+                self._launch(self._window.pop(0))
+            return
         # In bucket order only, as torch's Reducer: launched as they fill up, a parameter
         # unused on one rank delays its bucket there only, and same-sized buckets of two
         # ranks would pair up in one collective (mixed gradients, silently).
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
             self._next_bucket += 1
             self._launch(self.buckets[self._next_bucket - 1])
+
+    def _agreed_point(self) -> None:
+        """ZeRO-3: backward reached a unit, whose all-gather comes next, on every rank at
+        this point: the buckets due (those of the unit reached before, whose backward has
+        ended) are launched first, in bucket order, zeros where a gradient is missing."""
+        if not self._agreed_launches():
+            return
+        due = [b for b in self._window if b.work is None]
+        self._window = []
+        if due:
+            self._begin_backward()
+            for b in due:
+                self._launch(b)
+
+    def _unit_backward_started(self, unit: nn.Module) -> None:
+        """ZeRO-3: every backward use of ``unit`` (no enclosing unit: not a root) has begun:
+        its buckets are due at the next agreed point, or earlier once their gradients are
+        all in (``_grad_ready``)."""
+        if self._agreed_launches():
+            due = [b for b in self._unit_buckets.get(id(unit), []) if b.work is None]
+            if due:
+                self._begin_backward()  # (_finish launches them, also where no gradient arrives here)
+                self._window += due
 
     def _launch(self, b: Bucket) -> None:
         if self.reduce_scatter:
@@ -469,8 +561,12 @@ class DDP(nn.Module):
 
     def _finish(self) -> None:
         self._callback_queued = False
-        for b in self.buckets[self._next_bucket:]:  # in order: gradients that did not all arrive
-            self._launch(b)
+        # the buckets of the unit whose backward ran last first (some ranks launched part of
+        # them already), then the rest in bucket order: every rank launched the same before
+        window, self._window = self._window, []
+        for b in [b for b in window if b.work is None] + [b for b in self.buckets if b.work is None]:
+            if b.work is None:
+                self._launch(b)
         self._next_bucket = 0
         partial = []  # ZeRO-2: Partial (TP) slices, summed after every bucket's reduce-scatter
         unused = []  # slots that no DP rank had a gradient for

@@ -21,6 +21,12 @@ decided from a record of what is whole (``_whole``) that changes only at events 
 rank sees alike (a unit's forward starts and ends, a backward gathers a unit and ends,
 ``whole``/``held`` open and close, the optimizer steps). At the end of each backward,
 as torch's FSDP does, every unit gathered for it is released, on every rank.
+
+The gradients' reduce-scatters (DDP's) share the DP group, so they too are launched at
+such events: when backward reaches a unit, before its gather, ZeRO-3 tells the DDPs
+(``_agreed_point``), which launch the buckets of the unit reached before it; that unit's
+backward has ended on every rank once every use of it in forward has begun its backward
+and its forward encloses no other unit's (``_unit_backward_started``).
 """
 
 from __future__ import annotations
@@ -86,6 +92,14 @@ class ShardedParameters:
         self._backward_queued = False
         self._keep_gathered = False  # kept_gathered(): a backward's end releases nothing
         self._forward_restarts = True
+        # for the DDPs' reduce-scatters (they register as listeners): per unit (id of its
+        # entries), its forwards since the last backward and its backward uses begun; the
+        # units whose forward ran another unit's (a root); the forwards running now
+        self._listeners: list = []
+        self._forward_counts: dict[int, int] = {}
+        self._backward_counts: dict[int, int] = {}
+        self._enclosing: set[int] = set()
+        self._open: list[list[_Sharded]] = []
         self.prefetch_hits = 0  # gathers served by a prefetch (for tests and benchmarks)
 
     def slice_of(self, param: nn.Parameter) -> torch.Tensor:
@@ -204,6 +218,8 @@ class ShardedParameters:
             for entries in self._backward_units.values():
                 self.release(entries)
         self._backward_units.clear()
+        self._backward_counts.clear()
+        self._open = []
         self._backward_queued = False
         self._forward_restarts = True
 
@@ -229,10 +245,22 @@ class ShardedParameters:
             if self._backward_queued and torch._C._current_graph_task_id() == -1:
                 self._backward_ended()  # the last backward raised: its end never ran
             if not shadow["now"]:
+                for running in self._open:  # its forward runs this one's
+                    self._enclosing.add(id(running))
+                self._open.append(entries)
                 self.gather(entries)
 
         def before_backward(*grads):
             self._backward_started(entries)
+            # every rank reaches this point in the same order: the DDPs' reduce-scatters due
+            # here are issued before this unit's gather and the next one's prefetch
+            for listener in self._listeners:
+                listener._agreed_point()
+            key = id(entries)
+            self._backward_counts[key] = self._backward_counts.get(key, 0) + 1
+            if key not in self._enclosing and self._backward_counts[key] >= self._forward_counts.get(key, 0) > 0:
+                for listener in self._listeners:  # its backward ends before the next unit's begins
+                    listener._unit_backward_started(module)
             waiting["count"] = len(entries)
             self.gather(entries)
             self._prefetch_before(entries)
@@ -240,9 +268,14 @@ class ShardedParameters:
         def after_forward(mod, args, output):
             if shadow["now"]:
                 return
+            for i in range(len(self._open) - 1, -1, -1):
+                if self._open[i] is entries:
+                    del self._open[i]
+                    break
             self.release(entries)
             if self._forward_restarts:  # the first forward since a backward: a new order
                 self._forward_order, self._forward_restarts = [], False
+                self._forward_counts = {}
             self._forward_order.append(entries)  # (backward visits the units in reverse)
             # gathered again when the first gradient of any output arrives (a module
             # backward pre-hook would miss outputs that are not tensors or tuples of
@@ -250,6 +283,8 @@ class ShardedParameters:
             outs = [t for t in _tensors_in(output) if t.requires_grad]
             if outs:
                 torch.autograd.graph.register_multi_grad_hook(outs, before_backward, mode="any")
+                if torch._C._current_graph_task_id() == -1:  # (not a recomputation in backward)
+                    self._forward_counts[id(entries)] = self._forward_counts.get(id(entries), 0) + 1
 
         def grad_ready(param):
             waiting["count"] -= 1
