@@ -113,22 +113,29 @@ def _branchy_data(chunks: int, branching: tuple[int, ...]) -> list[list[tuple[to
     return steps
 
 
-def _branchy_reference(data):
-    """One device, the same global batch: every micro-batch in turn, gradients accumulated."""
-    torch.manual_seed(0)
-    model = _Branchy()
+def _accumulated_steps(model: nn.Module, steps) -> tuple[list, list]:
+    """One device: per step, every part of its batch in turn (each loss over the number of
+    parts), gradients accumulated, then SGD; the steps' losses and gradients."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads = [], []
-    for mbs in data:
+    for parts in steps:
         opt.zero_grad()
         total = 0.0
-        for x, y in mbs:
-            loss = model(x, y) / len(mbs)
+        for x, y in parts:
+            loss = model(x, y) / len(parts)
             loss.backward()
             total += loss.item()
         grads.append(full_grads(model))
         opt.step()
         losses.append(total)
+    return losses, grads
+
+
+def _branchy_reference(data):
+    """One device, the same global batch: every micro-batch in turn, gradients accumulated."""
+    torch.manual_seed(0)
+    model = _Branchy()
+    losses, grads = _accumulated_steps(model, data)
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -259,21 +266,10 @@ def _case_pipeline_data_dependent_shapes(shape, names, schedule: str, zero: int 
     # one device: the same micro-batches (each trimmed to its own longest sequence), the
     # batch's loss their mean
     torch.manual_seed(0)
-    ref = _Trimmed()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    ref_losses, ref_grads = [], []
-    for x, y in batches:
-        parts = [(xa, ya) for xd, yd in zip(x.chunk(dp), y.chunk(dp))
-                 for xa, ya in zip(xd.tensor_split(microbatches), yd.tensor_split(microbatches))]
-        ref_opt.zero_grad()
-        total = 0.0
-        for xa, ya in parts:
-            part = ref(xa, ya) / len(parts)
-            part.backward()
-            total += part.item()
-        ref_grads.append(full_grads(ref))
-        ref_opt.step()
-        ref_losses.append(total)
+    ref_losses, ref_grads = _accumulated_steps(_Trimmed(), [
+        [(xa, ya) for xd, yd in zip(x.chunk(dp), y.chunk(dp))
+         for xa, ya in zip(xd.tensor_split(microbatches), yd.tensor_split(microbatches))]
+        for x, y in batches])
     failures = _compare(losses, ref_losses, grads, ref_grads)
     # one header per shape crossing the boundary, then payloads only
     if pipe.local_stages == [0] and pipe.boundary.headers_sent != len(set(LONGEST)):
