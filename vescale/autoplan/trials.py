@@ -18,10 +18,10 @@ One that fails on some ranks only cannot be: the others wait in its collectives,
 the failed ranks can no longer join. The ranks agree on each finalist's outcome through
 a group of their own with vescale's collective timeout, so a failed rank that hears
 nothing from the others raises, naming the finalist and its error, instead of pairing
-its next collective with theirs (the others' collectives time out too). With a memory limit, a finalist whose measured peak
-(glibc's counters, CPU) exceeds it is refused too. Each finalist trains a copy of the
-model: the model itself is left as it was. Collective: every rank runs the same
-finalists in the same order.
+its next collective with theirs (the others' collectives time out too). With a memory
+limit, a finalist whose measured peak (glibc's counters, CPU) exceeds it is refused too.
+Each finalist trains a copy of the model: the model itself is left as it was.
+Collective: every rank runs the same finalists in the same order.
 """
 
 from __future__ import annotations
