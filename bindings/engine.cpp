@@ -218,6 +218,10 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release no_gil;
     return distribute_tensor(full, mesh, p, src_rank);
   });
+  m.def("shard_steps_may_differ", [](std::vector<int64_t> shape, const py::sequence& placements,
+                                     std::vector<int64_t> mesh_shape) {
+    return shard_steps_may_differ(shape, to_placements(placements), mesh_shape);
+  });
   m.def("strides_of_mesh_rank", [](std::vector<int64_t> strides, const std::shared_ptr<Mesh>& mesh, int64_t src) {
     py::gil_scoped_release no_gil;
     return strides_of_mesh_rank(strides, *mesh, src);

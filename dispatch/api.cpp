@@ -122,23 +122,16 @@ struct Redistribute : torch::autograd::Function<Redistribute> {
 
 }  // namespace
 
-namespace {
-
-// Whether a dim takes more than one step in some ranks' shards and not in others' (uneven
-// shards: 7 rows over 4 ranks), so that their answers on its layout can differ. The mesh's
-// first coordinate holds the largest shard of every dim and the last the smallest.
-bool shard_steps_may_differ(const TensorSpec& spec) {
-  const auto& mesh_shape = spec.mesh->shape;
+bool shard_steps_may_differ(c10::IntArrayRef shape, PlacementsRef placements, c10::ArrayRef<int64_t> mesh_shape) {
+  // the mesh's first coordinate holds the largest shard of every dim and the last the smallest
   std::vector<int64_t> first(mesh_shape.size(), 0), last(mesh_shape.size());
   for (size_t m = 0; m < mesh_shape.size(); ++m) last[m] = mesh_shape[m] - 1;
-  const auto largest = local_box(spec.shape, spec.placements, mesh_shape, first).sizes;
-  const auto smallest = local_box(spec.shape, spec.placements, mesh_shape, last).sizes;
+  const auto largest = local_box(shape, placements, mesh_shape, first).sizes;
+  const auto smallest = local_box(shape, placements, mesh_shape, last).sizes;
   for (size_t d = 0; d < largest.size(); ++d)
     if (smallest[d] <= 1 && largest[d] > 1) return true;
   return false;
 }
-
-}  // namespace
 
 at::Tensor from_local(const at::Tensor& local, SpecPtr spec) {
   TORCH_CHECK_TYPE(!is_dtensor(local), "from_local expects a plain local tensor, got a DTensor");
@@ -155,7 +148,7 @@ at::Tensor from_local(const at::Tensor& local, SpecPtr spec) {
   // collective): the ranks agree where their answers can differ.
   bool wrap = collectives::keeps_order_of(local, spec->stride);
   auto record = copy_record_of(local, *spec->mesh);
-  if (record || shard_steps_may_differ(*spec)) {
+  if (record || shard_steps_may_differ(spec->shape, spec->placements, spec->mesh->shape)) {
     const auto agreed = collectives::all_ranks(*spec->mesh, {wrap, record && *record});
     wrap = agreed[0];
     if (!(wrap && agreed[1])) record.reset();

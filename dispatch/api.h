@@ -44,6 +44,12 @@ void defer_partial_grads(const at::Tensor& param);
 // wrote the sum into a Partial shard in place, say): the spec changes, no data moves.
 void relabel(const at::Tensor& dtensor, PlacementsRef placements);
 
+// Whether a dim of `shape` takes more than one step in some ranks' shards and not in
+// others' (uneven shards: 7 rows over 4 ranks). Such a dim may have any stride on the
+// ranks where it has one element or none, so the ranks' readings of a layout, and their
+// answers on whether a shard keeps it, can differ there: they must agree.
+bool shard_steps_may_differ(c10::IntArrayRef shape, PlacementsRef placements, c10::ArrayRef<int64_t> mesh_shape);
+
 // `strides` as the mesh's `src_rank`-th rank (row-major) passes them, on every rank of
 // the mesh (a broadcast): for layouts that must be agreed but that each rank reads off
 // tensors of its own.

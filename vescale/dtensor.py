@@ -85,7 +85,9 @@ class DTensor(torch.Tensor, metaclass=_DTensorMeta):
         c_mesh = _register(mesh)
         if stride is None:
             stride = _global_strides_of(shape, local_tensor)
-            if may_be_uneven and _layouts_may_disagree(shape, mesh, cp):
+            # a dim of one element on some ranks may have any stride there: the ranks'
+            # readings can differ (dispatch/api.h)
+            if may_be_uneven and _C.shard_steps_may_differ(shape, cp, list(mesh.shape)):
                 stride = _C.strides_of_mesh_rank(stride, c_mesh, 0)
         return _C.from_local(local_tensor, c_mesh, cp, shape, list(stride))
 
@@ -236,16 +238,6 @@ def _global_strides_of(shape: Sequence[int], local: torch.Tensor) -> list[int]:
     packed = _strides_like([1 if d in expanded else n for d, n in enumerate(shape)], local.stride())
     return [0 if d in expanded else s for d, s in enumerate(packed)]
 
-
-def _layouts_may_disagree(shape: Sequence[int], mesh: DeviceMesh, cp) -> bool:
-    """Whether the global strides the ranks read off their own shards may differ: when a
-    dim has one element or none on some ranks and more on others (uneven shards, 7 rows
-    over 4 ranks). A dim of one element may have any stride, and one of none says nothing,
-    so those ranks cannot tell where it lies in memory or whether it is expanded. The
-    mesh's first rank holds the largest shard of every dim and the last the smallest."""
-    first = _C.local_shape(shape, cp, list(mesh.shape), [0] * mesh.ndim)[0]
-    last = _C.local_shape(shape, cp, list(mesh.shape), [n - 1 for n in mesh.shape])[0]
-    return any(lo <= 1 < hi for lo, hi in zip(last, first))
 
 
 def _global_shape(local: torch.Tensor, mesh: DeviceMesh, cp, exact: bool) -> list[int]:
