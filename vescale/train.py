@@ -43,7 +43,9 @@ rank's loss (a mean over its rows) weighted by its rows (dim 0 of the batch's fi
 tensor), as one device's mean over the global batch is: the last, smaller batch of a
 ``drop_last=False`` loader splits unevenly, and a rank may have none. The gradient is
 weighted alike. Under a pipeline, uneven batches over the DP ranks are refused on every
-rank (the schedule runs backward itself, unweighted).
+rank (the schedule runs backward itself, unweighted). A forward that raises on some DP
+ranks only (a model that cannot take an empty batch) raises on every DP rank, where they
+can learn it in the loss's all-reduce (see ``ParallelModel._can_agree``).
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def parallelize(plan: Plan | dict, model: nn.Module, optimizer_fn: Callable | No
                                plan["mixed_precision.loss_scale"])
         optimizer = ParallelOptimizer(optimizer, steps, plan["gradient.clip_norm"], mesh, pp, pipeline)
     scaler = getattr(getattr(optimizer, "inner", None), "scaler", None)
-    wrapped = ParallelModel(inner, pipeline, ddp, mesh, dp, steps, scaler)
+    wrapped = ParallelModel(inner, pipeline, ddp, mesh, dp, steps, scaler, zero3=zero == 3)
     scheduler = lr_scheduler_fn(optimizer) if lr_scheduler_fn is not None else None
     loader = None
     if dataset is not None:
@@ -287,13 +289,21 @@ class ParallelModel(nn.Module):
     """The model ``vescale.parallelize`` returns: calls the parallel model with a batch
     and returns its output with the loss made global (see the module docstring)."""
 
-    def __init__(self, inner: nn.Module, pipeline, ddp, mesh, dp_dim: str, steps: _Steps, scaler):
+    def __init__(self, inner: nn.Module, pipeline, ddp, mesh, dp_dim: str, steps: _Steps, scaler,
+                 zero3: bool = False):
         super().__init__()
         self.module = inner
         self.pipeline, self.ddp, self.mesh = pipeline, ddp, mesh
         self._dp_group = mesh.get_group(dp_dim) if dp_dim in mesh.mesh_dim_names and mesh.size(dp_dim) > 1 else None
         self._dp_size = mesh.size(dp_dim) if self._dp_group is not None else 1
+        self._dp_rank = mesh.get_local_rank(dp_dim) if self._dp_group is not None else 0
         self._steps, self._scaler = steps, scaler
+        # Whether a rank whose forward raised can tell the others in _global's all-reduce:
+        # they reach it next on the DP group (ZeRO-3's forward all-gathers on it first), the
+        # model returns a loss (else they do not reach it; unknown before the first call),
+        # and reading the outcome on the host costs no device sync (CPU).
+        self._can_agree = self._dp_group is not None and not zero3 and mesh.device_type == "cpu"
+        self._returns_loss: bool | None = None
 
     def forward(self, batch: Any = None, *args, **kwargs):
         args, kwargs = _call_args(batch, args, kwargs)
@@ -301,13 +311,17 @@ class ParallelModel(nn.Module):
             return self._pipeline_step(args, kwargs)
         if self.ddp is not None:
             self.ddp.require_backward_grad_sync = self._steps.last
-        out = self.module(*args, **kwargs)
-        if not torch.is_grad_enabled() and self._dp_group is None:
+        rows = _rows(args, kwargs)
+        try:
+            out = self.module(*args, **kwargs)
+            loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
+        except Exception as error:
+            self._tell_others(error, rows)
+            raise
+        self._returns_loss = loss is not None
+        if loss is None or not torch.is_grad_enabled() and self._dp_group is None:
             return out
-        loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
-        if loss is None:
-            return out
-        loss = self._global(self._for_backward(loss), _rows(args, kwargs))
+        loss = self._global(self._for_backward(loss), rows)
         if isinstance(out, torch.Tensor):
             return loss
         out.loss = loss
@@ -347,13 +361,48 @@ class ParallelModel(nn.Module):
             return loss
         mine = loss.detach()
         mine = mine.full_tensor() if isinstance(mine, DTensor) else mine
-        sums = torch.zeros(2, dtype=torch.float64, device=mine.device)
+        sums = self._sums(mine.device, rows)
         if rows:
             sums[0] = mine.double() * rows
-        sums[1] = rows
         dist.all_reduce(sums, group=self._dp_group)
+        if self._can_agree and bool(sums[2:].any()):
+            raise RuntimeError(self._failed_elsewhere(sums[2:]))
         weight = (rows * self._dp_size) / sums[1]  # a tensor: no wait for the device here
         return _GlobalLoss.apply(loss, (sums[0] / sums[1]).to(mine.dtype), weight)
+
+    def _sums(self, device, rows: int) -> torch.Tensor:
+        """_global's all-reduce: the loss times the rows, the rows, and (where the ranks
+        can agree on a failed forward) a slot per DP rank, 1 where its forward raised, 2
+        where it raised on an empty batch."""
+        sums = torch.zeros(2 + (self._dp_size if self._can_agree else 0), dtype=torch.float64, device=device)
+        sums[1] = rows
+        return sums
+
+    def _tell_others(self, error: Exception, rows: int) -> None:
+        """This rank's forward raised: where the others can be told, they are (they raise
+        too instead of waiting for this rank in the collectives that follow), and the error
+        says so; on an empty batch it names the likely cause."""
+        if rows == 0 and self._dp_group is not None:
+            error.add_note(f"vescale: this rank's batch has no rows (DP rank {self._dp_rank} of {self._dp_size}): "
+                           f"a drop_last=False loader splits its last, smaller global batch over the DP ranks, and "
+                           f"it had fewer samples than DP ranks; this model cannot take an empty batch. Use "
+                           f"data.drop_last=True (DataLoader(drop_last=True)), or a dataset whose size leaves a "
+                           f"last batch of at least {self._dp_size} samples")
+        if not self._can_agree or self._returns_loss is False:
+            return
+        sums = self._sums(torch.device("cpu"), 0)
+        sums[2 + self._dp_rank] = 2 if rows == 0 else 1
+        dist.all_reduce(sums, group=self._dp_group)
+        error.add_note("vescale: the other DP ranks were told, and raise too")
+
+    def _failed_elsewhere(self, slots: torch.Tensor) -> str:
+        failed = slots.nonzero().flatten().tolist()
+        empty = [r for r in failed if slots[r] == 2]
+        why = (f"; ranks {empty} had an empty batch (drop_last=False's last global batch had fewer samples than DP "
+               f"ranks): use data.drop_last=True" if empty else "")
+        return (f"the model's forward raised on DP rank(s) {failed} of {self._dp_size} (their errors say why){why}; "
+                f"this rank stops this step too instead of waiting for them. Nothing was reduced: the step can be "
+                f"taken again with another batch")
 
     def _pipeline_step(self, args, kwargs) -> torch.Tensor:
         """Training (grad enabled, train mode): the schedule's forward and backward passes.

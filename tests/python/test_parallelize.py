@@ -211,8 +211,8 @@ def test_parallelize_again_and_again_keeps_its_process_groups(pool4):
 class _Tokens(torch.utils.data.Dataset):
     """Hugging Face style samples: dicts of input_ids and labels."""
 
-    def __init__(self):
-        self.ids = _dataset().tensors[0]
+    def __init__(self, n: int = GLOBAL_BATCH * STEPS):
+        self.ids = _dataset(n).tensors[0]
 
     def __len__(self):
         return len(self.ids)
@@ -249,6 +249,54 @@ def test_hugging_face_plan_from_its_config(pool4, mesh, extra):
         assert "pipeline_parallel.blocks : \"model.layers\"" in text
         if "TP" in mesh:
             assert 'model\\.layers\\.\\d+\\.self_attn\\.q_proj\\.weight -> ["Shard(0)"]' in text
+
+
+def _case_hf_empty_rank(mesh: dict) -> tuple[list[float], list[float], list[tuple]]:
+    """Two epochs of 8 + 3 samples in global batches of 8, drop_last=False: the last batch
+    leaves the last DP rank without rows (1, 1, 1, 0 on DP4; 2, 1 on DP2 is not enough, so
+    8 + 1 there: 1, 0), and HF Llama's forward cannot take an empty batch."""
+    dp = mesh["DP"]
+    n = GLOBAL_BATCH + dp - 1
+    model = _llama()
+    plan = Plan.from_hf(model, mesh=mesh, **{"data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False,
+                                             "data.drop_last": False})
+    model, optimizer, _, loader = vescale.parallelize(plan, model, _sgd, None, _Tokens(n))
+    losses, errors = [], []
+    for _ in range(2):
+        for batch in loader:
+            optimizer.zero_grad()
+            try:
+                loss = _hf_loss(model, batch)
+            except Exception as e:  # noqa: BLE001 (what each rank raised is the result)
+                errors.append((type(e).__name__, str(e), " ".join(getattr(e, "__notes__", []))))
+                continue
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    ids = _Tokens(n).ids
+    ref = _single_device(_llama, _sgd, [(ids[:GLOBAL_BATCH], None)] * 2,
+                         call=lambda m, x, _: m(input_ids=x, labels=x).loss)
+    return losses, ref, errors
+
+
+@pytest.mark.parametrize("mesh", [{"DP": 4}, {"DP": 2, "TP": 2}], ids=["dp4", "dp2-tp2"])
+def test_a_forward_that_raises_on_an_empty_rank_raises_on_every_rank(pool4, mesh):
+    """A model that cannot take an empty batch (HF Llama) on the rank a drop_last=False
+    loader left without rows: that rank used to raise alone while the others waited in the
+    loss's all-reduce until the collective timeout. Now every rank raises at once, the
+    empty rank's error names the cause, and the process goes on: the next epoch's steps
+    train as on one device (SGD: the skipped step changed nothing)."""
+    results = pool4.run(_case_hf_empty_rank, mesh)
+    empty = [r for r in range(4) if r // (4 // mesh["DP"]) == mesh["DP"] - 1]
+    for rank, (losses, ref, errors) in enumerate(results):
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+        assert len(errors) == 2, errors  # one per epoch
+        for kind, text, notes in errors:
+            if rank in empty:
+                assert "batch has no rows" in notes and "drop_last=True" in notes and "were told" in notes, errors
+            else:
+                assert kind == "RuntimeError" and f"DP rank(s) [{mesh['DP'] - 1}]" in text, errors
+                assert "empty batch" in text and "drop_last=True" in text, errors
 
 
 # ---- checkpoints carry the plan; resume under another ---------------------------------------------
