@@ -47,6 +47,23 @@ std::pair<at::Tensor, at::Tensor> into_block(const at::Tensor& indices, int64_t 
   return {local.masked_fill(inside.logical_not(), 0), inside};
 }
 
+// Indices a single device refuses (outside [0, size), except those `counted` leaves out)
+// raise here too: a split lookup would quietly read zeros for them. The rules below hand
+// every rank of the split the same indices, so every rank raises alike. On CUDA the check
+// is a device-side assertion, as the single-device kernels' are: no wait for the device.
+void check_in_range(const at::Tensor& indices, int64_t size, const std::string& what,
+                    const at::Tensor& counted = {}) {
+  auto bad = indices.lt(0).logical_or(indices.ge(size));
+  if (counted.defined()) bad = bad.logical_and(counted);
+  if (indices.is_cuda()) {
+    at::_assert_async(bad.any().logical_not(), what + " out of range (vescale: a split lookup)");
+    return;
+  }
+  if (!bad.any().item<bool>()) return;
+  TORCH_CHECK_INDEX(false, what, " ", indices.masked_select(bad)[0].item<int64_t>(), " is out of range [0, ", size,
+                    ") (as on one device; vescale checks it before the split lookup, which would read zeros)");
+}
+
 // ---- embedding ------------------------------------------------------------------------
 
 // embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse) with the vocab
@@ -56,6 +73,7 @@ void embedding_vocab_locally(const c10::OperatorHandle& op, torch::jit::Stack* s
   const at::Tensor weight = args[0].toTensor();
   const at::Tensor indices = args[1].toTensor();
   const auto [offset, rows] = span(*ctx.inputs[0], 0);
+  check_in_range(indices, ctx.inputs[0]->shape[0], "embedding: index");
   at::Tensor out;
   if (rows == 0) {
     auto shape = indices.sizes().vec();
@@ -153,6 +171,7 @@ void nll_locally(const c10::OperatorHandle& op, torch::jit::Stack* stack, const 
   const auto weight = args[2].toOptional<at::Tensor>();
   const int64_t reduction = args[3].toInt();
   const int64_t ignore_index = args[4].toInt();
+  check_in_range(target, ctx.inputs[0]->shape[1], "nll_loss: target", target.ne(ignore_index));
   const auto b = loss_block(*ctx.inputs[0], *ctx.inputs[1], target, weight, ignore_index, self.scalar_type());
   at::Tensor picked = self.size(1) == 0 ? at::zeros({self.size(0)}, self.options())
                                          : self.gather(1, b.class_index.unsqueeze(1)).squeeze(1);

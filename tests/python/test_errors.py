@@ -62,6 +62,30 @@ def _setitem(x, value):
     x[:, :, 1:3] = value
 
 
+def _split_lookups(m) -> dict[str, str | None]:
+    """Indices a single device refuses, in a lookup whose table is split over the mesh (a
+    vocab-split embedding, cross-entropy over split classes or split rows): once each rank
+    looked up what it owned and zeroes stood for the rest, a wrong answer without an error.
+    Ignored targets (-100, or ignore_index) are not refused, and give one device's loss."""
+    R, rest = Replicate(), [Replicate()] * (m.ndim - 1)
+    weight, logits = rand((10, 4), seed=6), rand((3, 10), seed=7)
+    table = make_dtensor(weight, m, [Shard(0)] + rest)
+    ids = make_dtensor(torch.tensor([[1, 12, 3]]), m, [R] * m.ndim)
+    bad, ignored = torch.tensor([1, 11, 2]), torch.tensor([1, -100, 9])
+    checks = {"embedding index out of range (vocab split)": _raises(
+        lambda: torch.nn.functional.embedding(ids, table), IndexError, "index 12", "[0, 10)")}
+    for dim in (0, 1):
+        split = make_dtensor(logits, m, [Shard(dim)] + rest)
+        checks[f"target out of range (logits split on {dim})"] = _raises(
+            lambda: torch.nn.functional.cross_entropy(split, make_dtensor(bad, m, [R] * m.ndim)), IndexError,
+            "target 11", "[0, 10)")
+        for target, ignore in ((ignored, -100), (bad, 11)):
+            got = torch.nn.functional.cross_entropy(split, make_dtensor(target, m, [R] * m.ndim), ignore_index=ignore)
+            want = torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore)
+            checks[f"ignored target {ignore} (logits split on {dim})"] = mismatch(got.full_tensor(), want)
+    return checks
+
+
 def _case_errors():
     m1, m2 = mesh("1d4"), mesh("2d")
     t = rand((4, 6), seed=2)
@@ -107,6 +131,8 @@ def _case_errors():
             lambda: _setitem(make_dtensor(rand((4, 5), seed=3), m1, [Shard(1)]).expand(2, 4, 5), 1.0),
             RuntimeError, "expanded tensor", "clone()"),
     }
+    checks.update(_split_lookups(m1))
+    checks.update({f"{k} (2-d mesh)": v for k, v in _split_lookups(m2).items()})
     failures = {k: v for k, v in checks.items() if v is not None}
     after = _still_works(m1) or _still_works(m2)
     if after:
