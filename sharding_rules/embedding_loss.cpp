@@ -217,9 +217,12 @@ void nll_backward_locally(const c10::OperatorHandle& op, torch::jit::Stack* stac
   const int64_t ignore_index = args[5].toInt();
   const at::Tensor total_weight = args[6].toTensor();
   const auto b = loss_block(*ctx.inputs[1], *ctx.inputs[2], target, weight, ignore_index, self.scalar_type());
-  auto scale = b.weight.mul(b.owned).neg();
+  auto scale = b.weight.neg();
   scale = reduction == kNone ? scale.mul(grad) : scale.mul(grad.reshape({}));
   if (reduction == kMean) scale = scale.div(total_weight);
+  // Rows whose target this rank does not own, or that are ignored, get exactly 0, as on one
+  // device: a product would turn a batch of only ignored targets (0 / 0) into NaN.
+  scale = scale.masked_fill(b.owned.logical_not(), 0);
   auto out = at::zeros_like(self);
   if (self.size(1) > 0) out.scatter_(1, b.class_index.unsqueeze(1), scale.unsqueeze(1).to(self.scalar_type()));
   torch::jit::drop(*stack, 7);

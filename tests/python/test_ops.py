@@ -24,10 +24,12 @@ from dist_utils import combos, describe, make_dtensor, mesh, mismatch, placement
 @dataclass
 class Arg:
     shape: tuple
-    kind: str = "float"      # float | float32 | positive | index:<n> | target:<n>
+    kind: str = "float"      # float | float32 | positive | index:<n> | target:<n> | ignored
     grad: bool = True
 
     def make(self, seed: int) -> torch.Tensor:
+        if self.kind == "ignored":  # targets that are all ignored: a NaN mean, zero gradients
+            return torch.full(self.shape, -100)
         if self.kind.startswith(("index", "target")):
             high = int(self.kind.split(":")[1])
             t = torch.randint(0, high, self.shape, generator=torch.Generator().manual_seed(seed))
@@ -41,7 +43,7 @@ class Arg:
 
     @property
     def differentiable(self) -> bool:
-        return self.grad and not self.kind.startswith(("index", "target"))
+        return self.grad and not self.kind.startswith(("index", "target", "ignored"))
 
 
 @dataclass
@@ -137,6 +139,11 @@ def _cases() -> list[Case]:
         Case("cross_entropy_mean", F.cross_entropy, [Arg((7, 5)), Arg((7,), "target:5")]),
         Case("cross_entropy_sum", lambda x, t: F.cross_entropy(x, t, reduction="sum"), [Arg((7, 5)), Arg((7,), "target:5")]),
         Case("nll_none", lambda x, t: F.nll_loss(x, t, reduction="none"), [Arg((7, 5)), Arg((7,), "target:5")]),
+        # every target ignored: the loss is 0/0 and the gradient 0 on one device (split
+        # classes once gave NaN gradients)
+        Case("cross_entropy_all_ignored", F.cross_entropy, [Arg((7, 5)), Arg((7,), "ignored")]),
+        Case("nll_all_ignored_weighted", lambda x, t, w: F.nll_loss(x, t, weight=w),
+             [Arg((7, 5)), Arg((7,), "ignored"), Arg((5,), "positive", grad=False)]),
         Case("nll_weighted", lambda x, t, w: F.nll_loss(x, t, weight=w),
              [Arg((7, 5)), Arg((7,), "target:5"), Arg((5,), "positive", grad=False)]),
         Case("mv", torch.mv, [x56, x6]),
@@ -258,7 +265,7 @@ CASES = {c.name: c for c in _cases() + _write_cases()}
 
 
 def _options(arg: Arg, mesh_ndim: int, first: bool, partial: bool):
-    if arg.kind.startswith(("index", "target")):
+    if arg.kind.startswith(("index", "target", "ignored")):
         opts = placement_options(len(arg.shape), mesh_ndim, partial=())
     else:
         opts = placement_options(len(arg.shape), mesh_ndim, partial=("sum",) if partial else ())
