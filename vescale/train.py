@@ -38,14 +38,15 @@ What each section of the plan becomes (``vescale.Plan``):
 
 ``model(batch)`` calls the user's model with ``**batch`` for a dict, ``*batch`` for a
 tuple or list, else ``batch``. The loss it returns (the model's output when that is a
-scalar, or ``output.loss``) is the global one: the mean over the DP ranks' samples, each
-rank's loss (a mean over its rows) weighted by its rows (dim 0 of the batch's first
-tensor), as one device's mean over the global batch is: the last, smaller batch of a
-``drop_last=False`` loader splits unevenly, and a rank may have none. The gradient is
+scalar, or ``output.loss``) is the global one, one device's loss over the global batch:
+each DP rank's loss weighted by the items it averages over where it is a mean-reduced
+cross-entropy (targets not ignored: padding and masked prompts differ between ranks),
+else by its rows (the last, smaller batch of a ``drop_last=False`` loader splits
+unevenly, and a rank may have none); see ``vescale.global_loss``. The gradient is
 weighted alike. Under a pipeline, uneven batches over the DP ranks are refused on every
 rank (the schedule runs backward itself, unweighted). A forward that raises on some DP
-ranks only (a model that cannot take an empty batch) raises on every DP rank, where they
-can learn it in the loss's all-reduce (see ``ParallelModel._can_agree``).
+ranks only (a model that cannot take an empty batch) raises on every DP rank where they
+can learn it in the loss's all-reduce (``global_loss.DPLoss.tell_others``).
 """
 
 from __future__ import annotations
@@ -58,17 +59,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from .deferred import cast_deferred
 from .device_mesh import DeviceMesh, init_device_mesh
 from .dtensor import DTensor
+from .global_loss import DPLoss, items_averaged, rows_of
 from .parallel.ddp import DDP, as_shares, local_of
 from .parallel.optimizer import DistributedOptimizer, grad_norm_power
 from .parallel.parallelize import parallelize_module
 from .parallel.pipeline.engine import PipelineParallel, whole_output
-from .placement_types import Replicate
 from .plan import Plan, PlanError
 
 __all__ = ["parallelize", "ParallelModel", "ParallelOptimizer"]
@@ -246,35 +246,6 @@ class _ScaleGrad(torch.autograd.Function):
         return g * ctx.factor, None
 
 
-class _GlobalLoss(torch.autograd.Function):
-    """``value`` (the loss's mean over the DP ranks' samples, the same bits on every rank)
-    forward, and this rank's loss's gradient times ``weight`` (its share of the global
-    batch's rows, relative to an even share) backward. Adding ``mean - mine`` to the loss
-    instead rounded differently on each rank (a Partial loss's sum rounds once per TP rank:
-    DP rows an ulp apart, in fp32 too), and ranks that log, or branch on, the loss drift
-    apart."""
-
-    @staticmethod
-    def forward(ctx, loss, value, weight):
-        ctx.weight = weight
-        if isinstance(loss, DTensor):
-            return DTensor.from_local(value, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim)
-        return value.clone()
-
-    @staticmethod
-    def backward(ctx, g):  # an even share's weight is exactly 1
-        return g * ctx.weight.to(g.dtype), None, None
-
-
-def _rows(args: tuple, kwargs: dict) -> int:
-    """The batch's rows on this rank: dim 0 of its first tensor that has dims (1 where it
-    has none: every rank then weighs the same)."""
-    for x in tree_flatten((args, kwargs))[0]:
-        if isinstance(x, torch.Tensor) and x.dim() > 0:
-            return x.shape[0]
-    return 1
-
-
 def _call_args(batch: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A batch as the data loader gives it (a dict of keyword arguments, a tuple of
     positional ones, or one tensor), or the model's own arguments, as (args, kwargs)."""
@@ -296,14 +267,14 @@ class ParallelModel(nn.Module):
         self.pipeline, self.ddp, self.mesh = pipeline, ddp, mesh
         self._dp_group = mesh.get_group(dp_dim) if dp_dim in mesh.mesh_dim_names and mesh.size(dp_dim) > 1 else None
         self._dp_size = mesh.size(dp_dim) if self._dp_group is not None else 1
-        self._dp_rank = mesh.get_local_rank(dp_dim) if self._dp_group is not None else 0
         self._steps, self._scaler = steps, scaler
-        # Whether a rank whose forward raised can tell the others in _global's all-reduce:
-        # they reach it next on the DP group (ZeRO-3's forward all-gathers on it first), the
-        # model returns a loss (else they do not reach it; unknown before the first call),
-        # and reading the outcome on the host costs no device sync (CPU).
-        self._can_agree = self._dp_group is not None and not zero3 and mesh.device_type == "cpu"
-        self._returns_loss: bool | None = None
+        # A rank whose forward raised tells the others in the loss's all-reduce where they
+        # reach it next on the DP group (ZeRO-3's forward all-gathers on it first) and
+        # reading the outcome on the host costs no device sync (CPU).
+        self._dp_loss = None if self._dp_group is None else DPLoss(
+            self._dp_group, self._dp_size, mesh.get_local_rank(dp_dim),
+            can_agree=not zero3 and mesh.device_type == "cpu")
+        self._returns_loss: bool | None = None  # (unknown before the first call)
 
     def forward(self, batch: Any = None, *args, **kwargs):
         args, kwargs = _call_args(batch, args, kwargs)
@@ -311,17 +282,25 @@ class ParallelModel(nn.Module):
             return self._pipeline_step(args, kwargs)
         if self.ddp is not None:
             self.ddp.require_backward_grad_sync = self._steps.last
-        rows = _rows(args, kwargs)
+        rows = rows_of(args, kwargs)
         try:
             out = self.module(*args, **kwargs)
             loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
         except Exception as error:
-            self._tell_others(error, rows)
+            if self._dp_loss is not None:
+                self._dp_loss.tell_others(error, rows, self._returns_loss)
             raise
         self._returns_loss = loss is not None
-        if loss is None or not torch.is_grad_enabled() and self._dp_group is None:
+        if loss is None or self._dp_loss is None and not torch.is_grad_enabled():
             return out
-        loss = self._global(self._for_backward(loss), rows)
+        items = items_averaged(loss)  # (read before _for_backward wraps the loss)
+        loss = self._for_backward(loss)
+        if self._dp_loss is not None:
+            loss = self._dp_loss(loss, rows, items)
+        return self._with_loss(out, loss)
+
+    @staticmethod
+    def _with_loss(out, loss: torch.Tensor):
         if isinstance(out, torch.Tensor):
             return loss
         out.loss = loss
@@ -353,63 +332,12 @@ class ParallelModel(nn.Module):
                 loss = as_shares(loss, [self.ddp])
         return _ScaleGrad.apply(loss, factor) if factor != 1.0 and loss.requires_grad else loss
 
-    def _global(self, loss: torch.Tensor, rows: int) -> torch.Tensor:
-        """The mean over the DP ranks' samples as the value (each rank's loss weighted by its
-        ``rows``); the gradient is this rank's loss's, weighted the same. A rank without rows
-        has a NaN loss (a mean over nothing): it counts for nothing."""
-        if self._dp_group is None:
-            return loss
-        mine = loss.detach()
-        mine = mine.full_tensor() if isinstance(mine, DTensor) else mine
-        sums = self._sums(mine.device, rows)
-        if rows:
-            sums[0] = mine.double() * rows
-        dist.all_reduce(sums, group=self._dp_group)
-        if self._can_agree and bool(sums[2:].any()):
-            raise RuntimeError(self._failed_elsewhere(sums[2:]))
-        weight = (rows * self._dp_size) / sums[1]  # a tensor: no wait for the device here
-        return _GlobalLoss.apply(loss, (sums[0] / sums[1]).to(mine.dtype), weight)
-
-    def _sums(self, device, rows: int) -> torch.Tensor:
-        """_global's all-reduce: the loss times the rows, the rows, and (where the ranks
-        can agree on a failed forward) a slot per DP rank, 1 where its forward raised, 2
-        where it raised on an empty batch."""
-        sums = torch.zeros(2 + (self._dp_size if self._can_agree else 0), dtype=torch.float64, device=device)
-        sums[1] = rows
-        return sums
-
-    def _tell_others(self, error: Exception, rows: int) -> None:
-        """This rank's forward raised: where the others can be told, they are (they raise
-        too instead of waiting for this rank in the collectives that follow), and the error
-        says so; on an empty batch it names the likely cause."""
-        if rows == 0 and self._dp_group is not None:
-            error.add_note(f"vescale: this rank's batch has no rows (DP rank {self._dp_rank} of {self._dp_size}): "
-                           f"a drop_last=False loader splits its last, smaller global batch over the DP ranks, and "
-                           f"it had fewer samples than DP ranks; this model cannot take an empty batch. Use "
-                           f"data.drop_last=True (DataLoader(drop_last=True)), or a dataset whose size leaves a "
-                           f"last batch of at least {self._dp_size} samples")
-        if not self._can_agree or self._returns_loss is False:
-            return
-        sums = self._sums(torch.device("cpu"), 0)
-        sums[2 + self._dp_rank] = 2 if rows == 0 else 1
-        dist.all_reduce(sums, group=self._dp_group)
-        error.add_note("vescale: the other DP ranks were told, and raise too")
-
-    def _failed_elsewhere(self, slots: torch.Tensor) -> str:
-        failed = slots.nonzero().flatten().tolist()
-        empty = [r for r in failed if slots[r] == 2]
-        why = (f"; ranks {empty} had an empty batch (drop_last=False's last global batch had fewer samples than DP "
-               f"ranks): use data.drop_last=True" if empty else "")
-        return (f"the model's forward raised on DP rank(s) {failed} of {self._dp_size} (their errors say why){why}; "
-                f"this rank stops this step too instead of waiting for them. Nothing was reduced: the step can be "
-                f"taken again with another batch")
-
     def _pipeline_step(self, args, kwargs) -> torch.Tensor:
         """Training (grad enabled, train mode): the schedule's forward and backward passes.
         Otherwise evaluation: its forward passes only, the loss and no gradients."""
         train = torch.is_grad_enabled() and self.training
         if self._dp_group is not None:
-            self._check_even_rows(_rows(args, kwargs))
+            self._check_even_rows(rows_of(args, kwargs))
         loss = (self.pipeline.step if train else self.pipeline.evaluate)(*args, **kwargs)
         if self._dp_group is not None:
             dist.all_reduce(loss, group=self._dp_group)

@@ -251,6 +251,41 @@ def test_hugging_face_plan_from_its_config(pool4, mesh, extra):
             assert 'model\\.layers\\.\\d+\\.self_attn\\.q_proj\\.weight -> ["Shard(0)"]' in text
 
 
+class _Prompted(_Tokens):
+    """Supervised fine-tuning samples: each sample's first tokens (its prompt, 0 to 14 of
+    16) are not predicted (labels -100), so the DP ranks' batches hold different numbers
+    of targets."""
+
+    def __getitem__(self, i):
+        labels = self.ids[i].clone()
+        labels[:(i * 7) % 15] = -100
+        return {"input_ids": self.ids[i], "labels": labels}
+
+
+def _case_hf_masked(mesh: dict, extra: dict) -> tuple[list[float], list[float]]:
+    model = _llama()
+    plan = Plan.from_hf(model, mesh=mesh, **{"data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False, **extra})
+    model, optimizer, _, loader = vescale.parallelize(plan, model, _sgd, None, _Prompted())
+    losses = _rfc_loop(model, optimizer, loader, STEPS, call=_hf_loss)
+    data = _Prompted()
+    batches = [[data[j] for j in range(i, i + GLOBAL_BATCH)] for i in range(0, GLOBAL_BATCH * STEPS, GLOBAL_BATCH)]
+    batches = [(torch.stack([b["input_ids"] for b in s]), torch.stack([b["labels"] for b in s])) for s in batches]
+    ref = _single_device(_llama, _sgd, batches, call=lambda m, x, y: m(input_ids=x, labels=y).loss)
+    return losses, ref
+
+
+@pytest.mark.parametrize("mesh,extra", [({"DP": 4}, {}), ({"DP": 2, "TP": 2}, {"data_parallel.zero_stage": 1}),
+                                        ({"DP": 4}, {"data_parallel.zero_stage": 3})],
+                         ids=["dp4", "dp2-tp2-zero1", "dp4-zero3"])
+def test_masked_targets_weigh_as_one_device_does(pool4, mesh, extra):
+    """Prompt tokens masked with -100: one device's loss is the mean over the global
+    batch's targets, and the ranks hold different numbers of them. Each rank's loss is
+    weighted by its targets (the cross-entropy's own divisor), so losses and, through SGD,
+    gradients equal one device's; a mean of the ranks' means (torch's DDP) is off."""
+    for losses, ref in pool4.run(_case_hf_masked, mesh, extra):
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+
+
 def _case_hf_empty_rank(mesh: dict) -> tuple[list[float], list[float], list[tuple]]:
     """Two epochs of 8 + 3 samples in global batches of 8, drop_last=False: the last batch
     leaves the last DP rank without rows (1, 1, 1, 0 on DP4; 2, 1 on DP2 is not enough, so
