@@ -19,6 +19,8 @@ import copy
 import json
 import random
 
+from tests.fuzz import rank_differences
+
 WORLD = 4
 
 # Meshes over the 4 ranks, outermost dim first. Dims of one rank are legal and are
@@ -162,6 +164,9 @@ def draw(rng: random.Random, world: int = WORLD) -> dict:
         # the model's own activation checkpointing (torch.utils.checkpoint around every block,
         # or Hugging Face's gradient_checkpointing_enable), beside or inside vescale's
         model["checkpointing"] = rng.choice(["reentrant", "non_reentrant"])
+    # Drawn last of all: what differs between the ranks (an uneven last batch, a branch
+    # some DP ranks take and others do not); rank_differences.py says how.
+    rank_differences.draw(rng, setup)
     return setup
 
 
@@ -211,7 +216,7 @@ def simpler(setup: dict):
 
     loop, plan, model = setup["loop"], setup["plan"], setup["model"]
     changes = []
-    for key in ("deferred", "dropout", "checkpointing"):
+    for key in ("deferred", "dropout", "checkpointing", "branch"):
         if key in model:
             changes.append(lambda s, k=key: s["model"].pop(k))
     if loop["resume"] is not None:
@@ -220,7 +225,7 @@ def simpler(setup: dict):
         changes.append(lambda s: s["loop"].update(eval_after=None))
     if loop["scheduler"] is not None:
         changes.append(lambda s: s["loop"].update(scheduler=None))
-    for key in ("data", "autocast"):
+    for key in ("data", "autocast", "last"):
         if key in loop:
             changes.append(lambda s, k=key: s["loop"].pop(k))
     if loop["steps"] > 1:
