@@ -10,8 +10,9 @@ divides by:
   with ``ignore_index`` targets (padding, a prompt's tokens in supervised fine-tuning)
   hold different numbers of targets on each rank, and a mean of the ranks' means would
   weigh a rank's target by how few its batch held;
-- otherwise by the batch's rows (dim 0 of its first tensor), as the last, smaller batch
-  of a ``drop_last=False`` loader needs (a rank may have none).
+- otherwise (another loss, or no autograd node: under ``torch.no_grad()``) by the
+  batch's rows (dim 0 of its first tensor), as the last, smaller batch of a
+  ``drop_last=False`` loader needs (a rank may have none).
 
 Ranks agree on which (every rank must have such a loss for the item weighting), in the one
 all-reduce that also sums the losses. The same all-reduce tells the others when a rank's
