@@ -11,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
+#include <limits>
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -80,8 +81,34 @@ std::shared_ptr<trace::Timed> count(Kind kind, const at::Tensor& x, const Mesh& 
 struct Issued {
   at::Tensor out;
   std::shared_ptr<trace::Timed> timed;
-  bool complex = false;  // `out` is the real view of a complex result
+  bool complex = false;    // `out` is the real view of a complex result
+  bool nan_flags = false;  // `out` holds (values, NaN flags) pairs: with_nan_flags
 };
+
+// Max and min of floating values: the backends compare with < and so drop a NaN, or keep
+// it, by the order in which the ranks' values meet, where one device's max or min of
+// values that hold a NaN is NaN (a NaN in one rank's shard of a gradient went unseen by
+// a global amax). The NaNs travel as flags beside the values (a trailing dim of 2,
+// reduced by the same op: max of 1/0 is "any", min of -1/0 too), the values with their
+// NaNs replaced by the reduction's identity.
+bool needs_nan_flags(const at::Tensor& x, ReduceOp op) {
+  return (op == ReduceOp::Max || op == ReduceOp::Min) && at::isFloatingType(x.scalar_type());
+}
+
+at::Tensor with_nan_flags(const at::Tensor& x, ReduceOp op) {
+  const bool max = op == ReduceOp::Max;
+  const auto nan = x.isnan();
+  const double inf = std::numeric_limits<double>::infinity();
+  auto values = at::where(nan, at::scalar_tensor(max ? -inf : inf, x.options()), x);
+  auto flags = nan.to(x.scalar_type());
+  return at::stack({values, max ? flags : flags.neg()}, -1);
+}
+
+at::Tensor without_nan_flags(const at::Tensor& pairs) {
+  const auto values = pairs.select(-1, 0);
+  const auto nan = at::scalar_tensor(std::numeric_limits<double>::quiet_NaN(), values.options());
+  return at::where(pairs.select(-1, 1).ne(0), nan, values);
+}
 
 // Tensors as a backend reads them, from memory: a conjugate or negative view (z.conj(),
 // z.conj().imag) resolved first, since the backend does not see the bit. Complex tensors
@@ -131,6 +158,7 @@ at::Tensor wait(Issued issued) {
   // its own thread; hand out another TensorImpl over the same storage, so that no
   // Python object ever hangs off the one the work object holds.
   auto out = stack.at(0).toTensor().detach();
+  if (issued.nan_flags) return without_nan_flags(out);
   return issued.complex ? at::view_as_complex(out) : out;
 }
 
@@ -182,28 +210,41 @@ Issued issue_all_gather_dim0(const at::Tensor& x, const Mesh& mesh, int32_t mesh
   return issue(into_new, {x, mesh.shape[m], group}, std::move(timed));
 }
 
-Issued issue_all_reduce(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_t mesh_dim) {
+// A reduction's issue, with NaN flags where the op needs them (needs_nan_flags).
+template <typename IssueFn>
+Issued issue_reduction(const at::Tensor& x, ReduceOp op, IssueFn&& issue_on) {
   check_complex_reduction(x, op);
+  if (!needs_nan_flags(x, op)) return issue_on(x.contiguous());
+  auto issued = issue_on(with_nan_flags(x, op));
+  issued.nan_flags = true;
+  return issued;
+}
+
+Issued issue_all_reduce(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_t mesh_dim) {
   static const auto fn = functional_op("_c10d_functional::all_reduce");
-  return issue(fn, {x.contiguous(), reduce_op_name(op), mesh.group_names[static_cast<size_t>(mesh_dim)]},
-               count(kAllReduce, x, mesh, mesh_dim));
+  return issue_reduction(x, op, [&](const at::Tensor& sent) {
+    return issue(fn, {sent, reduce_op_name(op), mesh.group_names[static_cast<size_t>(mesh_dim)]},
+                 count(kAllReduce, sent, mesh, mesh_dim));
+  });
 }
 
 Issued issue_all_reduce_flat(const at::Tensor& x, ReduceOp op, const Mesh& mesh) {
-  check_complex_reduction(x, op);
   static const auto fn = functional_op("_c10d_functional::all_reduce");
   std::string dims;
   for (const auto& name : mesh.dim_names) dims += (dims.empty() ? "" : "*") + name;
-  return issue(fn, {x.contiguous(), reduce_op_name(op), mesh.flat_group_name},
-               count(kAllReduce, x, mesh.flat_group_name, mesh.numel(), -1, &dims));
+  return issue_reduction(x, op, [&](const at::Tensor& sent) {
+    return issue(fn, {sent, reduce_op_name(op), mesh.flat_group_name},
+                 count(kAllReduce, sent, mesh.flat_group_name, mesh.numel(), -1, &dims));
+  });
 }
 
 Issued issue_reduce_scatter_dim0(const at::Tensor& x, ReduceOp op, const Mesh& mesh, int32_t mesh_dim) {
-  check_complex_reduction(x, op);
   static const auto fn = functional_op("_c10d_functional::reduce_scatter_tensor");
   const auto m = static_cast<size_t>(mesh_dim);
-  return issue(fn, {x, reduce_op_name(op), mesh.shape[m], mesh.group_names[m]},
-               count(kReduceScatter, x, mesh, mesh_dim));
+  return issue_reduction(x, op, [&](const at::Tensor& sent) {
+    return issue(fn, {sent, reduce_op_name(op), mesh.shape[m], mesh.group_names[m]},
+                 count(kReduceScatter, sent, mesh, mesh_dim));
+  });
 }
 
 Issued issue_all_to_all_dim0(const at::Tensor& x, const Mesh& mesh, int32_t mesh_dim) {

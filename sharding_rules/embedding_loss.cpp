@@ -53,6 +53,7 @@ std::pair<at::Tensor, at::Tensor> into_block(const at::Tensor& indices, int64_t 
 // is a device-side assertion, as the single-device kernels' are: no wait for the device.
 void check_in_range(const at::Tensor& indices, int64_t size, const std::string& what,
                     const at::Tensor& counted = {}) {
+  if (indices.is_meta() || indices.numel() == 0) return;  // what-if planning runs on meta: no values
   auto bad = indices.lt(0).logical_or(indices.ge(size));
   if (counted.defined()) bad = bad.logical_and(counted);
   if (indices.is_cuda()) {

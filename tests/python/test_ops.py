@@ -24,7 +24,7 @@ from dist_utils import combos, describe, make_dtensor, mesh, mismatch, placement
 @dataclass
 class Arg:
     shape: tuple
-    kind: str = "float"      # float | float32 | positive | index:<n> | target:<n> | ignored
+    kind: str = "float"      # float | float32 | positive | nan | index:<n> | target:<n> | ignored
     grad: bool = True
 
     def make(self, seed: int) -> torch.Tensor:
@@ -37,6 +37,8 @@ class Arg:
                 t.view(-1)[1] = -100  # an ignored target
             return t
         t = rand(self.shape, seed)
+        if self.kind == "nan":  # one NaN, late in the tensor: in the last ranks' shards
+            t.view(-1)[t.numel() * 3 // 4] = float("nan")
         if self.kind == "float32":  # for kernels without float64
             return t.float()
         return t.abs() + 0.5 if self.kind == "positive" else t
@@ -100,6 +102,11 @@ def _cases() -> list[Case]:
         Case("norm2", lambda x: torch.linalg.vector_norm(x, dim=1), [x356]),
         Case("norm1_all", lambda x: torch.linalg.vector_norm(x, ord=1), [x56]),
         Case("norm_inf", lambda x: torch.linalg.vector_norm(x, ord=float("inf"), dim=(0, 2)), [x356]),
+        # a NaN in one rank's shard: one device's max, min and inf-norm are NaN (the
+        # backends' max and min across ranks once dropped it, by the order ranks met)
+        Case("max_min_nan", lambda x: torch.stack([x.max(), x.min()]), [Arg((5, 6), "nan")]),
+        Case("amax_amin_nan", lambda x: x.amax(1) + x.amin(1), [Arg((3, 5, 6), "nan")]),
+        Case("norm_inf_nan", lambda x: torch.linalg.vector_norm(x, ord=float("inf"), dim=1), [Arg((5, 6), "nan")]),
         Case("any_all", lambda x: (x > 0).any(1).float() + (x > -3).all(0).float().sum(), [x56]),
         # views and shapes
         Case("view_merge", lambda x: x.view(30), [x56]),
