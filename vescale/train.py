@@ -66,7 +66,7 @@ from .device_mesh import DeviceMesh, init_device_mesh
 from .dtensor import DTensor
 from .global_loss import DPLoss, items_averaged, rows_of
 from .parallel.ddp import DDP, as_shares, local_of
-from .parallel.optimizer import DistributedOptimizer, grad_norm_power
+from .parallel.optimizer import DistributedOptimizer, grad_norm
 from .parallel.parallelize import parallelize_module
 from .parallel.pipeline.engine import PipelineParallel, whole_output
 from .plan import Plan, PlanError
@@ -338,8 +338,11 @@ class ParallelModel(nn.Module):
         train = torch.is_grad_enabled() and self.training
         if self._dp_group is not None:
             self._check_even_rows(rows_of(args, kwargs))
+        self.pipeline.global_loss = None
         loss = (self.pipeline.step if train else self.pipeline.evaluate)(*args, **kwargs)
-        if self._dp_group is not None:
+        if self.pipeline.global_loss is not None:  # weighed by items over the replicas already
+            loss = self.pipeline.global_loss
+        elif self._dp_group is not None:
             dist.all_reduce(loss, group=self._dp_group)
             loss = loss / self._dp_size
         # training: gradients are in place already, backward() has nothing to do
@@ -407,9 +410,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
             return self.inner.clip_grad_norm_(max_norm * scale, norm_type) / scale  # gradients are still scaled
         params = [p for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
         world = dist.get_world_size() if dist.is_initialized() else 1
-        power = grad_norm_power(params, norm_type, ranks_per_stage=world // self._pp_size,
-                                holders=self._pipeline.holders() if self._pipeline is not None else None)
-        norm = power.pow(1.0 / norm_type)
+        norm = grad_norm(params, norm_type, ranks_per_stage=world // self._pp_size,
+                         holders=self._pipeline.holders() if self._pipeline is not None else None)
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
             for p in params:

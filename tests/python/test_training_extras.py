@@ -88,6 +88,61 @@ def test_clip_grad_norm_over_all_mesh_dims(pool4, zero):
     assert pool4.run(_case_clip, zero) == [None] * 4
 
 
+def _case_norm_types(zero: int) -> list[str]:
+    """The global gradient norm for p = 2, 1 and inf against one device's
+    (``torch.nn.utils.get_total_norm``): DDP over DP2 x TP2 with sequence parallelism,
+    through ZeRO's ``clip_grad_norm_`` (zero > 0) or the plain parameters' ``grad_norm``
+    (what ``vescale.parallelize``'s optimizer uses without ZeRO). Then a NaN in one rank's
+    shard of one gradient: one device's norms are NaN, every rank's must be too (the inf
+    norm once took the p-th power, inf, of every element; then the ranks' maxima dropped
+    the NaN)."""
+    from vescale.parallel.optimizer import grad_norm
+
+    m = mesh("2d")
+    factory = lambda: LlamaForCausalLM(LlamaConfig())  # noqa: E731
+    idx, tgt = _batches()[0]
+    torch.manual_seed(0)
+    ref = factory()
+    ref(idx, tgt).backward()
+    torch.manual_seed(0)
+    model = factory()
+    parallelize_module(model, m["TP"], llama_plan(sequence_parallel=True))
+    model = DDP(model, m["DP"])
+    opt = DistributedOptimizer(torch.optim.SGD, models=[model], zero_stage=zero, lr=0.1) if zero else None
+    rows = slice(2 * m.get_local_rank("DP"), 2 * m.get_local_rank("DP") + 2)
+    model(idx[rows], tgt[rows]).backward()
+
+    def norm(p: float) -> torch.Tensor:
+        if opt is not None:
+            return opt.clip_grad_norm_(1e9, p)
+        return grad_norm(list(model.parameters()), p, ranks_per_stage=4)
+
+    failures = []
+    for p in (2.0, 1.0, float("inf")):
+        want = torch.nn.utils.get_total_norm([q.grad for q in ref.parameters()], p)
+        err = mismatch(norm(p).double(), want.double(), rtol=1e-5, atol=0)
+        if err:
+            failures.append(f"norm_type {p}: {err}")
+    grads = opt.owned if opt is not None else None
+    if dist.get_rank() == 3:  # one element of this rank's part of one gradient
+        target = grads[0].param if grads is not None else next(model.parameters())
+        slot = opt._grad_slice(grads[0]) if grads is not None else (target.grad.to_local()
+                                                                    if isinstance(target.grad, vescale.DTensor)
+                                                                    else target.grad)
+        slot.view(-1)[-1] = float("nan")
+    for p in (2.0, float("inf")):
+        if not torch.isnan(norm(p)):
+            failures.append(f"norm_type {p} with a NaN on rank 3 is not NaN")
+    with pytest.raises(ValueError, match="norm_type 0"):
+        norm(0)
+    return failures
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_gradient_norms_of_every_type_over_all_mesh_dims(pool4, zero):
+    assert pool4.run(_case_norm_types, zero) == [[]] * 4
+
+
 def _case_bf16():
     factory = lambda: GPT(GPTConfig(bias=False))  # noqa: E731
     losses = _train_dp2_tp2(factory, gpt_plan, zero=2, dtype=torch.bfloat16)

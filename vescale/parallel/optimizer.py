@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import _trace
 from ..deferred import flat_slice
 from ..dtensor import DTensor
 from .._local import local_of
 from .ddp import DDP, Slot, as_shares
+from .grad_norm import NormOverRanks
 from .pipeline.engine import is_pipeline
 from .zero3 import ShardedParameters, all_gather_slices, fill_rows
 
@@ -244,14 +244,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # pipeline ranks hold counts once, not once per holder.
         holders = pipeline_holders(self.ddps)
         plain_copies = dist.get_world_size() // (self.world * pipeline_size(self.ddps))
-        total = torch.zeros((), dtype=torch.float64, device=collective_device())
+        norm = NormOverRanks(norm_type, collective_device())
         for o, g in slices:
-            if g is None:
-                continue
-            power = g.double().abs().pow(norm_type).sum() / holders.get(id(o.param), 1)
-            total += power / (_copies(o.param) if isinstance(o.param, DTensor) else plain_copies)
-        _trace.call("all_reduce", None, total, dist.all_reduce, total, source="optimizer")
-        norm = total.pow(1.0 / norm_type)
+            if g is not None:
+                norm.add(g, holders.get(id(o.param), 1) * (_copies(o.param) if isinstance(o.param, DTensor)
+                                                             else plain_copies))
+        norm = norm.over_ranks(source="optimizer")
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
             for o, g in slices:
@@ -297,25 +295,19 @@ def pipeline_size(models) -> int:
     return max((p.pp_size for p in _pipelines(models)), default=1)
 
 
-def grad_norm_power(params, norm_type: float, ranks_per_stage: int, holders: dict[int, int] | None = None) -> torch.Tensor:
-    """sum(|g| ** norm_type) over the gradients of ``params`` across every rank, each
-    element counted once: a DTensor's elements once per copy its mesh replicates, its
-    mesh's copies across the rest of a stage's ``ranks_per_stage`` ranks (data
-    parallelism), a plain gradient held by every rank of a stage, and a parameter
-    several pipeline ranks hold (``holders``: id -> count, see ``pipeline_holders``),
-    all divided out."""
+def grad_norm(params, norm_type: float, ranks_per_stage: int, holders: dict[int, int] | None = None) -> torch.Tensor:
+    """The norm of the gradients of ``params`` across every rank, each element counted
+    once: a DTensor's elements once per copy its mesh replicates, its mesh's copies
+    across the rest of a stage's ``ranks_per_stage`` ranks (data parallelism), a plain
+    gradient held by every rank of a stage, and a parameter several pipeline ranks hold
+    (``holders``: id -> count, see ``pipeline_holders``), all divided out."""
     holders = holders or {}
-    total = torch.zeros((), dtype=torch.float64, device=collective_device())
+    norm = NormOverRanks(norm_type, collective_device())
     for p in params:
-        g = p.grad
-        power = local_of(g).double().abs().pow(norm_type).sum() / holders.get(id(p), 1)
-        if isinstance(p, DTensor):
-            total += power / (_copies(p) * (ranks_per_stage // p.device_mesh.mesh.numel()))
-        else:
-            total += power / ranks_per_stage
-    if dist.is_initialized():
-        dist.all_reduce(total)
-    return total
+        copies = (_copies(p) * (ranks_per_stage // p.device_mesh.mesh.numel()) if isinstance(p, DTensor)
+                  else ranks_per_stage)
+        norm.add(local_of(p.grad), holders.get(id(p), 1) * copies)
+    return norm.over_ranks()
 
 
 def collective_device() -> torch.device:
