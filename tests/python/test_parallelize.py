@@ -275,13 +275,19 @@ def _case_hf_masked(mesh: dict, extra: dict) -> tuple[list[float], list[float]]:
 
 
 @pytest.mark.parametrize("mesh,extra", [({"DP": 4}, {}), ({"DP": 2, "TP": 2}, {"data_parallel.zero_stage": 1}),
-                                        ({"DP": 4}, {"data_parallel.zero_stage": 3})],
-                         ids=["dp4", "dp2-tp2-zero1", "dp4-zero3"])
+                                        ({"DP": 4}, {"data_parallel.zero_stage": 3}),
+                                        ({"PP": 2, "DP": 2}, {"pipeline_parallel.microbatches": 2}),
+                                        ({"PP": 2, "TP": 2}, {"pipeline_parallel.microbatches": 4,
+                                                              "pipeline_parallel.schedule": "zb_h1"}),
+                                        ({"PP": 2, "DP": 2}, {"pipeline_parallel.microbatches": 2,
+                                                              "data_parallel.zero_stage": 2})],
+                         ids=["dp4", "dp2-tp2-zero1", "dp4-zero3", "pp2-dp2", "pp2-tp2-zbh1", "pp2-dp2-zero2"])
 def test_masked_targets_weigh_as_one_device_does(pool4, mesh, extra):
     """Prompt tokens masked with -100: one device's loss is the mean over the global
-    batch's targets, and the ranks hold different numbers of them. Each rank's loss is
-    weighted by its targets (the cross-entropy's own divisor), so losses and, through SGD,
-    gradients equal one device's; a mean of the ranks' means (torch's DDP) is off."""
+    batch's targets, and the ranks (and a pipeline's micro-batches) hold different numbers
+    of them. Each loss is weighted by its targets (the cross-entropy's own divisor; under a
+    pipeline the step's gradients are rescaled once the total is known), so losses and,
+    through SGD, gradients equal one device's; a mean of the means (torch's DDP) is off."""
     for losses, ref in pool4.run(_case_hf_masked, mesh, extra):
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
 

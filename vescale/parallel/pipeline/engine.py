@@ -21,6 +21,7 @@ from .p2p import Boundary
 from .schedules import Schedule, make_schedule
 from .split import Layout, PipelineSplitError, assign_blocks, find_layout
 from .stage import StageRunner, StageSpec, is_elsewhere, meta_twin_of
+from .weights import StepWeights
 
 SPLIT_METHODS = ("uniform", "parameters", "flops", "time")
 
@@ -60,6 +61,8 @@ class PipelineParallel(nn.Module):
         # loss -> the loss backward starts from: a loss-scaling DistributedOptimizer sets its
         # scale_loss here (the schedule runs backward, so the caller cannot scale the loss)
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # the last step's loss over the DP replicas where it weighed by items (weights.py)
+        self.global_loss: torch.Tensor | None = None
         self._shared = self._strip_other_stages()
         self.runner = StageRunner(model, self.layout, self.specs, self.local_stages, torch.device(mesh.device_type))
         self.boundary = Boundary(self.group, mesh, self.schedule.stages)
@@ -174,7 +177,8 @@ class PipelineParallel(nn.Module):
         into micro-batches along dim 0; every stage needs it (the glue runs everywhere).
         The loss is ``loss_fn(output, target)`` on the micro-batch, else what the model
         returns (a scalar, or an output with ``.loss``); the batch loss is the mean over
-        micro-batches weighted by their size. Returns it on every rank."""
+        micro-batches weighted by their size, or by their targets where the loss is a mean
+        cross-entropy (``weights.py``). Returns it on every rank."""
         mbs = self._checked_microbatches(args, kwargs, target, loss_fn)
         ddp = self._data_parallel
         sync = ddp is not None and ddp._sync  # False inside the user's ddp.no_sync(): accumulate
@@ -186,11 +190,13 @@ class PipelineParallel(nn.Module):
             # scale_loss divides the loss's gradient by the DP size at the root, on the last
             # stage; every stage's gradients descend from it: shares, which DDP sums
             ddp.mark_shares()
+        weights = StepWeights(by_items=self._sharded() is None)
+        weights.set_aside(self.parameters(), keep={id(self.module.get_parameter(n)) for n, _ in self._shared})
         sends, states, losses = [], {}, []
         with ddp.no_sync() if ddp is not None else contextlib.nullcontext(), self._root_held():
             for action in self.schedule.orders[self.pp_rank]:
                 if action.kind == "F":
-                    self._forward(action.stage, action.mb, mbs[action.mb], loss_fn, states, sends, losses)
+                    self._forward(action.stage, action.mb, mbs[action.mb], loss_fn, states, sends, losses, weights)
                 elif action.kind in ("B", "I"):
                     self._backward(action.stage, action.mb, states, sends, split=action.kind == "I")
                 else:
@@ -198,10 +204,13 @@ class PipelineParallel(nn.Module):
                 sends[:] = [w for w in sends if not w[0].is_completed()]  # sent buffers go as they are done
             for work, _ in sends:
                 work.wait()
+        loss = weights.batch_loss(losses, self.group, self.schedule.rank_of(self.schedule.stages - 1))
+        weights.rescale(self.parameters(), ddp.group if ddp is not None else None, ddp.world if ddp is not None else 1)
+        self.global_loss = weights.global_loss
         self._reduce_shared_grads(earlier)
         if sync:
             ddp.sync_gradients()
-        return self._batch_loss(losses)
+        return loss
 
     def evaluate(self, *args, target=None, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor:
         """The batch's loss as ``step`` computes it, forward only (evaluation: call it under
@@ -209,7 +218,7 @@ class PipelineParallel(nn.Module):
         schedule's forward order, no backward, no gradients. Returns it on every rank."""
         losses = []
         self._forwards_only(args, kwargs, target, loss_fn, losses, None)
-        return self._batch_loss(losses)
+        return StepWeights(by_items=False).batch_loss(losses, self.group, self.schedule.rank_of(self.schedule.stages - 1))
 
     def predict(self, *args, **kwargs):
         """The model's output for the batch, as one device's call returns it, on every rank
@@ -242,7 +251,7 @@ class PipelineParallel(nn.Module):
                 for action in self.schedule.orders[self.pp_rank]:
                     if action.kind == "F":
                         self._forward(action.stage, action.mb, mbs[action.mb], loss_fn, states, sends, losses,
-                                      outputs)
+                                      outputs=outputs)
                         del states[(action.stage, action.mb)]
                         sends[:] = [w for w in sends if not w[0].is_completed()]
         for work, _ in sends:
@@ -263,9 +272,11 @@ class PipelineParallel(nn.Module):
             self._checked = True
         return mbs
 
-    def _forward(self, s: int, mb: int, batch, loss_fn, states, sends, losses, outputs: dict | None = None) -> None:
+    def _forward(self, s: int, mb: int, batch, loss_fn, states, sends, losses, weights: StepWeights | None = None,
+                 outputs: dict | None = None) -> None:
         """One micro-batch through stage ``s``: sends what crosses the cut; on the last
-        stage the loss (``losses``), or the output itself when ``outputs`` collects them."""
+        stage the loss (``losses``: with its weight and, training, ``weights``' items), or
+        the output itself when ``outputs`` collects them."""
         spec = self.specs[s]
         sharded = self._sharded()
         if sharded is not None:  # ZeRO-3's backward prefetch stays within this stage's units
@@ -289,10 +300,11 @@ class PipelineParallel(nn.Module):
             roots = []
         else:
             loss = _loss_of(a, target, loss_fn)
-            losses.append((loss.detach(), weight))
+            weighted, items = weights.root(loss, weight) if weights is not None else (loss * weight, None)
+            losses.append((loss.detach(), weight, items))
             # weighted, then scaled: the scale multiplies the gradient first, in the loss's
             # dtype, and an fp16 2^16 overflows as one device's does
-            roots = [loss * weight if self.scale_loss is None else self.scale_loss(loss * weight)]
+            roots = [weighted if self.scale_loss is None else self.scale_loss(weighted)]
         states[(s, mb)] = {"outputs": roots, "leaves": leaves}  # what backward starts from
 
     def _backward(self, s: int, mb: int, states, sends, split: bool) -> None:
@@ -402,15 +414,6 @@ class PipelineParallel(nn.Module):
                         source="pipeline")
             if earlier[name] is not None:
                 p.grad = p.grad + earlier[name]
-
-    def _batch_loss(self, losses) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64)
-        for loss, weight in losses:
-            value = loss.full_tensor() if isinstance(loss, DTensor) else loss
-            total += value.double() * weight
-        last = self.schedule.rank_of(self.schedule.stages - 1)
-        dist.broadcast(total, src=dist.get_global_rank(self.group, last), group=self.group)
-        return total
 
 
 def is_pipeline(module: nn.Module) -> bool:

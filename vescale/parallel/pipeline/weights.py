@@ -1,0 +1,100 @@
+"""How a pipeline step weighs its micro-batches' losses: as one device's loss over the batch.
+
+By rows (a micro-batch's share of the batch's samples) unless the loss is a mean-reduced
+cross-entropy (``global_loss.items_averaged``): then by the targets it averages over, so
+that masked targets (padding, a prompt's tokens) weigh as on one device. Their total over
+the batch (and the DP replicas) is known only after the last forward, while a schedule
+runs the first micro-batch's backward long before. So each micro-batch's backward starts
+from loss x items x c, with c a constant of this replica (chosen at its first micro-batch
+so that the first root equals its rows weight: fp16 magnitudes stay as they were), and
+once the schedule is over the step's gradients are multiplied by DP / (c x total items):
+a linear rescaling, exact up to rounding. Gradients accumulated by earlier steps are set
+aside meanwhile. Under ZeRO-3 the rows weigh (its gradients do not stay in ``.grad``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..._local import local_of
+from ...dtensor import DTensor
+from ...global_loss import items_averaged
+
+# the vector the last stage broadcasts over the pipeline after a step
+_BY_ROWS, _LOSS_ITEMS, _ITEMS, _C, _COUNTED = range(5)
+
+
+class StepWeights:
+    """One step's weighting. ``by_items``: whether the loss may weigh by items here
+    (training, not ZeRO-3)."""
+
+    def __init__(self, by_items: bool):
+        self.by_items = by_items
+        self.items_mode: bool | None = None  # decided at the last stage's first micro-batch
+        self.c: torch.Tensor | None = None
+        self.global_loss: torch.Tensor | None = None  # over the DP replicas, in items mode
+        self._aside: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+
+    def root(self, loss: torch.Tensor, weight: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The micro-batch's loss weighted (in its dtype, as ``loss * weight`` is: an fp16
+        loss scale overflows where one device's does), and its items (or None)."""
+        items = items_averaged(loss) if self.by_items else None
+        if self.items_mode is None:
+            self.items_mode = items is not None
+            if items is not None:
+                self.c = weight / items.double().clamp(min=1)
+        elif self.items_mode != (items is not None):
+            raise RuntimeError("the pipeline's micro-batch losses are of different kinds (a mean cross-entropy for "
+                               "some, another loss for others): their weights cannot be chosen alike")
+        if items is None:
+            return loss * weight, None
+        return (loss.double() * (items * self.c)).to(loss.dtype), items
+
+    def set_aside(self, params, keep: set[int]) -> None:
+        """Gradients of earlier steps (accumulation under ``no_sync``) out of the way of this
+        step's rescaling; ``keep``: ids of parameters handled elsewhere (shared ones)."""
+        if not self.by_items:
+            return
+        for p in params:
+            if p.grad is not None and id(p) not in keep:
+                self._aside[id(p)] = (p, p.grad)
+                p.grad = None
+
+    def batch_loss(self, losses: list, group, last: int) -> torch.Tensor:
+        """The replica's batch loss on every pipeline rank (``losses``: the last stage's
+        (loss, weight, items)); learns the replica's weighting from the last stage."""
+        vec = torch.zeros(5, dtype=torch.float64)
+        for loss, weight, items in losses:
+            value = (loss.full_tensor() if isinstance(loss, DTensor) else loss).double().cpu()
+            vec[_BY_ROWS] += value * weight
+            if items is not None:
+                items = items.double().cpu()
+                vec[_LOSS_ITEMS] += torch.where(items > 0, value * items, 0.0)
+                vec[_ITEMS] += items
+        if self.items_mode:
+            vec[_C], vec[_COUNTED] = self.c.cpu(), 1.0
+        dist.broadcast(vec, src=dist.get_global_rank(group, last), group=group)
+        self.items_mode = bool(vec[_COUNTED])
+        if self.items_mode:
+            self.c = vec[_C]
+            self._vec = vec
+            return vec[_LOSS_ITEMS] / vec[_ITEMS]
+        return vec[_BY_ROWS]
+
+    def rescale(self, params, dp_group, dp_size: int) -> None:
+        """Items mode: this step's gradients times DP / (c x the items of every replica);
+        then the gradients set aside come back."""
+        if self.items_mode:
+            sums = self._vec[[_LOSS_ITEMS, _ITEMS]].clone()
+            if dp_group is not None:
+                dist.all_reduce(sums, group=dp_group)
+            self.global_loss = sums[0] / sums[1]
+            # all targets ignored everywhere: one device's gradients are 0 (and its loss NaN)
+            factor = float(dp_size / (self.c * sums[1])) if sums[1] > 0 else 0.0
+            for p in params:
+                if p.grad is not None:
+                    local_of(p.grad).mul_(factor)  # (every placement's local part scales alike)
+        for p, earlier in self._aside.values():
+            p.grad = earlier if p.grad is None else p.grad + earlier
+        self._aside = {}
