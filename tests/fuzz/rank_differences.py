@@ -166,7 +166,7 @@ def add_branch(model: torch.nn.Module, spec: dict, seed: int) -> None:
             if chosen.numel() == 0:  # no sample of this batch: the adapter stays out of the graph
                 return out
             h = out[0] if isinstance(out, tuple) else out
-            h = h.index_add(0, chosen, block.branch(h.index_select(0, chosen)))
+            h = h.index_add(0, chosen, block.branch(h.index_select(0, chosen)).to(h.dtype))  # (autocast: bf16)
             return (h, *out[1:]) if isinstance(out, tuple) else h
 
         block.forward = forward_block
