@@ -8,8 +8,9 @@ DP rank reads: drawn last of all, so that every older seed keeps its set-up.
   project's GPT takes an empty batch (its forward is shape-generic; the project's Llama
   and every Hugging Face model reshape with ``-1`` and raise on 0 rows), so for the
   others L leaves every rank of a plan without a pipeline at least one row. vescale's
-  global loss weighs each DP rank's loss by its rows (``vescale/train.py``, ``_global``),
-  so one device's mean over the same global batch (``global_batch_indices`` with
+  global loss weighs each DP rank's loss by its share of the global batch (its rows, or
+  the targets its cross-entropy averages over: ``vescale/global_loss.py``; here every
+  target counts, so the rows times the sequence), so one device's mean over the same global batch (``global_batch_indices`` with
   ``drop_last=False``) is the reference. Under a pipeline uneven DP batches, and batches
   with fewer rows than micro-batches, are refused with a ValueError on every rank (the
   schedule runs backward itself): such a step is expected to raise exactly that on every

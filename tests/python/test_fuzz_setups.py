@@ -3,8 +3,10 @@ project's GPT and Llama, Hugging Face Llama, Qwen2, GPT-2 and BERT), a ``vescale
 over 4 ranks (pipeline, tensor and sequence, data parallelism, ZeRO 0-3, accumulation,
 clipping, recomputation), an optimizer (SGD, momentum, AdamW, parameter groups, fused
 Adam), an LR scheduler, shuffled data, evaluation between steps and a checkpoint resumed
-under another plan; the losses of every step, the evaluation losses and the trained
-weights are compared.
+under another plan, and what differs between ranks (an uneven, possibly empty, share of
+a drop_last=False last batch, a pipeline's refusal of it, a data-dependent branch some
+DP ranks skip: tests/fuzz/rank_differences.py); the losses of every step, the
+evaluation losses and the trained weights are compared.
 
 First the set-ups that found bugs (shrunk, as literals), then short campaigns with fixed
 seeds on 4 ranks and on 3 (VESCALE_FUZZ_SETUPS and VESCALE_FUZZ_SETUP_SEED pick others
