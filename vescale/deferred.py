@@ -479,5 +479,20 @@ def flat_slice(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.empty(0, dtype=t.dtype)
 
 
+def materialize_before_reading(state) -> None:
+    """Gives the deferred models in ``state`` (a module, or a dict of them and other
+    things) their values now, as their first forward would (through DDP where it wraps
+    one): saving or exporting reads them, and a model saved right after it was set up
+    (a seed checkpoint) has not run yet. Loading binds deferred tensors instead."""
+    for module in state.values() if isinstance(state, dict) else [state]:
+        if not isinstance(module, nn.Module):
+            continue
+        for sub in module.modules():
+            if getattr(sub, "deferred", False) is True and callable(getattr(sub, "materialize", None)):
+                sub.materialize()  # DDP: its own bookkeeping too
+        if has_deferred(module):
+            materialize_module(module)
+
+
 def has_deferred(module: nn.Module) -> bool:
     return any(is_deferred(t) for t in list(module.parameters()) + list(module.buffers()))

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..boxes import Box, whole
+from ..deferred import materialize_before_reading
 from ..device_mesh import collective_timeout, of_this_world, release_at_exit
 from .layout import Layout, build
 from .storage import CorruptCheckpoint, Reader, write_file
@@ -106,6 +107,7 @@ def save(path: str, state: dict, *, async_save: bool = False) -> None:
     _pending.wait()  # also what keeps the stale-directory sweep (_remove_stale) off a save in progress
     group = _checkpoint_group()
     rank, world = _rank_world(group)
+    materialize_before_reading(state)
     layout = build(state)
     layout.objects[_RNG_KEY] = torch.get_rng_state()
     layout.merge[_RNG_KEY] = _rng_states

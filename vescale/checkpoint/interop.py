@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..boxes import Box
+from ..deferred import materialize_before_reading
 from .layout import Item, build
 from .storage import inside
 
@@ -57,6 +58,7 @@ def _model_items(model: nn.Module, optimizer) -> list[tuple[str, Item, list]]:
     """Every tensor of the model as (name, this rank's item, every rank's boxes of it),
     in one order on every rank (pipeline stages hold different tensors)."""
     world = dist.get_world_size()
+    materialize_before_reading(model)
     layout = build({"model": model, **({"optimizer": optimizer} if optimizer is not None else {})})
     mine = {k[len("model."):]: i for k, i in layout.items.items() if k.startswith("model.")}
     held: list = [None] * world
