@@ -293,11 +293,12 @@ class ParallelModel(nn.Module):
         self._returns_loss = loss is not None
         if loss is None or self._dp_loss is None and not torch.is_grad_enabled():
             return out
-        items = items_averaged(loss)  # (read before _for_backward wraps the loss)
-        loss = self._for_backward(loss)
         if self._dp_loss is not None:
-            loss = self._dp_loss(loss, rows, items)
-        return self._with_loss(out, loss)
+            # the weight innermost: in backward the loss scale multiplies first and the DP
+            # share divides next, so an fp16 gradient overflows where one device's does (a
+            # rank holding all of a short batch's rows weighs DP times its share)
+            loss = self._dp_loss(loss, rows, items_averaged(loss))
+        return self._with_loss(out, self._for_backward(loss))
 
     @staticmethod
     def _with_loss(out, loss: torch.Tensor):

@@ -185,6 +185,35 @@ REGRESSIONS = [
       "loop": {"steps": 2, "seq": 12, "batch": 4, "scheduler": None, "eval_after": None, "resume": None,
                "data": {"epoch_batches": 2, "seed": 60, "shuffle": True}},
       "init_seed": 766, "data_seed": 391}),
+    # Hang (seed 29253, the first draws of what differs between ranks): a deferred Qwen2
+    # resumed under DP2 x PP2, whose next batch (1 row) the pipeline refuses before any
+    # forward; the export then gathered from a model never materialised ("Cannot copy out
+    # of meta tensor" on one stage's ranks, the other stage waiting). Saving and exporting
+    # now materialise a deferred model first, as its first forward would.
+    ("export of a deferred pipeline model before its first forward, Qwen2",
+     {"model": {"kind": "hf_qwen2", "width": 16, "heads": 4, "vocab": 48, "layers": 4, "tied": False, "kv_heads": 1,
+                "deferred": True},
+      "plan": {"mesh": {"TP": 4}, "tensor_parallel.sequence_parallel": False},
+      "optimizer": {"kind": "sgd_momentum"},
+      "loop": {"steps": 2, "seq": 12, "batch": 2, "scheduler": "lambda", "eval_after": 0,
+               "resume": {"after": 1, "plan": {"mesh": {"DP": 2, "PP": 2}, "data_parallel.zero_stage": 0,
+                                               "pipeline_parallel.schedule": "1f1b",
+                                               "pipeline_parallel.microbatches": 1}},
+               "data": {"shuffle": True, "seed": 19, "epoch_batches": 2}, "last": 1},
+      "init_seed": 72, "data_seed": 851}),
+    # Wrong (a step skipped that one device takes; seeds 29525, 130434, 130858, shrunk):
+    # fp16 with dynamic loss scaling, a last batch of 1 row over DP4. The rank holding it
+    # weighs 4 times an even share, and that weight multiplied the loss's gradient before
+    # the scale (2^15) did and the DP share divided it: 2^17, past fp16's range. The weight
+    # now sits innermost: scale first, then the share, then the weight.
+    ("fp16 loss scaling with a last batch of fewer rows than DP ranks, GPT",
+     {"model": {"kind": "gpt", "width": 24, "heads": 4, "vocab": 70, "layers": 1, "bias": False},
+      "plan": {"mesh": {"DP": 4}, "data_parallel.zero_stage": 2, "mixed_precision.param_dtype": "float16",
+               "mixed_precision.loss_scale": "dynamic"},
+      "optimizer": {"kind": "sgd"},
+      "loop": {"steps": 2, "seq": 8, "batch": 4, "last": 1, "scheduler": None, "eval_after": None, "resume": None,
+               "data": {"epoch_batches": 2, "seed": 0, "shuffle": False}},
+      "init_seed": 101, "data_seed": 759}),
 ]
 
 
