@@ -75,9 +75,11 @@ __all__ = ["parallelize", "ParallelModel", "ParallelOptimizer"]
 
 
 def parallelize(plan: Plan | dict, model: nn.Module, optimizer_fn: Callable | None = None,
-                lr_scheduler_fn: Callable | None = None, dataset=None):
+                lr_scheduler_fn: Callable | None = None, dataset=None, *, collate_fn: Callable | None = None):
     """Lays ``model`` out as ``plan`` says and returns ``(model, optimizer, scheduler,
     data_loader)`` (the last three None when their factory or dataset is not given).
+    ``collate_fn`` makes a batch of a list of samples, for the data loader (default:
+    ``torch.utils.data.default_collate``), e.g. padding each batch to its longest sample.
 
     ``optimizer_fn`` makes the optimizer: an optimizer class or ``functools.partial`` of one
     is called with the parameters; any other callable with the (parallelised) model, so it
@@ -104,7 +106,8 @@ def parallelize(plan: Plan | dict, model: nn.Module, optimizer_fn: Callable | No
         split = p.split_points or p.split_method
         pipeline = PipelineParallel(model, mesh, split=split, schedule=p.schedule,
                                     microbatches=p.microbatches, virtual_stages=p.virtual_stages, pp_dim=pp,
-                                    blocks=p.blocks, sample=_sample_microbatch(plan, split, dataset, size.get(dp, 1)))
+                                    blocks=p.blocks,
+                                    sample=_sample_microbatch(plan, split, dataset, size.get(dp, 1), collate_fn))
         inner = pipeline
     sharding = plan["tensor_parallel.sharding_plan"]
     if sharding and tp in size:
@@ -132,7 +135,7 @@ def parallelize(plan: Plan | dict, model: nn.Module, optimizer_fn: Callable | No
             raise PlanError("vescale.parallelize got a dataset but the plan has no data.global_batch_size; set it, "
                             "e.g. Plan({..., 'data.global_batch_size': 32})")
         loader = DataLoader(dataset, mesh, global_batch_size=d.global_batch_size, dp_dim=dp, shuffle=d.shuffle,
-                            seed=d.seed, drop_last=d.drop_last)
+                            seed=d.seed, drop_last=d.drop_last, collate_fn=collate_fn)
     return wrapped, optimizer, scheduler, loader
 
 
@@ -166,7 +169,7 @@ def _check_combination(plan: Plan, size: dict, pp: str, dp: str, zero: int, mp_d
                             f"use schedule '1f1b', 'interleaved_1f1b' or 'gpipe' with recomputation")
 
 
-def _sample_microbatch(plan: Plan, split, dataset, dp_size: int):
+def _sample_microbatch(plan: Plan, split, dataset, dp_size: int, collate_fn: Callable | None = None):
     """A micro-batch of the dataset as the pipeline's cost-measured split methods take it
     (``(args, kwargs)``, only its shapes and dtypes are used), or None where the split
     needs none."""
@@ -177,7 +180,7 @@ def _sample_microbatch(plan: Plan, split, dataset, dp_size: int):
                         f"micro-batch: pass the dataset to vescale.parallelize (with data.global_batch_size "
                         f"set), or split by 'parameters' or 'uniform', or name pipeline_parallel.split_points")
     rows = max(1, plan["data.global_batch_size"] // dp_size // plan["pipeline_parallel.microbatches"])
-    collate = torch.utils.data.default_collate
+    collate = collate_fn or torch.utils.data.default_collate
     batch = collate([dataset[i] for i in range(min(rows, len(dataset)))])
     if isinstance(batch, dict):
         return (), dict(batch)

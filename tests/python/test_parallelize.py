@@ -292,6 +292,57 @@ def test_masked_targets_weigh_as_one_device_does(pool4, mesh, extra):
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
 
 
+class _Ragged(torch.utils.data.Dataset):
+    """Sequences of 4 to 16 tokens, each with its prompt (the first third) masked."""
+
+    def __init__(self, n: int = GLOBAL_BATCH * STEPS):
+        self.ids = _dataset(n).tensors[0]
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        ids = self.ids[i, :4 + (i * 5) % 13]
+        labels = ids.clone()
+        labels[:len(ids) // 3] = -100
+        return {"input_ids": ids, "labels": labels}
+
+
+def _pad_to_longest(samples: list[dict]) -> dict:
+    """Right-padding to the batch's longest sample, pads ignored (-100): a rank's batch is
+    as long as its own longest sample, so the DP ranks' batches differ in length."""
+    if not samples:
+        return {"input_ids": torch.zeros(0, 1, dtype=torch.long), "labels": torch.zeros(0, 1, dtype=torch.long)}
+    n = max(len(s["input_ids"]) for s in samples)
+    pad = lambda t, v: torch.cat([t, t.new_full((n - len(t),), v)])  # noqa: E731
+    return {"input_ids": torch.stack([pad(s["input_ids"], 0) for s in samples]),
+            "labels": torch.stack([pad(s["labels"], -100) for s in samples])}
+
+
+def _case_hf_ragged(mesh: dict, extra: dict) -> tuple[list[float], list[float]]:
+    model = _llama()
+    plan = Plan.from_hf(model, mesh=mesh, **{"data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False, **extra})
+    model, optimizer, _, loader = vescale.parallelize(plan, model, _sgd, None, _Ragged(), collate_fn=_pad_to_longest)
+    losses = _rfc_loop(model, optimizer, loader, STEPS, call=_hf_loss)
+    data = _Ragged()
+    batches = [_pad_to_longest([data[j] for j in range(i, i + GLOBAL_BATCH)])
+               for i in range(0, GLOBAL_BATCH * STEPS, GLOBAL_BATCH)]
+    ref = _single_device(_llama, _sgd, [(b["input_ids"], b["labels"]) for b in batches],
+                         call=lambda m, x, y: m(input_ids=x, labels=y).loss)
+    return losses, ref
+
+
+@pytest.mark.parametrize("mesh,extra", [({"DP": 4}, {}), ({"DP": 2, "TP": 2}, {"data_parallel.zero_stage": 2})],
+                         ids=["dp4", "dp2-tp2-zero2"])
+def test_batches_padded_to_their_own_longest_sample_train_as_on_one_device(pool4, mesh, extra):
+    """A collate_fn that pads each batch to its own longest sample (dynamic padding): the
+    DP ranks' batches differ in length and in targets, one device pads the global batch
+    to its longest. Right padding under a causal model changes no real token's logits,
+    and the loss weighs each rank by its targets: one device's losses."""
+    for losses, ref in pool4.run(_case_hf_ragged, mesh, extra):
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+
+
 def _case_hf_empty_rank(mesh: dict) -> tuple[list[float], list[float], list[tuple]]:
     """Two epochs of 8 + 3 samples in global batches of 8, drop_last=False: the last batch
     leaves the last DP rank without rows (1, 1, 1, 0 on DP4; 2, 1 on DP2 is not enough, so
