@@ -109,23 +109,24 @@ def main(point: str, how: str, victim: int, ckpt: str) -> None:
         fail("step")
 
     opt.inner.step = step_then_fail
-    import vescale.checkpoint.api as api
+    import vescale.checkpoint.loading as loading
+    import vescale.checkpoint.writing as writing
 
-    real_write = api.write_file
+    real_write = writing.write_file
 
     def write_then_fail(file, chunks):
         records = real_write(file, chunks)
         fail("save")
         return records
 
-    api.write_file = write_then_fail
-    real_check = api._check
+    writing.write_file = write_then_fail
+    real_check = loading._check
 
     def check_then_fail(*args):
         real_check(*args)
         fail("load")
 
-    api._check = check_then_fail
+    loading._check = check_then_fail
 
     g = torch.Generator().manual_seed(7)
     dp_rank = mesh.get_local_rank("DP")

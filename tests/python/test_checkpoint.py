@@ -186,14 +186,14 @@ def test_async_save_writes_the_snapshot(pool4, tmp_path):
 def _case_crash_mid_save(path: str, failing: list[int], async_save: bool) -> list[str]:
     import os
     import torch.distributed as dist
-    import vescale.checkpoint.api as api
+    import vescale.checkpoint.writing as writing
 
     run = _Run("dp2_tp2", seed=0)
     run.train(_batches()[:1])
     vescale.save(path, run.state())
     good = run.full_parameters()
     run.train(_batches()[1:2])
-    real = api.write_file
+    real = writing.write_file
 
     def dies_halfway(file, chunks):
         if dist.get_rank() not in failing:
@@ -201,7 +201,7 @@ def _case_crash_mid_save(path: str, failing: list[int], async_save: bool) -> lis
         real(file, chunks[: len(chunks) // 2])
         raise OSError("disk full (simulated)")
 
-    api.write_file = dies_halfway
+    writing.write_file = dies_halfway
     problems = []
     try:
         vescale.save(path, run.state(), async_save=async_save)
@@ -211,7 +211,7 @@ def _case_crash_mid_save(path: str, failing: list[int], async_save: bool) -> lis
         if not isinstance(e, RuntimeError if async_save else OSError) or f"found by rank {failing[0]}" not in str(e):
             problems.append(f"the error does not name rank {failing[0]}: {e}")
     finally:
-        api.write_file = real
+        writing.write_file = real
     dist.barrier()
     parent, base = os.path.split(path)
     problems += [f"left behind: {n}" for n in os.listdir(parent) if n.startswith(base + ".tmp-")]
@@ -343,7 +343,7 @@ class _Payload:
 
 def _edit_manifest(path: str, edit) -> None:
     """Changes the manifest as someone who knows the format would: its checksum fits."""
-    from vescale.checkpoint.api import _crc_of
+    from vescale.checkpoint.manifest import _crc_of
 
     file = os.path.join(path, "manifest.json")
     manifest = json.load(open(file))
@@ -594,7 +594,7 @@ def test_values_that_need_pickle_are_refused_at_save(pool2, tmp_path):
 # ---- temporary directories of crashed saves ---------------------------------------------------
 
 def _case_stale_tmp(path: str) -> list[str]:
-    import vescale.checkpoint.api as api
+    import vescale.checkpoint.writing as writing
 
     run = _Run("tp2", seed=0)
     if dist.get_rank() == 0:  # what crashed saves left, to this path and to another one
@@ -602,19 +602,19 @@ def _case_stale_tmp(path: str) -> list[str]:
             os.makedirs(crashed)
             open(os.path.join(crashed, "data_00000.bin"), "wb").close()
     dist.barrier()
-    real = api.write_file
+    real = writing.write_file
 
     def slow(*args):  # keeps the async save below in progress while the next save starts
         time.sleep(0.5)
         return real(*args)
 
-    api.write_file = slow
+    writing.write_file = slow
     try:
         vescale.save(path, run.state(), async_save=True)
         run.train(_batches()[:1])
         vescale.save(path, run.state())  # must not sweep away the async save's directory
     finally:
-        api.write_file = real
+        writing.write_file = real
     expected = run.full_parameters()
     other = _Run("tp2", seed=1)
     vescale.load(path, other.state())
@@ -676,7 +676,7 @@ def _case_ranks_see_different_checkpoints(path: str) -> tuple[str, list[str]]:
     """Rank 2 resolves the path to another checkpoint than the others (as a machine whose
     file system still shows a crashed save's .old would): every rank refuses to load."""
     import shutil
-    import vescale.checkpoint.api as api
+    import vescale.checkpoint.loading as loading
 
     run = _Run("dp2_tp2", seed=0)
     vescale.save(path, run.state())
@@ -686,15 +686,15 @@ def _case_ranks_see_different_checkpoints(path: str) -> tuple[str, list[str]]:
     vescale.save(path, run.state())  # another manifest at the same path
     target = _Run("dp2_tp2", seed=1)
     before = target.full_parameters()
-    real = api._resolve
-    api._resolve = (lambda p: p + ".elsewhere") if dist.get_rank() == 2 else real
+    real = loading._resolve
+    loading._resolve = (lambda p: p + ".elsewhere") if dist.get_rank() == 2 else real
     try:
         vescale.load(path, target.state())
         error = "no error"
     except ValueError as e:
         error = str(e)
     finally:
-        api._resolve = real
+        loading._resolve = real
     return error, [n for n, p in target.full_parameters().items() if not torch.equal(p, before[n])]
 
 

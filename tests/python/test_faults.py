@@ -146,7 +146,7 @@ def _timeout_s(group) -> float:
 def _case_group_timeouts() -> list[float]:
     import vescale
     from dist_utils import mesh
-    from vescale.checkpoint.api import _checkpoint_group
+    from vescale.checkpoint.agreement import _checkpoint_group
 
     m = mesh("2d")  # the pool sets VESCALE_COLLECTIVE_TIMEOUT=120, as its world group's
     own = vescale.DeviceMesh("cpu", [[0, 1], [2, 3]], timeout=7)

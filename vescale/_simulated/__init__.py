@@ -37,8 +37,8 @@ def _per_rank_globals() -> list[tuple[object, str]]:
     """vescale's module globals that belong to one rank (one process under torchrun)."""
     from .. import device_mesh
     from ..autoplan import commfit
-    from ..checkpoint import api as checkpoint_api
-    return [(device_mesh, "_global_mesh"), (device_mesh, "_timeout"), (checkpoint_api, "_group"),
+    from ..checkpoint import agreement as checkpoint_agreement
+    return [(device_mesh, "_global_mesh"), (device_mesh, "_timeout"), (checkpoint_agreement, "_group"),
             (commfit, "_burst_x")]
 
 

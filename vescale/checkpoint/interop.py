@@ -122,7 +122,7 @@ class _Writes:
                 self.error = e
 
     def agree(self, outcome: str) -> None:
-        from .api import _agree, _checkpoint_group
+        from .agreement import _agree, _checkpoint_group
 
         _agree(_checkpoint_group(), self.error, outcome)
 
@@ -191,7 +191,7 @@ def _agreed(prepare, where: str) -> None:
     mismatch only its shards meet, raises on every rank (a rank raising alone left the
     others to wait for it in their next collective), and a check that fails on any rank
     changes no rank's model."""
-    from .api import _agree, _checkpoint_group
+    from .agreement import _agree, _checkpoint_group
 
     group = _checkpoint_group()
     if group is None:  # one process: its errors as they are
@@ -284,7 +284,7 @@ def _fill_model(model, optimizer, available: set, shape_of, read, strict: bool, 
                 for piece in item.pieces:
                     piece.tensor.copy_(read(name, piece.box).to(piece.tensor.dtype))
         if optimizer is not None:
-            from .api import _masters_from_parameters
+            from .loading import _masters_from_parameters
             _masters_from_parameters(state, layout, {})
 
     return copy
