@@ -68,7 +68,10 @@ void check_in_range(const at::Tensor& indices, int64_t size, const std::string& 
 // ---- embedding ------------------------------------------------------------------------
 
 // embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse) with the vocab
-// split: rows this rank does not own come out zero.
+// split: rows this rank does not own come out zero. Zeroed by selection, never by a
+// product: an index this rank does not own reads its local row 0, and a NaN or inf
+// there (a diverged row no batch looks up) times 0 would be NaN where one device reads
+// only the rows it is asked for. The same holds for every masked read below.
 void embedding_vocab_locally(const c10::OperatorHandle& op, torch::jit::Stack* stack, const LocalContext& ctx) {
   auto args = torch::jit::last(*stack, 5);
   const at::Tensor weight = args[0].toTensor();
@@ -82,7 +85,7 @@ void embedding_vocab_locally(const c10::OperatorHandle& op, torch::jit::Stack* s
     out = at::zeros(shape, weight.options());
   } else {
     auto [local, inside] = into_block(indices, offset, rows);
-    out = at::embedding(weight, local).mul(inside.unsqueeze(-1).to(weight.scalar_type()));
+    out = at::embedding(weight, local).masked_fill(inside.logical_not().unsqueeze(-1), 0);
   }
   torch::jit::drop(*stack, 5);
   torch::jit::push(*stack, std::move(out));
@@ -107,7 +110,7 @@ void embedding_backward_vocab_locally(const c10::OperatorHandle& op, torch::jit:
   const int64_t padding_idx = args[3].toInt();
   const auto [offset, rows] = span(*ctx.outputs[0], 0);
   auto [local, inside] = into_block(indices, offset, rows);
-  const auto kept = grad.mul(inside.unsqueeze(-1).to(grad.scalar_type()));
+  const auto kept = grad.masked_fill(inside.logical_not().unsqueeze(-1), 0);
   const int64_t local_padding = padding_idx >= offset && padding_idx < offset + rows ? padding_idx - offset : -1;
   auto out = at::embedding_dense_backward(kept, local, rows, local_padding, false);
   torch::jit::drop(*stack, 5);
@@ -176,7 +179,8 @@ void nll_locally(const c10::OperatorHandle& op, torch::jit::Stack* stack, const 
   const auto b = loss_block(*ctx.inputs[0], *ctx.inputs[1], target, weight, ignore_index, self.scalar_type());
   at::Tensor picked = self.size(1) == 0 ? at::zeros({self.size(0)}, self.options())
                                          : self.gather(1, b.class_index.unsqueeze(1)).squeeze(1);
-  const auto loss = picked.mul(b.owned).mul(b.weight).neg();
+  // (A class a row does not pick can be -inf: a masked or padded vocabulary entry.)
+  const auto loss = picked.masked_fill(b.owned.logical_not(), 0).mul(b.weight).neg();
   at::Tensor out;
   at::Tensor total = b.total_weight;
   if (reduction == kNone) out = loss;

@@ -151,6 +151,15 @@ def _cases() -> list[Case]:
         Case("cross_entropy_all_ignored", F.cross_entropy, [Arg((7, 5)), Arg((7,), "ignored")]),
         Case("nll_all_ignored_weighted", lambda x, t, w: F.nll_loss(x, t, weight=w),
              [Arg((7, 5)), Arg((7,), "ignored"), Arg((5,), "positive", grad=False)]),
+        # split lookups zero what a rank does not own by selection: a NaN or inf in a row
+        # or class nobody reads (a diverged embedding row, a masked vocabulary entry) once
+        # came out NaN, as the product 0 x inf
+        Case("embedding_unread_rows_nonfinite", lambda i, w: F.embedding(_odd(i), _even_rows(w, float("nan"))),
+             [Arg((3, 5), "index:6"), Arg((12, 6))]),
+        Case("embedding_inf_gradient", lambda i, w: F.embedding(_odd(i), w).clamp(-9, 9) * _inf_column(w),
+             [Arg((3, 5), "index:6"), Arg((12, 6))]),
+        Case("cross_entropy_masked_vocab", lambda x, t: F.cross_entropy(_even_rows(x.t(), float("-inf")).t(), _odd(t)),
+             [Arg((7, 10)), Arg((7,), "target:5")]),
         Case("nll_weighted", lambda x, t, w: F.nll_loss(x, t, weight=w),
              [Arg((7, 5)), Arg((7,), "target:5"), Arg((5,), "positive", grad=False)]),
         Case("mv", torch.mv, [x56, x6]),
@@ -215,6 +224,23 @@ def _top_k_fill(logits):
     logits = logits.clone()
     logits[logits < v[:, [-1]]] = -float("Inf")
     return torch.softmax(logits, dim=-1)
+
+
+def _odd(i):
+    """Indices 2i + 1 (ignored targets stay ignored): the even rows are never read."""
+    return torch.where(i >= 0, i * 2 + 1, i)
+
+
+def _even_rows(x, value):
+    return x.masked_fill((torch.arange(x.shape[0]) % 2 == 0).unsqueeze(1), value)
+
+
+def _inf_column(w):
+    """A row vector with one inf: the gradient reaching the looked-up rows holds infs. (It
+    multiplies the lookup after the clamp has summed a vocab split's Partial lookup: inf
+    times a Partial's parts would be inf - inf, or 0 x inf, where one device has inf;
+    docs/engine.md.)"""
+    return torch.ones(w.shape[1], dtype=w.dtype).index_fill(0, torch.tensor([1]), float("inf"))
 
 
 def _empty(x):
