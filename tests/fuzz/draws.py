@@ -153,6 +153,11 @@ def scalar_draw(rng, values):
     return None if i is None else ((i,), {"s": rng.choice([-2.0, -0.5, 0.5, 1.5, 3.0])})
 
 
+def poison_draw(rng, values):
+    i = _pick(rng, _floats(values))
+    return None if i is None else ((i,), {"kind": rng.choice(["nan", "inf", "mask"])})
+
+
 def cat_draw(rng, values):
     floats = _floats(values)
     if not floats:

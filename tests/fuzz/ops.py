@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .autograd_ops import (custom_function, grad_penalty, hooked, no_grad_add_, recomputed_block, recomputed_linear,
                            retained_grad)
 from .draws import (attention_draw, checkpoint_draw, binary, cat_draw, conv_draw, cross_entropy_draw, diagonal_draw, even_dim,
-                     last_dim_index_draw, last_even_fresh, pool_draw, with_dim_fresh,
+                     last_dim_index_draw, last_even_fresh, poison_draw, pool_draw, with_dim_fresh,
                      dropout_draw, expanding, fresh_same, group_norm_draw, index_draw, inplace,
                      matmul_draw, narrowing, new_dim, pad_draw, permuting, random_draw,
                      relayout_draw, repeats_draw, reshaping, scalar_draw, selecting, setitem_draw,
@@ -313,6 +313,34 @@ def _poisson_add(x, *, seed):
     return torch.poisson(x.abs()) + x
 
 
+# ---- non-finite values: a diverged activation, an attention mask's -inf --------------------
+# Written where x's own values are extreme, so the positions are the same on one device
+# and in every shard. NaN and +-inf must reach the same places a sharded run computes as
+# one device's: a NaN a cross-rank max drops, or an all -inf block a split softmax turns
+# into NaN, is a wrong answer that looks like a number (or hides a divergence).
+
+def _poisoned(x, *, kind):
+    if kind == "nan":
+        return x.masked_fill(x > 1.2, float("nan"))
+    if kind == "inf":
+        return x.masked_fill(x > 1.2, float("inf")).masked_fill(x < -1.2, float("-inf"))
+    return x.masked_fill(x < -0.6, float("-inf"))  # "mask": the -inf of a causal / padding mask
+
+
+def _poison_(x, *, kind):
+    high, low = x > (-0.6 if kind == "mask" else 1.2), x < (-0.6 if kind == "mask" else -1.2)
+    if kind == "nan":
+        return x.masked_fill_(high, float("nan"))
+    if kind == "inf":
+        return x.masked_fill_(high, float("inf")).masked_fill_(low, float("-inf"))
+    return x.masked_fill_(low, float("-inf"))
+
+
+def _masked_softmax(x, *, dim, log):
+    """Softmax over a dim some of whose entries are masked to -inf (whole rows too)."""
+    masked = x.masked_fill(x < -0.6, float("-inf"))
+    return F.log_softmax(masked, dim) if log else F.softmax(masked, dim)
+
 def _grid(x, bound=100.0):
     return torch.round(torch.nan_to_num(x, 0.0).clamp(-bound, bound) * 64) / 64
 
@@ -554,6 +582,20 @@ OPS: list[Op] = [
     Op("grad_penalty", unary, grad_penalty, 0.5),
     Op("no_grad_add_", fresh_same, no_grad_add_, 0.5),
     Op("retain_graph", unary, retained_grad, 0.5),
+    # the seventh table: non-finite values (the generator keeps them only from these ops on,
+    # chains.py) and the ops that read them
+    Op("poison", poison_draw, _poisoned),
+    Op("poison_", inplace(poison_draw), _poison_, 0.5),
+    Op("masked_softmax", with_dim, lambda x, dim: _masked_softmax(x, dim=dim, log=False)),
+    Op("masked_log_softmax", with_dim, lambda x, dim: _masked_softmax(x, dim=dim, log=True)),
+    Op("nan_to_num", unary, lambda x: torch.nan_to_num(x, nan=0.5, posinf=3.0, neginf=-3.0)),
+    Op("nansum", with_dim, lambda x, dim: x.nansum(dim)),
+    Op("nanmean", with_dim, lambda x, dim: x.nanmean(dim)),
+    Op("finite_count", with_dim, lambda x, dim: torch.isfinite(x).sum(dim).to(x.dtype)),
+    Op("nan_any", with_dim, lambda x, dim: torch.isnan(x).any(dim).to(x.dtype)),
+    Op("fmax", binary, torch.fmax),
+    Op("fmin", binary, torch.fmin),
+    Op("where_nan", unary, lambda x: torch.where(torch.isnan(x), 0.0, x)),
 ]
 
 OPS_BY_NAME = {op.name: op for op in OPS}

@@ -26,7 +26,6 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ...dtensor import DTensor
 from .split import Layout, PipelineSplitError, Unit
 
 
