@@ -9,6 +9,7 @@
 #include "dispatch/dtensor_impl.h"
 #include "dispatch/fallback_stats.h"
 #include "dispatch/handler.h"
+#include "dispatch/loss_watch.h"
 #include "dispatch/observe.h"
 #include "dispatch/propagation.h"
 #include "sharding_rules/mt_jump.h"
@@ -193,6 +194,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("_live_dtensors", &DTensorImpl::live);
   m.def("_rng_drawn_elements", &rng::drawn_elements);
   m.def("_rng_reset_drawn_elements", &rng::reset_drawn_elements);
+  m.def("loss_watch_start", &loss_watch::start);
+  m.def("loss_watch_stop", &loss_watch::stop);
+  m.def("loss_watch_total", &loss_watch::total_of);
   m.def("is_dtensor", [](const at::Tensor& t) { return is_dtensor(t); });
   m.def("from_local",
         [spec_from](const at::Tensor& local, const std::shared_ptr<Mesh>& mesh, const py::sequence& placements,

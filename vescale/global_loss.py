@@ -10,9 +10,11 @@ divides by:
   with ``ignore_index`` targets (padding, a prompt's tokens in supervised fine-tuning)
   hold different numbers of targets on each rank, and a mean of the ranks' means would
   weigh a rank's target by how few its batch held;
-- otherwise (another loss, or no autograd node: under ``torch.no_grad()``) by the
-  batch's rows (dim 0 of its first tensor), as the last, smaller batch of a
-  ``drop_last=False`` loader needs (a rank may have none).
+  Under ``torch.no_grad()`` (an evaluation loop) there is no node: while the forward
+  runs, a watch in the engine (``dispatch/loss_watch.cpp``, ``items_seen``) keeps what
+  each mean cross-entropy divided by, and the loss the model returns is looked up there;
+- otherwise (another loss) by the batch's rows (dim 0 of its first tensor), as the last,
+  smaller batch of a ``drop_last=False`` loader needs (a rank may have none).
 
 Ranks agree on which (every rank must have such a loss for the item weighting), in the one
 all-reduce that also sums the losses. The same all-reduce tells the others when a rank's
@@ -21,14 +23,18 @@ forward raised (``DPLoss.tell_others``), so that they raise too instead of waiti
 
 from __future__ import annotations
 
+import contextlib
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
+from . import _C
 from .dtensor import DTensor
 from .placement_types import Replicate
 
-__all__ = ["DPLoss", "rows_of", "items_averaged"]
+__all__ = ["DPLoss", "rows_of", "items_averaged", "items_seen"]
 
 _MEAN = 1  # torch's Reduction::Mean
 _NLL_NODES = ("NllLossBackward0", "NllLoss2DBackward0")
@@ -47,14 +53,35 @@ def rows_of(args: tuple, kwargs: dict) -> int:
     return 1
 
 
-def items_averaged(loss: torch.Tensor) -> torch.Tensor | None:
-    """What ``loss`` divides by, where it is a mean-reduced cross-entropy / NLL loss (its
-    autograd node saved it); None for any other loss, or without autograd."""
+def items_averaged(loss: torch.Tensor, seen: Callable | None = None) -> torch.Tensor | None:
+    """What ``loss`` divides by, where it is a mean-reduced cross-entropy / NLL loss: its
+    autograd node saved it, or without autograd ``seen`` (``items_seen``) did; None for
+    any other loss."""
     node = loss.grad_fn
-    if node is None or node.name() not in _NLL_NODES or node._saved_reduction != _MEAN:
-        return None
-    total = node._saved_total_weight
+    if node is not None:
+        if node.name() not in _NLL_NODES or node._saved_reduction != _MEAN:
+            return None
+        total = node._saved_total_weight
+    else:
+        total = seen(loss) if seen is not None else None
+        if total is None:
+            return None
     return (total.full_tensor() if isinstance(total, DTensor) else total).detach()
+
+
+@contextlib.contextmanager
+def items_seen(on: bool):
+    """While the block runs (a forward without autograd), the engine keeps what each mean
+    cross-entropy on this thread divides by; yields the lookup ``items_averaged`` takes
+    (None when ``on`` is false: nothing is watched, no op pays for it)."""
+    if not on:
+        yield None
+        return
+    _C.loss_watch_start()
+    try:
+        yield _C.loss_watch_total
+    finally:
+        _C.loss_watch_stop()
 
 
 class _GlobalLoss(torch.autograd.Function):

@@ -64,7 +64,7 @@ from torch.utils.checkpoint import checkpoint
 from .deferred import cast_deferred
 from .device_mesh import DeviceMesh, init_device_mesh
 from .dtensor import DTensor
-from .global_loss import DPLoss, items_averaged, rows_of
+from .global_loss import DPLoss, items_averaged, items_seen, rows_of
 from .parallel.ddp import DDP, as_shares, local_of
 from .parallel.optimizer import DistributedOptimizer, grad_norm
 from .parallel.parallelize import parallelize_module
@@ -286,13 +286,17 @@ class ParallelModel(nn.Module):
         if self.ddp is not None:
             self.ddp.require_backward_grad_sync = self._steps.last
         rows = rows_of(args, kwargs)
-        try:
-            out = self.module(*args, **kwargs)
-            loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
-        except Exception as error:
-            if self._dp_loss is not None:
-                self._dp_loss.tell_others(error, rows, self._returns_loss)
-            raise
+        # without autograd (evaluation) the engine watches the forward for what a mean
+        # cross-entropy divides by: the node that saves it in training is not made
+        with items_seen(self._dp_loss is not None and not torch.is_grad_enabled()) as seen:
+            try:
+                out = self.module(*args, **kwargs)
+                loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
+            except Exception as error:
+                if self._dp_loss is not None:
+                    self._dp_loss.tell_others(error, rows, self._returns_loss)
+                raise
+            items = None if loss is None else items_averaged(loss, seen)
         self._returns_loss = loss is not None
         if loss is None or self._dp_loss is None and not torch.is_grad_enabled():
             return out
@@ -300,7 +304,7 @@ class ParallelModel(nn.Module):
             # the weight innermost: in backward the loss scale multiplies first and the DP
             # share divides next, so an fp16 gradient overflows where one device's does (a
             # rank holding all of a short batch's rows weighs DP times its share)
-            loss = self._dp_loss(loss, rows, items_averaged(loss))
+            loss = self._dp_loss(loss, rows, items)
         return self._with_loss(out, self._for_backward(loss))
 
     @staticmethod
