@@ -54,9 +54,9 @@ def test_masked_targets_weigh_as_one_device_does(pool4, mesh, extra):
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
 
 
-def _case_hf_masked_eval(mesh: dict) -> tuple[list[float], list[float]]:
+def _case_hf_masked_eval(mesh: dict, extra: dict) -> tuple[list[float], list[float]]:
     model = _llama()
-    plan = Plan.from_hf(model, mesh=mesh, **{"data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
+    plan = Plan.from_hf(model, mesh=mesh, **{"data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False, **extra})
     model, _, _, loader = vescale.parallelize(plan, model, _sgd, None, _Prompted())
     model.eval()
     with torch.no_grad():
@@ -72,13 +72,19 @@ def _case_hf_masked_eval(mesh: dict) -> tuple[list[float], list[float]]:
     return losses, ref
 
 
-@pytest.mark.parametrize("mesh", [{"DP": 4}, {"DP": 2, "TP": 2}], ids=["dp4", "dp2-tp2"])
-def test_masked_targets_weigh_as_one_device_does_under_no_grad(pool4, mesh):
+@pytest.mark.parametrize("mesh,extra", [({"DP": 4}, {}), ({"DP": 2, "TP": 2}, {}),
+                                        ({"PP": 2, "DP": 2}, {"pipeline_parallel.microbatches": 2,
+                                                              "data_parallel.zero_stage": 3}),
+                                        ({"PP": 2, "TP": 2}, {"pipeline_parallel.microbatches": 4})],
+                         ids=["dp4", "dp2-tp2", "pp2-dp2-zero3", "pp2-tp2"])
+def test_masked_targets_weigh_as_one_device_does_under_no_grad(pool4, mesh, extra):
     """An evaluation loop (torch.no_grad()) over masked prompts: no autograd node saves
     what the cross-entropy divided by, so the engine watches the forward for it
-    (dispatch/loss_watch.cpp). The global loss is one device's over the global batch's
-    targets, not a mean of the ranks' means (weighed by rows, it is off by ~1e-3)."""
-    for losses, ref in pool4.run(_case_hf_masked_eval, mesh):
+    (dispatch/loss_watch.cpp); a pipeline's evaluation runs its forwards with autograd on
+    and weighs its micro-batches and replicas by their targets. The global loss is one
+    device's over the global batch's targets, not a mean of the ranks' (or micro-batches')
+    means (weighed by rows, it is off by ~1e-3)."""
+    for losses, ref in pool4.run(_case_hf_masked_eval, mesh, extra):
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-6, atol=1e-7) is None, (losses, ref)
 
 

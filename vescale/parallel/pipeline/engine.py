@@ -216,9 +216,12 @@ class PipelineParallel(nn.Module):
         """The batch's loss as ``step`` computes it, forward only (evaluation: call it under
         ``model.eval()`` for dropout's sake): every micro-batch through the stages in the
         schedule's forward order, no backward, no gradients. Returns it on every rank."""
-        losses = []
-        self._forwards_only(args, kwargs, target, loss_fn, losses, None)
-        return StepWeights(by_items=False).batch_loss(losses, self.group, self.schedule.rank_of(self.schedule.stages - 1))
+        losses, weights, ddp = [], StepWeights(by_items=True), self._data_parallel
+        self._forwards_only(args, kwargs, target, loss_fn, losses, None, weights)
+        loss = weights.batch_loss(losses, self.group, self.schedule.rank_of(self.schedule.stages - 1))
+        weights.over_replicas(ddp.group if ddp is not None else None)
+        self.global_loss = weights.global_loss
+        return loss
 
     def predict(self, *args, **kwargs):
         """The model's output for the batch, as one device's call returns it, on every rank
@@ -236,7 +239,8 @@ class PipelineParallel(nn.Module):
         dist.broadcast_object_list(joined, src=dist.get_global_rank(self.group, last), group=self.group)
         return joined[0]
 
-    def _forwards_only(self, args, kwargs, target, loss_fn, losses: list, outputs: dict | None) -> list[tuple]:
+    def _forwards_only(self, args, kwargs, target, loss_fn, losses: list, outputs: dict | None,
+                       weights: StepWeights | None = None) -> list[tuple]:
         """The schedule's forward passes of the batch, nothing else: the last stage's losses
         go to ``losses``, or its outputs to ``outputs`` (a prediction). The micro-batches."""
         sends, states = [], {}
@@ -251,7 +255,7 @@ class PipelineParallel(nn.Module):
                 for action in self.schedule.orders[self.pp_rank]:
                     if action.kind == "F":
                         self._forward(action.stage, action.mb, mbs[action.mb], loss_fn, states, sends, losses,
-                                      outputs=outputs)
+                                      weights, outputs=outputs)
                         del states[(action.stage, action.mb)]
                         sends[:] = [w for w in sends if not w[0].is_completed()]
         for work, _ in sends:

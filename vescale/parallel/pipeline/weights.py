@@ -10,6 +10,8 @@ so that the first root equals its rows weight: fp16 magnitudes stay as they were
 once the schedule is over the step's gradients are multiplied by DP / (c x total items):
 a linear rescaling, exact up to rounding. Gradients accumulated by earlier steps are set
 aside meanwhile. Under ZeRO-3 the rows weigh (its gradients do not stay in ``.grad``).
+An evaluation weighs alike (its forwards run with autograd on, so the loss's node says
+what it averages over), ZeRO-3 included: it has no gradients to rescale.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ _BY_ROWS, _LOSS_ITEMS, _ITEMS, _C, _COUNTED = range(5)
 
 class StepWeights:
     """One step's weighting. ``by_items``: whether the loss may weigh by items here
-    (training, not ZeRO-3)."""
+    (evaluation; training, not under ZeRO-3)."""
 
     def __init__(self, by_items: bool):
         self.by_items = by_items
@@ -82,16 +84,24 @@ class StepWeights:
             return vec[_LOSS_ITEMS] / vec[_ITEMS]
         return vec[_BY_ROWS]
 
+    def over_replicas(self, dp_group) -> torch.Tensor | None:
+        """Items mode: the loss over every DP replica's items (``global_loss``), and their
+        total; None otherwise. (An evaluation stops here: it has no gradients to rescale.)"""
+        if not self.items_mode:
+            return None
+        sums = self._vec[[_LOSS_ITEMS, _ITEMS]].clone()
+        if dp_group is not None:
+            dist.all_reduce(sums, group=dp_group)
+        self.global_loss = sums[0] / sums[1]
+        return sums[1]
+
     def rescale(self, params, dp_group, dp_size: int) -> None:
         """Items mode: this step's gradients times DP / (c x the items of every replica);
         then the gradients set aside come back."""
-        if self.items_mode:
-            sums = self._vec[[_LOSS_ITEMS, _ITEMS]].clone()
-            if dp_group is not None:
-                dist.all_reduce(sums, group=dp_group)
-            self.global_loss = sums[0] / sums[1]
+        items = self.over_replicas(dp_group)
+        if items is not None:
             # all targets ignored everywhere: one device's gradients are 0 (and its loss NaN)
-            factor = float(dp_size / (self.c * sums[1])) if sums[1] > 0 else 0.0
+            factor = float(dp_size / (self.c * items)) if items > 0 else 0.0
             for p in params:
                 if p.grad is not None:
                     local_of(p.grad).mul_(factor)  # (every placement's local part scales alike)
