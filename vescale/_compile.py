@@ -21,6 +21,13 @@ DDP, ...) only handles DTensors, so Dynamo is told to skip its files
 graph breaks and its frames run eagerly, instead of Dynamo tracing into them until it
 meets a vescale C++ function it cannot trace (and warning about each).
 
+A DP model's mean cross-entropy weighs each rank by its targets (``global_loss.py``),
+read from the loss's ``NllLossBackward0`` node; a loss computed inside a compiled graph
+has the graph's node instead, and its divisor is gone. So once a ``ParallelModel`` with a
+DP loss exists, ``keep_losses_eager`` tells Dynamo to graph-break at ``F.cross_entropy``
+and ``F.nll_loss`` (``torch._dynamo.disallow_in_graph``, for the rest of the process):
+the loss runs eagerly on the compiled logits, as one device's uncompiled loss would.
+
 Both hooks use torch internals (pinned torch versions: 2.11 and 2.13); see
 docs/engine.md, "torch.compile", for what a real compile mode would take.
 """
@@ -80,11 +87,36 @@ def _from_real_tensor(self, fake_mode, t, *args, **kwargs):
     return _plain_from_real_tensor(self, fake_mode, t, *args, **kwargs)
 
 
+_losses_eager = False
+
+
 def _skip_vescale_in_dynamo() -> None:
     from torch._dynamo import trace_rules
 
     if not trace_rules.check_file(__file__).skipped:
         trace_rules.add(__package__)
+    if _losses_eager:
+        _disallow_losses()
+
+
+def _disallow_losses() -> None:
+    import torch._dynamo
+    import torch.nn.functional as F
+
+    for fn in (F.cross_entropy, F.nll_loss):
+        torch._dynamo.disallow_in_graph(fn)
+
+
+def keep_losses_eager() -> None:
+    """Dynamo graph-breaks at ``F.cross_entropy`` / ``F.nll_loss`` from now on (see the
+    module docstring): a DP model's compiled loss keeps the node that says what it
+    averaged over. Graphs Dynamo compiled before keep their loss."""
+    global _losses_eager
+    if _losses_eager:
+        return
+    _losses_eager = True
+    if "torch._dynamo" in sys.modules:
+        _disallow_losses()
 
 
 class _AfterDynamoImport(importlib.abc.MetaPathFinder):

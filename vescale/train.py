@@ -61,6 +61,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from ._compile import keep_losses_eager
 from .deferred import cast_deferred
 from .device_mesh import DeviceMesh, init_device_mesh
 from .dtensor import DTensor
@@ -277,6 +278,8 @@ class ParallelModel(nn.Module):
         self._dp_loss = None if self._dp_group is None else DPLoss(
             self._dp_group, self._dp_size, mesh.get_local_rank(dp_dim),
             can_agree=not zero3 and mesh.device_type == "cpu")
+        if self._dp_loss is not None or pipeline is not None:
+            keep_losses_eager()  # a compiled forward's loss must keep what it divides by (_compile.py)
         self._returns_loss: bool | None = None  # (unknown before the first call)
 
     def forward(self, batch: Any = None, *args, **kwargs):
