@@ -282,6 +282,12 @@ class ParallelModel(nn.Module):
             keep_losses_eager()  # a compiled forward's loss must keep what it divides by (_compile.py)
         self._returns_loss: bool | None = None  # (unknown before the first call)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``nn.Module.zero_grad``, and ZeRO-2/3's reduced gradient slices too (``DDP.zero_grad``)."""
+        super().zero_grad(set_to_none)
+        if self.ddp is not None:
+            self.ddp.zero_grad(set_to_none)
+
     def forward(self, batch: Any = None, *args, **kwargs):
         args, kwargs = _call_args(batch, args, kwargs)
         if self.pipeline is not None:

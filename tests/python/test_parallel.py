@@ -86,7 +86,8 @@ def _submesh(m, dim):
     return m[dim] if isinstance(dim, str) else m
 
 
-def _case_train(model_name: str, layout: str, accumulate: int = 1, optim: str = "adamw"):
+def _case_train(model_name: str, layout: str, accumulate: int = 1, optim: str = "adamw", no_sync: bool = True,
+                zero_grad: str = "optimizer"):
     mesh_name, tp_dim, dp_dim, sp, zero = LAYOUTS[layout]
     m = mesh(mesh_name)
     tp, dp = _submesh(m, tp_dim), _submesh(m, dp_dim)
@@ -104,12 +105,12 @@ def _case_train(model_name: str, layout: str, accumulate: int = 1, optim: str = 
     losses, grads = [], None
     local = GLOBAL_BATCH // dp_size
     for idx, tgt in _batches():
-        opt.zero_grad()
+        (opt if zero_grad == "optimizer" else model).zero_grad()
         total = torch.zeros(())
         for part in range(accumulate):
             lo = dp_rank * local + part * local // accumulate
             rows = slice(lo, lo + local // accumulate)
-            sync = part == accumulate - 1 or dp is None
+            sync = part == accumulate - 1 or dp is None or not no_sync
             with (model.no_sync() if not sync else torch.enable_grad()):
                 loss = model(idx[rows], tgt[rows]) / accumulate
                 loss.backward()
@@ -159,6 +160,17 @@ def test_four_ranks(pool4, model_name, layout):
 @pytest.mark.parametrize("layout", ["dp2_tp2", "zero2_dp2_tp2"])
 def test_gradient_accumulation(pool4, layout):
     for failures in pool4.run(_case_train, "llama", layout, 2):
+        assert failures == []
+
+
+# Accumulation without no_sync, as a script that just calls backward k times does: every
+# backward reduces, and the reduced gradients must add up as .grad does. ZeRO-2/3 kept only
+# the last backward's slices (the others' gradients lost, silently) until they were added;
+# since they add, model.zero_grad() must clear them as the optimizer's does.
+@pytest.mark.parametrize("layout,zero_grad", [("dp2_tp2", "optimizer"), ("zero2_dp2_tp2", "optimizer"),
+                                              ("zero3_dp2_tp2", "optimizer"), ("zero2_dp2_tp2", "model")])
+def test_gradient_accumulation_without_no_sync(pool4, layout, zero_grad):
+    for failures in pool4.run(_case_train, "llama", layout, 2, "sgd", False, zero_grad):
         assert failures == []
 
 

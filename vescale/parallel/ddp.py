@@ -149,6 +149,12 @@ class DDP(_BucketLayout, _GradientReduction, nn.Module):
         finally:
             self._sync = old
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``nn.Module.zero_grad``, and ZeRO-2/3's reduced gradient slices too: they
+        live here, not in ``.grad``, and each backward adds to them as ``.grad`` adds."""
+        super().zero_grad(set_to_none)
+        self.grad_shards.clear()
+
     def shard_gradients(self) -> None:
         """ZeRO-2/3 (DistributedOptimizer calls it before reading the slots): gradients are
         reduce-scattered from now on, in one bucket per unit (capped at ``bucket_cap_mb``)

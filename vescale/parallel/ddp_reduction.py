@@ -279,6 +279,9 @@ class _GradientReduction:
         self._next_bucket = 0
         partial = []  # ZeRO-2: Partial (TP) slices, summed after every bucket's reduce-scatter
         unused = []  # slots that no DP rank had a gradient for
+        # ZeRO-2/3: slices of earlier backwards since zero_grad, which this one's add to
+        # (as .grad accumulates); set apart so that the TP sums below see this one's alone
+        earlier, self.grad_shards = self.grad_shards, {}
         for b in self.buckets:
             work, result = b.work
             if work is not None:  # (None: a reduce-scatter waited for already)
@@ -306,6 +309,11 @@ class _GradientReduction:
         for s in unused:  # unused on every DP rank: no gradient, as torch's DDP leaves it
             s.param.grad = None
             self.grad_shards.pop(id(s.param), None)
+        for key, shard in earlier.items():
+            if key in self.grad_shards:
+                self.grad_shards[key].add_(shard)
+            else:
+                self.grad_shards[key] = shard
         self._shares = False  # after every launch above: the next backward says again
 
     def _sum_partial_slices(self, partial: list[tuple[Slot, tuple[int, ...]]]) -> None:
