@@ -33,6 +33,17 @@ DP rank reads: drawn last of all, so that every older seed keeps its set-up.
   rows-weighted mean of the ranks' losses, and the parameters' gradients are None on one
   device exactly when no DP rank used them. Not drawn under a pipeline (the schedule runs
   the model's blocks itself, not its patched forward).
+- **Masked prompts** (``loop["prompts"]``): each sample's first m labels are ignored
+  (-100; the project's GPT: -1), m drawn per sample from 0 to all of them, as supervised
+  fine-tuning masks a prompt; every global batch keeps a target. DP ranks and a
+  pipeline's micro-batches then hold different numbers of targets, and one device's loss
+  is the mean over the global batch's targets: vescale weighs each mean cross-entropy by
+  its targets (``vescale/global_loss.py``, ``pipeline/weights.py``). Not drawn with the
+  branch at the head (that loss is not a cross-entropy alone: rows weigh), nor under a
+  pipeline with fp16 loss scaling: a schedule starts a micro-batch's backward before the
+  batch's targets are all counted, so its fp16 gradients are one device's times the
+  first micro-batch's estimate of the total, and an overflow (a skipped step) can come at
+  another step than one device's (README, "Not yet so"; seed 140483).
 """
 
 from __future__ import annotations
@@ -64,6 +75,37 @@ def draw(rng: random.Random, setup: dict) -> None:
     if all(_dims(p)[0] == 1 for p in plans) and rng.random() < 0.35:
         at = rng.choice(["block", "head"]) if not any("TP" in p["mesh"] for p in plans) else "head"
         model["branch"] = {"at": at, "every": rng.choice([2, 3])}
+    scaled_pipeline = _dims(setup["plan"])[0] > 1 and "mixed_precision.loss_scale" in setup["plan"]
+    if model.get("branch", {}).get("at") != "head" and not scaled_pipeline and rng.random() < 0.35:
+        loop["prompts"] = True
+
+
+# ---- masked prompts -------------------------------------------------------------------------------
+
+def ignore_index(setup: dict) -> int:
+    return -1 if setup["model"]["kind"] == "gpt" else -100  # (the project's GPT: nanoGPT's -1)
+
+
+def prompt_lengths(setup: dict, n: int, labels: int, batches: list[torch.Tensor]) -> torch.Tensor | None:
+    """Per sample (``n``), how many of its ``labels`` leading labels are masked (None without
+    ``loop["prompts"]``): 0 to all of them, all with probability 0.2; then every global
+    batch (``batches``: the sample indices of each, as the loop reads them) keeps one
+    sample with a target (a label past the first: Hugging Face's causal models shift)."""
+    if not setup["loop"].get("prompts"):
+        return None
+    g = torch.Generator().manual_seed(setup["data_seed"] + 7919)
+    lengths = torch.randint(0, labels - 1, (n,), generator=g)
+    lengths[torch.rand(n, generator=g) < 0.2] = labels
+    for ids in batches:
+        if len(ids) and bool((lengths[ids] == labels).all()):
+            lengths[ids[0]] = 0
+    return lengths
+
+
+def masked(labels: torch.Tensor, prompt: int, ignore: int) -> torch.Tensor:
+    out = labels.clone()
+    out[:prompt] = ignore
+    return out
 
 
 # ---- the uneven last batch ------------------------------------------------------------------------
@@ -123,8 +165,9 @@ def rows_of(batch) -> int:
 
 def rows_weighted_mean(model, loss: torch.Tensor, rows: int) -> float:
     """The mean over the DP ranks of this rank's loss (``predict`` gives each rank its own
-    batch's), each weighted by its rows as one device's mean over the global batch is: a
-    rank without rows (a NaN loss, a mean over nothing) counts for nothing."""
+    batch's), each weighted by its rows (with masked prompts: its targets) as one device's
+    mean over the global batch is: a rank without any (a NaN loss, a mean over nothing)
+    counts for nothing."""
     import torch.distributed as dist
     sums = torch.tensor([float(loss.detach().double()) * rows if rows else 0.0, float(rows)], dtype=torch.float64)
     mesh = model.mesh

@@ -54,8 +54,16 @@ def run_literals(setups: list[dict], world: int = WORLD) -> list[tuple[str, str]
 _SETUPS_PER_START = 50
 
 
+def _has(setup: dict, path: str) -> bool:
+    """Whether ``setup`` holds a true value at ``path`` ("loop.prompts", "model.branch")."""
+    value = setup
+    for key in path.split("."):
+        value = value.get(key) if isinstance(value, dict) else None
+    return bool(value)
+
+
 def campaign(count: int, seed: int, batch: int = 5, shrink_findings: bool = True, log=print,
-             world: int = WORLD) -> dict:
+             world: int = WORLD, require: str | None = None) -> dict:
     ranks = start_ranks(world=world)
     work_dir = tempfile.mkdtemp(prefix="vescale-setups-")
     counts: collections.Counter = collections.Counter()
@@ -65,8 +73,13 @@ def campaign(count: int, seed: int, batch: int = 5, shrink_findings: bool = True
         for first in range(0, count, batch):
             if first and first % _SETUPS_PER_START < batch:
                 ranks.restart()
-            seeds = list(range(seed + first, seed + min(first + batch, count)))
-            setups = [draw(random.Random(s), world) for s in seeds]
+            drawn = [(s, draw(random.Random(s), world)) for s in range(seed + first, seed + min(first + batch, count))]
+            kept = [(s, x) for s, x in drawn if require is None or _has(x, require)]  # a targeted campaign
+            if require is not None:
+                counts["skipped"] += len(drawn) - len(kept)
+            if not kept:
+                continue
+            seeds, setups = [s for s, _ in kept], [x for _, x in kept]
             for s, setup, (kind, detail) in zip(seeds, setups, run_batch(ranks, setups, work_dir)):
                 counts[kind] += 1
                 if kind == "ok":
@@ -74,7 +87,7 @@ def campaign(count: int, seed: int, batch: int = 5, shrink_findings: bool = True
                 small = shrink(ranks, setup, kind, work_dir) if shrink_findings else setup
                 findings.append({"seed": s, "kind": kind, "detail": detail, "setup": small})
                 log(f"[seed {s}] {kind}: {detail}\n{describe(small)}\n")
-            log(f"{first + len(seeds)}/{count} set-ups, {dict(counts)}, {time.monotonic() - started:.0f}s")
+            log(f"{first + len(drawn)}/{count} set-ups, {dict(counts)}, {time.monotonic() - started:.0f}s")
     finally:
         ranks.stop()
     return {"setups": count, "seed": seed, "world": world, "counts": dict(counts), "seconds": round(time.monotonic() - started),
@@ -88,10 +101,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=5)
     parser.add_argument("--no-shrink", action="store_true")
     parser.add_argument("--world", type=int, default=WORLD, help="ranks (meshes of every factorisation)")
+    parser.add_argument("--require", default=None, help="run only the seeds whose set-up holds this (loop.prompts)")
     parser.add_argument("--out", default=None, help="write counts and findings as JSON")
     args = parser.parse_args()
     result = campaign(args.setups, args.seed, args.batch, not args.no_shrink,
-                      log=lambda *a: print(*a, file=sys.stderr, flush=True), world=args.world)
+                      log=lambda *a: print(*a, file=sys.stderr, flush=True), world=args.world, require=args.require)
     print(json.dumps({k: v for k, v in result.items() if k != "findings"}))
     if args.out:
         with open(args.out, "w") as f:

@@ -192,20 +192,40 @@ def tokens(setup: dict) -> torch.Tensor:
     return torch.randint(0, setup["model"]["vocab"], (n, loop["seq"] + 1), generator=g)
 
 
-def batches_in_order(setup: dict, upto_refusal: bool = True) -> list[torch.Tensor]:
-    """The global batches the loop reads, epoch after epoch: on one device, by the order
-    ``vescale.DataLoader`` defines (``global_batch_indices``: a seeded permutation per epoch),
-    up to the first that a pipeline refuses (``rank_differences.refusal_at``)."""
+def _global_batch_indices(setup: dict, n: int) -> list[torch.Tensor]:
+    """The sample indices of each global batch the loop reads, epoch after epoch, by the
+    order ``vescale.DataLoader`` defines (a seeded permutation per epoch)."""
     loop, data = setup["loop"], data_of(setup)
     k = setup["plan"].get("gradient.accumulation_steps", 1)
-    rows = tokens(setup)
-    order = vescale.DataLoader(_Samples(rows, False), None, global_batch_size=loop["batch"],
+    order = vescale.DataLoader(torch.utils.data.TensorDataset(torch.arange(n)), None, global_batch_size=loop["batch"],
                                shuffle=data["shuffle"], seed=data["seed"], drop_last=differ.drop_last(setup))
     out, epoch = [], 0
     while len(out) < loop["steps"] * k:
-        out += [rows[ids] for ids in order.global_batch_indices(epoch)]
+        out += [torch.as_tensor(ids) for ids in order.global_batch_indices(epoch)]
         epoch += 1
-    out = out[:loop["steps"] * k]
+    return out[:loop["steps"] * k]
+
+
+def dataset(setup: dict) -> torch.Tensor:
+    """The samples' token ids (``tokens``), and with masked prompts one more column: each
+    sample's prompt length (``rank_differences.prompt_lengths``; ``_split`` takes it off)."""
+    rows = tokens(setup)
+    lengths = differ.prompt_lengths(setup, len(rows), setup["loop"]["seq"], _global_batch_indices(setup, len(rows)))
+    return rows if lengths is None else torch.cat([rows, lengths[:, None]], dim=1)
+
+
+def _split(rows: torch.Tensor, setup: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``dataset`` rows as token ids and prompt lengths (None without masked prompts)."""
+    if setup["loop"].get("prompts"):
+        return rows[..., :-1], rows[..., -1]
+    return rows, None
+
+
+def batches_in_order(setup: dict, upto_refusal: bool = True) -> list[torch.Tensor]:
+    """The global batches (``dataset`` rows) the loop reads, epoch after epoch, on one
+    device, up to the first that a pipeline refuses (``rank_differences.refusal_at``)."""
+    rows = dataset(setup)
+    out = [rows[ids] for ids in _global_batch_indices(setup, len(rows))]
     stop = differ.refusal_at(setup, out) if upto_refusal else None
     return out if stop is None else out[:stop]
 
@@ -216,21 +236,32 @@ def _endless(loader):
         yield from loader
 
 
+def _inputs_and_labels(rows: torch.Tensor, setup: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dataset`` rows (one sample or a batch) as the model's inputs and labels: the
+    next tokens for the project's models, the inputs themselves for Hugging Face's (which
+    shift them), each sample's prompt ignored with masked prompts."""
+    ids, prompts = _split(rows, setup)
+    inputs = ids[..., :-1].contiguous()
+    labels = inputs.clone() if _hf(setup["model"]) else ids[..., 1:].contiguous()
+    if prompts is not None:
+        positions = torch.arange(labels.shape[-1])
+        labels = labels.masked_fill(positions < prompts[..., None], differ.ignore_index(setup))
+    return inputs, labels
+
+
 class _Samples(torch.utils.data.Dataset):
     """The samples as the model takes them: (input, target) pairs for the project's
     models, dicts of input_ids and labels for Hugging Face's."""
 
-    def __init__(self, data: torch.Tensor, hf: bool):
-        self.data, self.hf = data, hf
+    def __init__(self, data: torch.Tensor, setup: dict):
+        self.data, self.setup = data, setup
 
     def __len__(self):
         return len(self.data)
 
     def __getitem__(self, i):
-        row = self.data[i]
-        if self.hf:
-            return {"input_ids": row[:-1], "labels": row[:-1]}
-        return row[:-1].contiguous(), row[1:].contiguous()
+        inputs, labels = _inputs_and_labels(self.data[i], self.setup)
+        return {"input_ids": inputs, "labels": labels} if _hf(self.setup["model"]) else (inputs, labels)
 
 
 def _autocast(setup: dict):
@@ -279,7 +310,7 @@ def reference(setup: dict) -> dict:
             opt.zero_grad()
             model.zero_grad()
         with _autocast(setup):
-            loss = _single_loss(model, rows, _hf(spec))
+            loss = _single_loss(model, rows, setup)
         scaler.backward(loss, k)
         losses.append(float(loss))
         if i % k == k - 1:
@@ -297,7 +328,7 @@ def reference(setup: dict) -> dict:
             if loop["eval_after"] == i // k:
                 model.eval()
                 with torch.no_grad(), _autocast(setup):
-                    evals.append(float(_single_loss(model, batches[0], _hf(spec))))
+                    evals.append(float(_single_loss(model, batches[0], setup)))
                 model.train()
         if sched:
             sched.step()
@@ -332,11 +363,20 @@ class _Scaler:
         return ok
 
 
-def _single_loss(model, rows: torch.Tensor, hf: bool) -> torch.Tensor:
-    if hf:
-        ids = rows[:, :-1].contiguous()
-        return model(input_ids=ids, labels=ids).loss
-    return model(rows[:, :-1].contiguous(), rows[:, 1:].contiguous())
+def _single_loss(model, rows: torch.Tensor, setup: dict) -> torch.Tensor:
+    inputs, labels = _inputs_and_labels(rows, setup)
+    return model(input_ids=inputs, labels=labels).loss if _hf(setup["model"]) else model(inputs, labels)
+
+
+def _weight_of(batch, setup: dict) -> int:
+    """What one device's mean weighs this batch's loss by: its rows, or with masked
+    prompts its targets (Hugging Face's causal models predict labels past the first)."""
+    if not setup["loop"].get("prompts"):
+        return differ.rows_of(batch)
+    labels = batch["labels"] if isinstance(batch, dict) else batch[1]
+    if _hf(setup["model"]) and setup["model"]["kind"] != "hf_bert":
+        labels = labels[:, 1:]
+    return int((labels != differ.ignore_index(setup)).sum())
 
 
 # ---- on the ranks -----------------------------------------------------------------------------------
@@ -347,7 +387,7 @@ def _parallel(setup: dict, settings: dict, samples: torch.Tensor, seed: int):
     plan = make_plan(settings, spec, model, loop["batch"])
     plan.update({"data.shuffle": data["shuffle"], "data.seed": data["seed"], "data.drop_last": differ.drop_last(setup)})
     return vescale.parallelize(plan, model, optimizer_fn(setup["optimizer"]), scheduler_fn(loop["scheduler"]),
-                               _Samples(samples, _hf(spec)))
+                               _Samples(samples, setup))
 
 
 def _training_keys(plan: dict) -> dict:
@@ -365,7 +405,7 @@ def _state(model, optimizer, sched, loader) -> dict:
 def on_ranks(setup: dict, work_dir: str) -> dict:
     loop = setup["loop"]
     k = setup["plan"].get("gradient.accumulation_steps", 1)
-    data = tokens(setup)
+    data = dataset(setup)
     model, optimizer, sched, loader = _parallel(setup, setup["plan"], data, setup["init_seed"])
     losses, evals, predictions, first = [], [], [], None
     resume = loop["resume"]
@@ -399,7 +439,7 @@ def on_ranks(setup: dict, work_dir: str) -> dict:
             with torch.no_grad(), _autocast(setup):
                 evals.append(_value(_loss_of(model(first))))
                 predictions.append(differ.rows_weighted_mean(model, _loss_of(model.predict(first)),
-                                                             differ.rows_of(first)))
+                                                             _weight_of(first, setup)))
             model.train()
         if resume is not None and i // k == resume["after"] and i < micro_total:
             path = os.path.join(work_dir, "ckpt")

@@ -225,7 +225,7 @@ def simpler(setup: dict):
         changes.append(lambda s: s["loop"].update(eval_after=None))
     if loop["scheduler"] is not None:
         changes.append(lambda s: s["loop"].update(scheduler=None))
-    for key in ("data", "autocast", "last"):
+    for key in ("data", "autocast", "last", "prompts"):
         if key in loop:
             changes.append(lambda s, k=key: s["loop"].pop(k))
     if loop["steps"] > 1:

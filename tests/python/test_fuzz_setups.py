@@ -214,6 +214,28 @@ REGRESSIONS = [
       "loop": {"steps": 2, "seq": 8, "batch": 4, "last": 1, "scheduler": None, "eval_after": None, "resume": None,
                "data": {"epoch_batches": 2, "seed": 0, "shuffle": False}},
       "init_seed": 101, "data_seed": 759}),
+    # Wrong (seeds 140003, 140055): masked prompts, a micro-batch without a target. The
+    # pipeline's predict joined the micro-batches' losses by their rows: NaN where one
+    # device's loss over the batch is finite (off by ~1e-3 without an empty micro-batch).
+    ("predict through a pipeline over masked prompts",
+     {"model": {"kind": "hf_qwen2", "width": 24, "heads": 4, "vocab": 48, "layers": 2, "tied": False, "kv_heads": 2},
+      "plan": {"mesh": {"PP": 2, "DP": 2}, "data_parallel.zero_stage": 0, "pipeline_parallel.schedule": "1f1b",
+               "pipeline_parallel.virtual_stages": 1, "pipeline_parallel.microbatches": 4,
+               "pipeline_parallel.split_method": "uniform"},
+      "optimizer": {"kind": "sgd"},
+      "loop": {"steps": 1, "seq": 12, "batch": 8, "scheduler": None, "eval_after": 0, "resume": None, "prompts": True},
+      "init_seed": 770, "data_seed": 776}),
+    # Wrong (seed 140050): a pipeline with ZeRO-3 weighed its micro-batches by rows, and a
+    # micro-batch of BERT's whose targets were all masked gave NaN losses and gradients.
+    ("a pipeline with ZeRO-3 over masked targets",
+     {"model": {"kind": "hf_bert", "width": 24, "heads": 4, "vocab": 70, "layers": 2},
+      "plan": {"mesh": {"DP": 2, "PP": 2}, "data_parallel.zero_stage": 3, "pipeline_parallel.schedule": "1f1b",
+               "pipeline_parallel.virtual_stages": 1, "pipeline_parallel.microbatches": 2,
+               "pipeline_parallel.split_method": "uniform"},
+      "optimizer": {"kind": "sgd"},
+      "loop": {"steps": 1, "seq": 8, "batch": 4, "scheduler": None, "eval_after": None, "resume": None,
+               "prompts": True},
+      "init_seed": 977, "data_seed": 578}),
 ]
 
 

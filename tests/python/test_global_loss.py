@@ -54,8 +54,11 @@ def _case_hf_masked(mesh: dict, extra: dict, compiled: str | None = None) -> tup
                                         ({"PP": 2, "TP": 2}, {"pipeline_parallel.microbatches": 4,
                                                               "pipeline_parallel.schedule": "zb_h1"}),
                                         ({"PP": 2, "DP": 2}, {"pipeline_parallel.microbatches": 2,
-                                                              "data_parallel.zero_stage": 2})],
-                         ids=["dp4", "dp2-tp2-zero1", "dp4-zero3", "pp2-dp2", "pp2-tp2-zbh1", "pp2-dp2-zero2"])
+                                                              "data_parallel.zero_stage": 2}),
+                                        ({"PP": 2, "DP": 2}, {"pipeline_parallel.microbatches": 2,
+                                                              "data_parallel.zero_stage": 3})],
+                         ids=["dp4", "dp2-tp2-zero1", "dp4-zero3", "pp2-dp2", "pp2-tp2-zbh1", "pp2-dp2-zero2",
+                              "pp2-dp2-zero3"])
 def test_masked_targets_weigh_as_one_device_does(pool4, mesh, extra):
     """Prompt tokens masked with -100: one device's loss is the mean over the global
     batch's targets, and the ranks (and a pipeline's micro-batches) hold different numbers
@@ -110,6 +113,31 @@ def test_masked_targets_weigh_as_one_device_does_under_torch_compile(pool4, case
     loss (vescale/_compile.py, keep_losses_eager), so it weighs by targets as eagerly."""
     for losses, ref in pool4.run(case, mesh, extra, compiled):
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+
+
+def _case_hf_masked_predict(mesh: dict, extra: dict) -> tuple[float, float]:
+    model, _, loader = _parallelized(mesh, extra, _sgd, None)
+    model.eval()
+    with torch.no_grad():
+        loss = model.predict(next(iter(loader))).loss.item()
+    data, ref_model = _Prompted(), _llama().eval()
+    samples = [data[j] for j in range(GLOBAL_BATCH)]
+    with torch.no_grad():
+        ref = ref_model(input_ids=torch.stack([b["input_ids"] for b in samples]),
+                        labels=torch.stack([b["labels"] for b in samples])).loss.item()
+    return loss, ref
+
+
+@pytest.mark.parametrize("mesh,extra", [({"PP": 2, "TP": 2}, {"pipeline_parallel.microbatches": 4}),
+                                        ({"PP": 4}, {"pipeline_parallel.microbatches": 4})],
+                         ids=["pp2-tp2", "pp4"])
+def test_predict_through_a_pipeline_joins_losses_by_their_targets(pool4, mesh, extra):
+    """``predict`` returns the model's output for the batch as one device's call does: the
+    loss a Hugging Face model computed from masked labels, joined over the micro-batches,
+    is the mean over the batch's targets (by rows it is off, or NaN where a micro-batch
+    holds no target)."""
+    for loss, ref in pool4.run(_case_hf_masked_predict, mesh, extra):
+        assert mismatch(torch.tensor([loss]), torch.tensor([ref]), rtol=1e-6, atol=1e-7) is None, (loss, ref)
 
 
 class _Ragged(_Tokens):

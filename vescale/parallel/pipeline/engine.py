@@ -16,6 +16,7 @@ from ... import _trace
 from ...deferred import has_deferred, is_deferred, materialize_module
 from ...device_mesh import DeviceMesh, process_group
 from ...dtensor import DTensor
+from ...global_loss import items_averaged
 from ..._local import local_of
 from .p2p import Boundary
 from .schedules import Schedule, make_schedule
@@ -190,7 +191,7 @@ class PipelineParallel(nn.Module):
             # scale_loss divides the loss's gradient by the DP size at the root, on the last
             # stage; every stage's gradients descend from it: shares, which DDP sums
             ddp.mark_shares()
-        weights = StepWeights(by_items=self._sharded() is None)
+        weights = StepWeights()
         weights.set_aside(self.parameters(), keep={id(self.module.get_parameter(n)) for n, _ in self._shared})
         sends, states, losses = [], {}, []
         with ddp.no_sync() if ddp is not None else contextlib.nullcontext(), self._root_held():
@@ -216,7 +217,7 @@ class PipelineParallel(nn.Module):
         """The batch's loss as ``step`` computes it, forward only (evaluation: call it under
         ``model.eval()`` for dropout's sake): every micro-batch through the stages in the
         schedule's forward order, no backward, no gradients. Returns it on every rank."""
-        losses, weights, ddp = [], StepWeights(by_items=True), self._data_parallel
+        losses, weights, ddp = [], StepWeights(), self._data_parallel
         self._forwards_only(args, kwargs, target, loss_fn, losses, None, weights)
         loss = weights.batch_loss(losses, self.group, self.schedule.rank_of(self.schedule.stages - 1))
         weights.over_replicas(ddp.group if ddp is not None else None)
@@ -228,7 +229,7 @@ class PipelineParallel(nn.Module):
         of the pipeline: forward only, in the schedule's forward order, the last stage's
         outputs of the micro-batches joined along dim 0 (a Hugging Face ModelOutput field by
         field; a scalar, such as a loss the model computed from labels, as the batch's mean
-        weighted by micro-batch size). Values come back as plain, whole tensors (a DTensor
+        weighted by micro-batch size, or by targets where it is a mean cross-entropy). Values come back as plain, whole tensors (a DTensor
         output is gathered first), without a KV cache (``past_key_values`` is None: the
         stages hold different layers' caches, and ``generate`` through a pipeline is not
         supported). Call it under ``model.eval()`` for dropout's sake."""
@@ -300,7 +301,7 @@ class PipelineParallel(nn.Module):
             roots, works = self.boundary.send_forward(s, mb, self.schedule.rank_of(s + 1), a, b)
             sends += works
         elif outputs is not None:  # a prediction: the output itself, nothing to differentiate
-            outputs[mb] = whole_output(a)
+            outputs[mb] = (whole_output(a), _items_of_scalars(a))
             roots = []
         else:
             loss = _loss_of(a, target, loss_fn)
@@ -474,17 +475,31 @@ def whole_output(output):
     return tree_map(whole, output)
 
 
+def _items_of_scalars(output) -> list:
+    """Per leaf of ``output``: what a scalar that is a mean cross-entropy averages over
+    (``items_averaged``; the forward ran with autograd on), else None."""
+    return [items_averaged(x) if isinstance(x, torch.Tensor) and x.dim() == 0 and x.grad_fn is not None else None
+            for x in tree_flatten(output)[0]]
+
+
 def _joined(outputs: list, weights: list[float]):
-    """The micro-batches' outputs as the batch's: tensors with a batch dim concatenated
-    along it, scalars (a loss) averaged with the micro-batches' weights, anything else
-    taken from the first."""
-    flat = [tree_flatten(o) for o in outputs]
+    """The micro-batches' outputs (each with ``_items_of_scalars``) as the batch's: tensors
+    with a batch dim concatenated along it, scalars (a loss) averaged with the
+    micro-batches' weights, or by their targets where each is a mean cross-entropy (as
+    one device's loss over the batch: a micro-batch of masked targets only counts for
+    nothing), anything else taken from the first."""
+    flat = [tree_flatten(o) for o, _ in outputs]
     spec = flat[0][1]
     joined = []
-    for parts in zip(*(leaves for leaves, _ in flat)):
+    for i, parts in enumerate(zip(*(leaves for leaves, _ in flat))):
         first = parts[0]
+        items = [counted[i] for _, counted in outputs]
         if isinstance(first, torch.Tensor) and first.dim() > 0:
             joined.append(torch.cat(parts))
+        elif isinstance(first, torch.Tensor) and first.is_floating_point() and all(n is not None for n in items):
+            n = torch.stack([c.double().cpu() for c in items])
+            value = torch.stack([p.double().cpu() for p in parts])
+            joined.append((torch.where(n > 0, value * n, 0.0).sum() / n.sum()).to(first.device, first.dtype))
         elif isinstance(first, torch.Tensor) and first.is_floating_point():
             joined.append(sum(p.double() * w for p, w in zip(parts, weights)).to(first.dtype))
         else:

@@ -9,7 +9,11 @@ from loss x items x c, with c a constant of this replica (chosen at its first mi
 so that the first root equals its rows weight: fp16 magnitudes stay as they were), and
 once the schedule is over the step's gradients are multiplied by DP / (c x total items):
 a linear rescaling, exact up to rounding. Gradients accumulated by earlier steps are set
-aside meanwhile. Under ZeRO-3 the rows weigh (its gradients do not stay in ``.grad``).
+aside meanwhile. ZeRO-2/3 alike: the schedule runs under ``no_sync``, so the step's
+gradients are whole in ``.grad`` until the reduce-scatter after the rescaling.
+The estimate c differs from one device's 1 / (total items) where the first micro-batch
+masks more or less than the batch: exact in fp32 and bf16 up to rounding, but an fp16
+loss scale can overflow at another step than one device's.
 An evaluation weighs alike (its forwards run with autograd on, so the loss's node says
 what it averages over), ZeRO-3 included: it has no gradients to rescale.
 """
@@ -28,20 +32,19 @@ _BY_ROWS, _LOSS_ITEMS, _ITEMS, _C, _COUNTED = range(5)
 
 
 class StepWeights:
-    """One step's weighting. ``by_items``: whether the loss may weigh by items here
-    (evaluation; training, not under ZeRO-3)."""
+    """One step's (or evaluation's) weighting of its micro-batches."""
 
-    def __init__(self, by_items: bool):
-        self.by_items = by_items
+    def __init__(self):
         self.items_mode: bool | None = None  # decided at the last stage's first micro-batch
         self.c: torch.Tensor | None = None
         self.global_loss: torch.Tensor | None = None  # over the DP replicas, in items mode
         self._aside: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
 
     def root(self, loss: torch.Tensor, weight: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The micro-batch's loss weighted (in its dtype, as ``loss * weight`` is: an fp16
-        loss scale overflows where one device's does), and its items (or None)."""
-        items = items_averaged(loss) if self.by_items else None
+        """The micro-batch's loss weighted (in its dtype, as ``loss * weight`` is: by rows,
+        an fp16 loss scale overflows where one device's does; by items, see the module
+        docstring), and its items (or None)."""
+        items = items_averaged(loss)
         if self.items_mode is None:
             self.items_mode = items is not None
             if items is not None:
@@ -56,8 +59,6 @@ class StepWeights:
     def set_aside(self, params, keep: set[int]) -> None:
         """Gradients of earlier steps (accumulation under ``no_sync``) out of the way of this
         step's rescaling; ``keep``: ids of parameters handled elsewhere (shared ones)."""
-        if not self.by_items:
-            return
         for p in params:
             if p.grad is not None and id(p) not in keep:
                 self._aside[id(p)] = (p, p.grad)
