@@ -67,6 +67,7 @@ from .device_mesh import DeviceMesh, init_device_mesh
 from .dtensor import DTensor
 from .global_loss import DPLoss, items_averaged, items_seen, rows_of
 from .parallel.ddp import DDP, as_shares, local_of
+from .parallel import torch_clip
 from .parallel.optimizer import DistributedOptimizer, grad_norm
 from .parallel.parallelize import parallelize_module
 from .parallel.pipeline.engine import PipelineParallel, whole_output
@@ -127,6 +128,8 @@ def parallelize(plan: Plan | dict, model: nn.Module, optimizer_fn: Callable | No
         optimizer = ParallelOptimizer(optimizer, steps, plan["gradient.clip_norm"], mesh, pp, pipeline)
     scaler = getattr(getattr(optimizer, "inner", None), "scaler", None)
     wrapped = ParallelModel(inner, pipeline, ddp, mesh, dp, steps, scaler, zero3=zero == 3)
+    if optimizer is not None:
+        optimizer.clips(wrapped)
     scheduler = lr_scheduler_fn(optimizer) if lr_scheduler_fn is not None else None
     loader = None
     if dataset is not None:
@@ -405,6 +408,11 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self.param_groups = inner.param_groups  # the inner optimizer's own, as DistributedOptimizer does
         self.state = inner.state
 
+    def clips(self, model: nn.Module) -> None:
+        """torch.nn.utils.clip_grad_norm_ / clip_grad_value_ on ``model``'s parameters clip
+        through this optimizer (``parallel/torch_clip.py``): by the global norm."""
+        torch_clip.register(self, model.parameters())
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._steps.micro == 0:  # inside an accumulation window the gradients add up
             self.inner.zero_grad(set_to_none=set_to_none)
@@ -423,8 +431,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         """Clips by the global gradient norm over every rank (every stage of a pipeline,
         elements a mesh replicates counted once); returns the norm."""
         if isinstance(self.inner, DistributedOptimizer):
-            scale = self.inner.scaler.scale if self.inner.scaler is not None else 1.0
-            return self.inner.clip_grad_norm_(max_norm * scale, norm_type) / scale  # gradients are still scaled
+            return self.inner.clip_grad_norm_(max_norm, norm_type)
         params = [p for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
         world = dist.get_world_size() if dist.is_initialized() else 1
         norm = grad_norm(params, norm_type, ranks_per_stage=world // self._pp_size,
@@ -434,6 +441,14 @@ class ParallelOptimizer(torch.optim.Optimizer):
             for p in params:
                 local_of(p.grad).mul_(coef)
         return norm.float()
+
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamps every gradient element to [-clip_value, clip_value], as torch's does."""
+        if isinstance(self.inner, DistributedOptimizer):
+            return self.inner.clip_grad_value_(clip_value)
+        for p in (p for g in self.inner.param_groups for p in g["params"] if p.grad is not None):
+            local_of(p.grad).clamp_(-clip_value, clip_value)
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()

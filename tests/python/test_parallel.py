@@ -167,7 +167,7 @@ def test_gradient_accumulation(pool4, layout):
 # backward reduces, and the reduced gradients must add up as .grad does. ZeRO-2/3 kept only
 # the last backward's slices (the others' gradients lost, silently) until they were added;
 # since they add, model.zero_grad() must clear them as the optimizer's does.
-@pytest.mark.parametrize("layout,zero_grad", [("dp2_tp2", "optimizer"), ("zero2_dp2_tp2", "optimizer"),
+@pytest.mark.parametrize("layout,zero_grad", [("dp2_tp2", "optimizer"), ("dp2_tp2_sp", "optimizer"), ("zero2_dp2_tp2", "optimizer"),
                                               ("zero3_dp2_tp2", "optimizer"), ("zero2_dp2_tp2", "model")])
 def test_gradient_accumulation_without_no_sync(pool4, layout, zero_grad):
     for failures in pool4.run(_case_train, "llama", layout, 2, "sgd", False, zero_grad):

@@ -300,6 +300,64 @@ def _case_options(extra: dict, optimizer_fn, clip) -> tuple[list[float], list[fl
     return losses, _single_device(_gpt, ref_fn, batches, clip=clip)
 
 
+CLIPPED = {  # plans under which the loop clips with torch.nn.utils itself
+    "dp4-zero2": {"mesh": {"DP": 4}, "data_parallel.zero_stage": 2},
+    "dp2-tp2-sp-zero3": {"mesh": {"DP": 2, "TP": 2}, "tensor_parallel.sharding_plan": gpt_plan(sequence_parallel=True),
+                         "tensor_parallel.sequence_parallel": True, "data_parallel.zero_stage": 3},
+    "pp2-dp2": {"mesh": {"PP": 2, "DP": 2}, "pipeline_parallel.microbatches": 2},
+    "pp2-tp2": {"mesh": {"PP": 2, "TP": 2}, "tensor_parallel.sharding_plan": gpt_plan(),
+                "pipeline_parallel.microbatches": 2},
+}
+
+
+def _clip(how: str, params) -> None:
+    if how == "norm":
+        torch.nn.utils.clip_grad_norm_(params, 0.05)
+    else:
+        torch.nn.utils.clip_grad_value_(params, 2e-3)
+
+
+def _case_torch_clip(name: str, how: str) -> tuple[list[float], list[float], str]:
+    plan = Plan({**CLIPPED[name], "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), _sgd, None, _dataset())
+    losses, refused = [], ""
+    for _, batch in zip(range(STEPS), loader):
+        optimizer.zero_grad()
+        loss = model(batch)
+        loss.backward()
+        try:  # a part of the model's parameters: refused, naming the fix
+            _clip(how, list(model.parameters())[:2])
+        except ValueError as e:
+            refused = str(e)
+        _clip(how, model.parameters())
+        optimizer.step()
+        losses.append(loss.full_tensor().item() if isinstance(loss, vescale.DTensor) else loss.item())
+    data, ref, ref_losses = _dataset(), _gpt({"n_layer": 4}), []
+    opt = _sgd(ref)
+    for i in range(0, GLOBAL_BATCH * STEPS, GLOBAL_BATCH):
+        opt.zero_grad()
+        loss = ref(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+        loss.backward()
+        _clip(how, ref.parameters())
+        opt.step()
+        ref_losses.append(loss.item())
+    return losses, ref_losses, refused
+
+
+@pytest.mark.parametrize("name,how", [("dp4-zero2", "norm"), ("dp2-tp2-sp-zero3", "norm"), ("pp2-dp2", "norm"),
+                                      ("dp4-zero2", "value"), ("pp2-tp2", "value")])
+def test_a_loop_clipping_with_torch_clips_as_one_device(pool4, name, how):
+    """The loop calls torch.nn.utils.clip_grad_norm_ / clip_grad_value_ on the model's
+    parameters, as nanoGPT's does. Under ZeRO-2/3 their .grad is None (the slices live in
+    the DDP) and under a pipeline a rank holds its stage's only: torch's own function
+    clipped nothing (norm 0) or by a stage's norm. vescale routes the call to its
+    optimizer's global clip (vescale/parallel/torch_clip.py): losses equal one device's
+    clipping the same way; a part of the parameters raises a ValueError."""
+    for losses, ref, refused in pool4.run(_case_torch_clip, name, how):
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+        assert "not all of one model's" in refused, refused
+
+
 OPTIONS = {
     "accumulate2": ({"gradient.accumulation_steps": 2}, _adamw, None),
     "accumulate2-zero2": ({"gradient.accumulation_steps": 2, "data_parallel.zero_stage": 2}, _adamw, None),

@@ -48,14 +48,15 @@ def _reference(factory, steps=3, clip=None, dtype=torch.float32, autocast=False)
     return losses
 
 
-def _train_dp2_tp2(factory, plan, *, steps=3, clip=None, zero=0, dtype=torch.float32, autocast=False):
+def _train_dp2_tp2(factory, plan, *, steps=3, clip=None, zero=0, dtype=torch.float32, autocast=False,
+                   loss_scale=None, clip_with="optimizer"):
     m = mesh("2d")
     torch.manual_seed(0)
     model = factory().to(dtype)
     parallelize_module(model, m["TP"], plan(sequence_parallel=True))
     model = DDP(model, m["DP"])
     if zero:
-        opt = DistributedOptimizer(torch.optim.AdamW, models=[model], zero_stage=zero, lr=1e-2)
+        opt = DistributedOptimizer(torch.optim.AdamW, models=[model], zero_stage=zero, lr=1e-2, loss_scale=loss_scale)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     dp_rank, losses = m.get_local_rank("DP"), []
@@ -64,10 +65,10 @@ def _train_dp2_tp2(factory, plan, *, steps=3, clip=None, zero=0, dtype=torch.flo
         rows = slice(2 * dp_rank, 2 * dp_rank + 2)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = model(idx[rows], tgt[rows])
-        loss.backward()
-        if clip and zero:
+        (opt.scale_loss(loss) if loss_scale else loss).backward()
+        if clip and zero and clip_with == "optimizer":
             opt.clip_grad_norm_(clip)
-        elif clip:
+        elif clip:  # ZeRO-2/3: routed to the optimizer's (vescale/parallel/torch_clip.py)
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         value = loss.full_tensor().float()
@@ -76,16 +77,19 @@ def _train_dp2_tp2(factory, plan, *, steps=3, clip=None, zero=0, dtype=torch.flo
     return losses
 
 
-def _case_clip(zero: int):
+def _case_clip(zero: int, loss_scale=None, clip_with="optimizer"):
     factory = lambda: LlamaForCausalLM(LlamaConfig())  # noqa: E731
-    losses = _train_dp2_tp2(factory, llama_plan, clip=CLIP, zero=zero)
+    losses = _train_dp2_tp2(factory, llama_plan, clip=CLIP, zero=zero, loss_scale=loss_scale, clip_with=clip_with)
     ref = _reference(factory, clip=CLIP)
     return mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("zero", [0, 2])
-def test_clip_grad_norm_over_all_mesh_dims(pool4, zero):
-    assert pool4.run(_case_clip, zero) == [None] * 4
+# With a loss scale the gradients are still scaled when the loop clips: the optimizer's
+# clip divides its norm by the scale (before, it clipped by a norm 1024 times too large).
+@pytest.mark.parametrize("zero,loss_scale,clip_with", [(0, None, "torch"), (2, None, "optimizer"),
+                                                       (2, 1024.0, "optimizer"), (3, 1024.0, "torch")])
+def test_clip_grad_norm_over_all_mesh_dims(pool4, zero, loss_scale, clip_with):
+    assert pool4.run(_case_clip, zero, loss_scale, clip_with) == [None] * 4
 
 
 def _case_norm_types(zero: int) -> list[str]:

@@ -36,6 +36,7 @@ from ..deferred import flat_slice
 from ..dtensor import DTensor
 from .._local import local_of
 from .ddp import DDP, Slot, as_shares
+from . import torch_clip
 from .grad_norm import NormOverRanks
 from .pipeline.engine import is_pipeline
 from .zero3 import ShardedParameters, all_gather_slices, fill_rows
@@ -105,6 +106,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for ddp in models:  # a pipeline runs backward itself: it scales each micro-batch's loss
                 if is_pipeline(ddp.module):
                     ddp.module.scale_loss = self.scale_loss
+        torch_clip.register(self, [o.param for o in self.owned])  # torch.nn.utils.clip_grad_* on them
 
     def _master_groups(self, param_groups: list[dict] | None):
         """The masters in the caller's parameter groups (their options kept), or one group."""
@@ -234,8 +236,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Clips by the global gradient norm over every rank; returns that norm.
 
         Call after backward, before step(). Elements a DTensor replicates across its mesh
-        are counted once.
+        are counted once. With a loss scale, the gradients (still scaled until step()) are
+        clipped by their unscaled norm, which is what it returns.
         """
+        scale = self.scaler.scale if self.scaler is not None else 1.0
         slices = [(o, self._grad_slice(o)) for o in self.owned]
         # Summed over every rank: DP ranks split each local tensor (their sums give whole
         # local tensors); a DTensor's local tensors sum over its mesh, its replicated dims
@@ -249,13 +253,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if g is not None:
                 norm.add(g, holders.get(id(o.param), 1) * (_copies(o.param) if isinstance(o.param, DTensor)
                                                              else plain_copies))
-        norm = norm.over_ranks(source="optimizer")
+        norm = norm.over_ranks(source="optimizer") / scale
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
             for o, g in slices:
                 if g is not None:
                     g.mul_(coef)
         return norm.float()
+
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamps every gradient element to [-clip_value, clip_value] (this rank's slices:
+        elementwise, no collective); with a loss scale, the scaled gradients to the scaled
+        bounds. Call after backward, before step()."""
+        bound = float(clip_value) * (self.scaler.scale if self.scaler is not None else 1.0)
+        for o in self.owned:
+            g = self._grad_slice(o)
+            if g is not None:
+                g.clamp_(-bound, bound)
 
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict(), "zero_stage": self.zero_stage, "dp_world": self.world,
