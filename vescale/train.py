@@ -68,7 +68,7 @@ from .dtensor import DTensor
 from .global_loss import DPLoss, items_averaged, items_seen, rows_of
 from .parallel.ddp import DDP, as_shares, local_of
 from .parallel import torch_clip
-from .parallel.optimizer import DistributedOptimizer, grad_norm
+from .parallel.optimizer import DistributedOptimizer, grad_norm, refuse_grad_scaler
 from .parallel.parallelize import parallelize_module
 from .parallel.pipeline.engine import PipelineParallel, whole_output
 from .plan import Plan, PlanError
@@ -413,11 +413,16 @@ class ParallelOptimizer(torch.optim.Optimizer):
         through this optimizer (``parallel/torch_clip.py``): by the global norm."""
         torch_clip.register(self, model.parameters())
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:  # torch.amp.GradScaler: see refuse_grad_scaler
+        return isinstance(self.inner, DistributedOptimizer)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._steps.micro == 0:  # inside an accumulation window the gradients add up
             self.inner.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure=None):
+        refuse_grad_scaler(self)
         if not self._steps.last:
             self._steps.micro += 1
             return None

@@ -254,6 +254,44 @@ def test_fp16_gradient_average_does_not_overflow_in_the_sum(pool4, reduce_scatte
         assert flat.numel() >= 1 and torch.equal(flat, torch.full_like(flat, 30000.0)), grad
 
 
+def _case_torch_grad_scaler(stage: int) -> list[str]:
+    """torch.amp.GradScaler over a ZeRO optimizer: refused at step() with the fix named
+    (its inf check read .grad, which ZeRO's masters do not hold: it raised torch's own
+    "No inf checks were recorded"), the parameters untouched; the same optimizer then
+    steps as usual."""
+    m = mesh("1d4")
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)), m)
+    opt = DistributedOptimizer(torch.optim.SGD, models=[model], zero_stage=stage, lr=0.1)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    with opt.full_parameters():
+        before = [p.detach().clone() for p in model.parameters()]
+    scaler, problems = torch.amp.GradScaler("cpu", init_scale=1024.0), []
+    scaler.scale(model(x).pow(2).mean()).backward()
+    scaler.unscale_(opt)  # the AMP recipe before clipping: nothing to unscale here, no error yet
+    try:
+        scaler.step(opt)
+        problems.append("GradScaler.step did not raise")
+    except RuntimeError as e:
+        if "loss_scale='dynamic'" not in str(e) or "Nothing was stepped" not in str(e):
+            problems.append(f"unclear error: {e}")
+    with opt.full_parameters():
+        if any(not torch.equal(a, b) for a, b in zip(before, model.parameters())):
+            problems.append("the refused step changed the parameters")
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()  # usable after the refusal
+    with opt.full_parameters():
+        if all(torch.equal(a, b) for a, b in zip(before, model.parameters())):
+            problems.append("the next step changed nothing")
+    return problems
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_torch_grad_scaler_over_zero_is_refused_with_the_fix(pool4, stage):
+    assert pool4.run(_case_torch_grad_scaler, stage) == [[]] * 4
+
+
 def _case_loss_scaling_backpropagates_shares(stage: int):
     """fp16 loss scaling over DP4 at a fixed scale of 2^15: the gradient at the hidden
     layer is 2^15 / 8 x 8 = 32,768 per sample on one device (the mean of 8 samples); a

@@ -142,8 +142,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         average (``ddp.as_shares``): a rank's fp16 gradients stay as small as one device's."""
         return as_shares(loss, self.ddps) * self.scaler.scale if self.scaler else loss
 
+    # torch.amp.GradScaler: calls step() itself (with grad_scale / found_inf set) instead
+    # of unscaling .grad, which this optimizer's masters do not hold before step()
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
     def step(self, closure=None):
+        refuse_grad_scaler(self)
         loss = closure() if closure is not None else None
         for o in self.owned:
             grad = self._grad_slice(o)
@@ -340,6 +345,22 @@ def _copies(param: DTensor) -> int:
         if not p.splits():
             copies *= size
     return copies
+
+
+def refuse_grad_scaler(optimizer) -> None:
+    """Raises where torch.amp.GradScaler drives ``optimizer.step()`` (it sets these two
+    attributes first): its unscale and inf check read each rank's own ``.grad``, which
+    ZeRO's masters hold only inside step() (its check found nothing to check), and a
+    rank's slice may hold an inf that the others' do not (they would step apart)."""
+    if hasattr(optimizer, "grad_scale") or hasattr(optimizer, "found_inf"):
+        for name in ("grad_scale", "found_inf"):
+            optimizer.__dict__.pop(name, None)
+        raise RuntimeError(
+            "torch.amp.GradScaler cannot scale a DistributedOptimizer (ZeRO): its gradients are slices "
+            "kept apart from .grad until step(), and an inf in one rank's slice must skip the step on "
+            "every rank. Use vescale's loss scaling instead: DistributedOptimizer(..., loss_scale='dynamic') "
+            "with opt.scale_loss(loss).backward() and opt.step() (vescale.parallelize: the plan key "
+            "mixed_precision.loss_scale). Nothing was stepped.")
 
 
 class _LossScaler:
