@@ -414,8 +414,11 @@ class ParallelOptimizer(torch.optim.Optimizer):
         torch_clip.register(self, model.parameters())
 
     @property
-    def _step_supports_amp_scaling(self) -> bool:  # torch.amp.GradScaler: see refuse_grad_scaler
-        return isinstance(self.inner, DistributedOptimizer)
+    def _step_supports_amp_scaling(self) -> bool:
+        # torch.amp.GradScaler then sets grad_scale / found_inf and calls step(), which
+        # refuses it where its per-rank inf check cannot see one device's: ZeRO's slices,
+        # a pipeline rank's stages (see refuse_grad_scaler)
+        return isinstance(self.inner, DistributedOptimizer) or self._pipeline is not None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._steps.micro == 0:  # inside an accumulation window the gradients add up

@@ -358,6 +358,33 @@ def test_a_loop_clipping_with_torch_clips_as_one_device(pool4, name, how):
         assert "not all of one model's" in refused, refused
 
 
+def _case_grad_scaler_under_a_pipeline() -> str:
+    plan = Plan({"mesh": {"PP": 2, "DP": 2}, "pipeline_parallel.microbatches": 2, "data.global_batch_size": GLOBAL_BATCH,
+                 "data.shuffle": False})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), _sgd, None, _dataset())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    batches = iter(loader)
+    optimizer.zero_grad()
+    scaler.scale(model(next(batches))).backward()
+    try:
+        scaler.step(optimizer)
+        return "GradScaler.step did not raise"
+    except RuntimeError as e:
+        message = str(e)
+    optimizer.zero_grad()  # the loop goes on with plain steps
+    model(next(batches)).backward()
+    optimizer.step()
+    return message
+
+
+def test_torch_grad_scaler_under_a_pipeline_is_refused_with_the_fix(pool4):
+    """Each pipeline rank holds its stages' gradients: GradScaler's inf check, run per
+    rank, would skip the step on the stage that overflowed and step the others (one
+    device skips it whole). step() refuses it, naming vescale's loss scaling."""
+    for message in pool4.run(_case_grad_scaler_under_a_pipeline):
+        assert "mixed_precision.loss_scale" in message and "Nothing was stepped" in message, message
+
+
 OPTIONS = {
     "accumulate2": ({"gradient.accumulation_steps": 2}, _adamw, None),
     "accumulate2-zero2": ({"gradient.accumulation_steps": 2, "data_parallel.zero_stage": 2}, _adamw, None),

@@ -350,17 +350,19 @@ def _copies(param: DTensor) -> int:
 def refuse_grad_scaler(optimizer) -> None:
     """Raises where torch.amp.GradScaler drives ``optimizer.step()`` (it sets these two
     attributes first): its unscale and inf check read each rank's own ``.grad``, which
-    ZeRO's masters hold only inside step() (its check found nothing to check), and a
-    rank's slice may hold an inf that the others' do not (they would step apart)."""
+    ZeRO's masters hold only inside step() (its check found nothing to check), and where
+    an inf in one rank's gradients (a ZeRO slice, a pipeline stage's) must skip the step
+    on every rank, as one device skips it, the others would step."""
     if hasattr(optimizer, "grad_scale") or hasattr(optimizer, "found_inf"):
         for name in ("grad_scale", "found_inf"):
             optimizer.__dict__.pop(name, None)
         raise RuntimeError(
-            "torch.amp.GradScaler cannot scale a DistributedOptimizer (ZeRO): its gradients are slices "
-            "kept apart from .grad until step(), and an inf in one rank's slice must skip the step on "
-            "every rank. Use vescale's loss scaling instead: DistributedOptimizer(..., loss_scale='dynamic') "
-            "with opt.scale_loss(loss).backward() and opt.step() (vescale.parallelize: the plan key "
-            "mixed_precision.loss_scale). Nothing was stepped.")
+            "torch.amp.GradScaler cannot scale this optimizer's step: its gradients live apart across ranks "
+            "(ZeRO slices kept apart from .grad until step(), or a pipeline's stages), and an inf in one rank's "
+            "part must skip the step on every rank. Use vescale's loss scaling instead: "
+            "DistributedOptimizer(..., loss_scale='dynamic') with opt.scale_loss(loss).backward() and opt.step() "
+            "(vescale.parallelize: the plan key mixed_precision.loss_scale, with data_parallel.zero_stage >= 1). "
+            "Nothing was stepped.")
 
 
 class _LossScaler:
