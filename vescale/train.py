@@ -284,6 +284,7 @@ class ParallelModel(nn.Module):
         if self._dp_loss is not None or pipeline is not None:
             keep_losses_eager()  # a compiled forward's loss must keep what it divides by (_compile.py)
         self._returns_loss: bool | None = None  # (unknown before the first call)
+        self._zero3 = zero3
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``nn.Module.zero_grad``, and ZeRO-2/3's reduced gradient slices too (``DDP.zero_grad``)."""
@@ -391,7 +392,21 @@ class ParallelModel(nn.Module):
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
 
     def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
+        """The inner model's own: plain tensors, and DTensors that pickle whole. A pipeline
+        rank holds only its stages (the others' parameters are meta) and ZeRO-3 empties its
+        parameters between steps: there this raises, naming the ways to the whole state
+        (a gather here would be a collective, and a loop that saves from rank 0 alone
+        would hang in it)."""
+        if self.pipeline is None and not self._zero3:
+            return self.module.state_dict(*args, **kwargs)
+        what = "a pipeline rank holds only its stages' parameters" if self.pipeline is not None else \
+            "ZeRO-3 keeps each rank's slices and empties the parameters between steps"
+        raise RuntimeError(
+            f"model.state_dict() cannot give one device's state here: {what}. On every rank, call "
+            "vescale.checkpoint.full_state_dict(model, optimizer=optimizer.inner if ZeRO-3) for the whole "
+            "state (plain tensors), vescale.checkpoint.export_torch(path, model, optimizer=...) for a "
+            "single-device torch.save file, or vescale.save(path, {...}) for a checkpoint that resumes under "
+            "any plan; model.module.state_dict() gives this rank's own parameters")
 
 
 class ParallelOptimizer(torch.optim.Optimizer):

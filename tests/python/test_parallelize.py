@@ -358,6 +358,57 @@ def test_a_loop_clipping_with_torch_clips_as_one_device(pool4, name, how):
         assert "not all of one model's" in refused, refused
 
 
+WHOLE_STATE = {
+    "dp4-zero3": {"mesh": {"DP": 4}, "data_parallel.zero_stage": 3},
+    "pp2-dp2-zero3": {"mesh": {"PP": 2, "DP": 2}, "pipeline_parallel.microbatches": 2, "data_parallel.zero_stage": 3},
+    "pp2-tp2": {"mesh": {"PP": 2, "TP": 2}, "tensor_parallel.sharding_plan": gpt_plan(),
+                "pipeline_parallel.microbatches": 2},
+}
+
+
+def _case_whole_state(name: str) -> list[str]:
+    plan = Plan({**WHOLE_STATE[name], "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), _sgd, None, _dataset())
+    batches, problems = iter(loader), []
+    optimizer.zero_grad()
+    model(next(batches)).backward()
+    optimizer.step()
+    try:
+        model.state_dict()
+        problems.append("model.state_dict() did not raise")
+    except RuntimeError as e:
+        if "full_state_dict" not in str(e):
+            problems.append(f"unclear error: {e}")
+    zero3 = WHOLE_STATE[name].get("data_parallel.zero_stage") == 3
+    state = vescale.checkpoint.full_state_dict(model, optimizer=optimizer.inner if zero3 else None)
+    data, ref = _dataset(), _gpt({"n_layer": 4})
+    opt = _sgd(ref)
+    opt.zero_grad()
+    ref(data.tensors[0][:GLOBAL_BATCH], data.tensors[1][:GLOBAL_BATCH]).backward()
+    opt.step()
+    for key, want in ref.state_dict().items():
+        if key == "lm_head.weight":  # tied to transformer.wte.weight: listed under its first name
+            continue
+        got = state.get(key)
+        if got is None or got.is_meta or (err := mismatch(got, want, rtol=1e-6, atol=1e-7)) is not None:
+            problems.append(f"{key}: {'missing' if got is None else err}")
+    optimizer.zero_grad()  # training goes on
+    model(next(batches)).backward()
+    optimizer.step()
+    return problems
+
+
+@pytest.mark.parametrize("name", list(WHOLE_STATE))
+def test_the_whole_state_of_a_model_no_rank_holds_whole(pool4, name):
+    """A pipeline rank holds its stages only and ZeRO-3 empties its parameters between
+    steps: model.state_dict() gave meta entries (a torch.save without the other stages'
+    weights) or tensors without storage (torch.save: "Trying to resize storage that is
+    not resizable"). It now raises, naming the ways; full_state_dict gives one device's
+    values on every rank, and training goes on."""
+    for problems in pool4.run(_case_whole_state, name):
+        assert problems == [], problems
+
+
 def _case_grad_scaler_under_a_pipeline() -> str:
     plan = Plan({"mesh": {"PP": 2, "DP": 2}, "pipeline_parallel.microbatches": 2, "data.global_batch_size": GLOBAL_BATCH,
                  "data.shuffle": False})

@@ -29,7 +29,7 @@ from .storage import inside
 
 INDEX = "model.safetensors.index.json"
 
-__all__ = ["export_hf", "import_hf", "load_torch_state_dict"]
+__all__ = ["export_hf", "full_state_dict", "import_hf", "load_torch_state_dict"]
 
 
 def _bytes(size: int | str) -> int:
@@ -152,6 +152,24 @@ def export_torch(path: str, model: nn.Module, *, optimizer=None) -> None:
 
         failed.attempt(write)
     failed.agree(f"{path} was not written")
+
+
+def full_state_dict(model: nn.Module, *, optimizer=None) -> dict[str, torch.Tensor]:
+    """The model's whole state on every rank, as one device's ``model.state_dict()`` holds
+    it: plain CPU tensors gathered from tensor-parallel shards, pipeline stages and (pass
+    its DistributedOptimizer) ZeRO-3 slices; tied parameters under their first name.
+    Every rank must call it (collectives); it costs the whole model's memory on every
+    rank, so checkpoints of big models go through ``vescale.save`` instead."""
+    state = {}
+    for name, item, boxes in _model_items(model, optimizer):
+        full = _gather_to(item, boxes, 0)
+        if dist.get_rank() != 0:
+            full = torch.empty(item.shape, dtype=item.dtype)
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        sent = full.contiguous().to(device)
+        dist.broadcast(sent, src=0)
+        state[name] = sent.cpu()
+    return state
 
 
 def _gather_to(item, boxes: list[list[Box]], dst: int) -> torch.Tensor | None:
