@@ -317,9 +317,12 @@ def _clip(how: str, params) -> None:
         torch.nn.utils.clip_grad_value_(params, 2e-3)
 
 
-def _case_torch_clip(name: str, how: str) -> tuple[list[float], list[float], str]:
+def _case_torch_clip(name: str, how: str, own_optimizer: bool = False) -> tuple[list[float], list[float], str]:
     plan = Plan({**CLIPPED[name], "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
-    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), _sgd, None, _dataset())
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), None if own_optimizer else _sgd,
+                                                      None, _dataset())
+    if own_optimizer:  # the script's own, over the parallel model's parameters
+        optimizer = _sgd(model)
     losses, refused = [], ""
     for _, batch in zip(range(STEPS), loader):
         optimizer.zero_grad()
@@ -344,16 +347,18 @@ def _case_torch_clip(name: str, how: str) -> tuple[list[float], list[float], str
     return losses, ref_losses, refused
 
 
-@pytest.mark.parametrize("name,how", [("dp4-zero2", "norm"), ("dp2-tp2-sp-zero3", "norm"), ("pp2-dp2", "norm"),
-                                      ("dp4-zero2", "value"), ("pp2-tp2", "value")])
-def test_a_loop_clipping_with_torch_clips_as_one_device(pool4, name, how):
+@pytest.mark.parametrize("name,how,own", [("dp4-zero2", "norm", False), ("dp2-tp2-sp-zero3", "norm", False),
+                                          ("pp2-dp2", "norm", False), ("pp2-tp2", "norm", True),
+                                          ("dp4-zero2", "value", False), ("pp2-tp2", "value", False)])
+def test_a_loop_clipping_with_torch_clips_as_one_device(pool4, name, how, own):
     """The loop calls torch.nn.utils.clip_grad_norm_ / clip_grad_value_ on the model's
     parameters, as nanoGPT's does. Under ZeRO-2/3 their .grad is None (the slices live in
     the DDP) and under a pipeline a rank holds its stage's only: torch's own function
     clipped nothing (norm 0) or by a stage's norm. vescale routes the call to its
     optimizer's global clip (vescale/parallel/torch_clip.py): losses equal one device's
-    clipping the same way; a part of the parameters raises a ValueError."""
-    for losses, ref, refused in pool4.run(_case_torch_clip, name, how):
+    clipping the same way; a part of the parameters raises a ValueError. ``own``: the
+    script's own optimizer (parallelize made none): the pipeline's model clips."""
+    for losses, ref, refused in pool4.run(_case_torch_clip, name, how, own):
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
         assert "not all of one model's" in refused, refused
 
