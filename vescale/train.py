@@ -68,7 +68,7 @@ from .dtensor import DTensor
 from .global_loss import DPLoss, items_averaged, items_seen, rows_of
 from .parallel.ddp import DDP, as_shares, local_of
 from .parallel import torch_clip
-from .parallel.optimizer import DistributedOptimizer, grad_norm, refuse_grad_scaler
+from .parallel.optimizer import DistributedOptimizer, GlobalClip, refuse_grad_scaler
 from .parallel.parallelize import parallelize_module
 from .parallel.pipeline.engine import PipelineParallel, whole_output
 from .plan import Plan, PlanError
@@ -130,9 +130,6 @@ def parallelize(plan: Plan | dict, model: nn.Module, optimizer_fn: Callable | No
     wrapped = ParallelModel(inner, pipeline, ddp, mesh, dp, steps, scaler, zero3=zero == 3)
     if optimizer is not None:
         optimizer.clips(wrapped)
-    elif pipeline is not None:  # the user's own optimizer: torch's clip would see one stage's norm
-        wrapped._clip = _GlobalClip(wrapped.parameters(), size[pp], pipeline)
-        torch_clip.register(wrapped._clip, wrapped.parameters())
     scheduler = lr_scheduler_fn(optimizer) if lr_scheduler_fn is not None else None
     loader = None
     if dataset is not None:
@@ -412,33 +409,6 @@ class ParallelModel(nn.Module):
             "any plan; model.module.state_dict() gives this rank's own parameters")
 
 
-class _GlobalClip:
-    """Clipping of gradients that live whole in ``.grad`` (no ZeRO), each rank's parts of
-    them (TP shards, pipeline stages) by the norm over every rank; a pipeline's model
-    registers one with torch_clip when no optimizer of vescale's owns it."""
-
-    def __init__(self, params, pp_size: int, pipeline=None):
-        self.params, self.pp_size, self.pipeline = list(params), pp_size, pipeline
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        params = [p for p in self.params if p.grad is not None]
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        norm = grad_norm(params, norm_type, ranks_per_stage=world // self.pp_size,
-                         holders=self.pipeline.holders() if self.pipeline is not None else None)
-        coef = max_norm / (float(norm) + 1e-6)
-        if coef < 1.0:
-            for p in params:
-                local_of(p.grad).mul_(coef)
-        return norm.float()
-
-    @torch.no_grad()
-    def clip_grad_value_(self, clip_value: float) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                local_of(p.grad).clamp_(-clip_value, clip_value)
-
-
 class ParallelOptimizer(torch.optim.Optimizer):
     """The optimizer ``vescale.parallelize`` returns: the plan's optimizer with gradient
     accumulation and clipping around its step; its groups and state are the inner one's
@@ -456,7 +426,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def clips(self, model: nn.Module) -> None:
         """torch.nn.utils.clip_grad_norm_ / clip_grad_value_ on ``model``'s parameters clip
         through this optimizer (``parallel/torch_clip.py``): by the global norm."""
-        torch_clip.register(self, model.parameters())
+        torch_clip.register(self, model.parameters)
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -486,14 +456,14 @@ class ParallelOptimizer(torch.optim.Optimizer):
         if isinstance(self.inner, DistributedOptimizer):
             return self.inner.clip_grad_norm_(max_norm, norm_type)
         params = [p for g in self.inner.param_groups for p in g["params"]]
-        return _GlobalClip(params, self._pp_size, self._pipeline).clip_grad_norm_(max_norm, norm_type)
+        return GlobalClip(lambda: params, self._pp_size, self._pipeline).clip_grad_norm_(max_norm, norm_type)
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamps every gradient element to [-clip_value, clip_value], as torch's does."""
         if isinstance(self.inner, DistributedOptimizer):
             return self.inner.clip_grad_value_(clip_value)
         params = [p for g in self.inner.param_groups for p in g["params"]]
-        return _GlobalClip(params, self._pp_size, self._pipeline).clip_grad_value_(clip_value)
+        return GlobalClip(lambda: params, self._pp_size, self._pipeline).clip_grad_value_(clip_value)
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()

@@ -106,7 +106,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for ddp in models:  # a pipeline runs backward itself: it scales each micro-batch's loss
                 if is_pipeline(ddp.module):
                     ddp.module.scale_loss = self.scale_loss
-        torch_clip.register(self, [o.param for o in self.owned])  # torch.nn.utils.clip_grad_* on them
+        torch_clip.register(self, lambda: [o.param for o in self.owned])  # torch.nn.utils.clip_grad_* on them
 
     def _master_groups(self, param_groups: list[dict] | None):
         """The masters in the caller's parameter groups (their options kept), or one group."""
@@ -328,6 +328,35 @@ def grad_norm(params, norm_type: float, ranks_per_stage: int, holders: dict[int,
                   else ranks_per_stage)
         norm.add(local_of(p.grad), holders.get(id(p), 1) * copies)
     return norm.over_ranks()
+
+
+class GlobalClip:
+    """Clipping of gradients that live whole in ``.grad`` (no ZeRO), each rank's parts of
+    them (TP shards, pipeline stages) by the norm over every rank. A PipelineParallel
+    registers one for its parameters with torch_clip (a script's own optimizer: torch's
+    clip would see one stage's norm); an optimizer of vescale's takes them over."""
+
+    def __init__(self, parameters, pp_size: int, pipeline=None):
+        """``parameters()``: the parameters, read at each call."""
+        self.parameters, self.pp_size, self.pipeline = parameters, pp_size, pipeline
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        params = [p for p in self.parameters() if p.grad is not None]
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        norm = grad_norm(params, norm_type, ranks_per_stage=world // self.pp_size,
+                         holders=self.pipeline.holders() if self.pipeline is not None else None)
+        coef = max_norm / (float(norm) + 1e-6)
+        if coef < 1.0:
+            for p in params:
+                local_of(p.grad).mul_(coef)
+        return norm.float()
+
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        for p in self.parameters():
+            if p.grad is not None:
+                local_of(p.grad).clamp_(-clip_value, clip_value)
 
 
 def collective_device() -> torch.device:

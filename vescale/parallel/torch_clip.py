@@ -20,7 +20,7 @@ before the optimizer was made) keeps torch's own.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.utils
@@ -28,33 +28,47 @@ import torch.nn.utils.clip_grad
 
 __all__ = ["register"]
 
-_owners: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()  # id(param) -> owner
-_owned: "weakref.WeakKeyDictionary[object, frozenset[int]]" = weakref.WeakKeyDictionary()
+_registered: list = []  # weak references to the owners, in the order they registered
 _torch_norm = torch.nn.utils.clip_grad.clip_grad_norm_
 _torch_value = torch.nn.utils.clip_grad.clip_grad_value_
 
 
-def register(owner, params: Iterable[torch.Tensor]) -> None:
+def register(owner, parameters: Callable[[], Iterable[torch.Tensor]]) -> None:
     """``owner`` (with ``clip_grad_norm_(max_norm, norm_type)`` and
-    ``clip_grad_value_(clip_value)``) clips ``params``' gradients from now on; a later owner
-    of the same parameters takes them over (``ParallelOptimizer`` after its inner one)."""
-    params = list(params)
-    for p in params:
-        _owners[id(p)] = owner
-    _owned[owner] = frozenset(id(p) for p in params)
+    ``clip_grad_value_(clip_value)``) clips the gradients of ``parameters()`` from now on,
+    read at each call (a plan may replace a model's parameters after the owner is made);
+    an owner registered later takes shared parameters over (a pipeline's, then a
+    DistributedOptimizer's, then ``vescale.parallelize``'s optimizer)."""
+    owner._clipped_parameters = parameters
+    _registered.append(weakref.ref(owner))
     _install()
+
+
+def _claims() -> dict[int, object]:
+    """id(parameter) -> its owner now (the latest registered that lists it)."""
+    _registered[:] = [r for r in _registered if r() is not None]
+    claims: dict[int, object] = {}
+    for ref in reversed(_registered):
+        owner = ref()
+        for p in owner._clipped_parameters():
+            claims.setdefault(id(p), owner)
+    return claims
 
 
 def _owner(parameters, what: str):
     """The owner of ``parameters`` (None: torch's own function applies), and the list."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    owners = {id(o): o for p in params if (o := _owners.get(id(p))) is not None}
+    if not _registered:
+        return None, params
+    claims = _claims()
+    owners = {id(o): o for p in params if (o := claims.get(id(p))) is not None}
     if not owners:
         return None, params
     owner = next(iter(owners.values()))
     given = {id(p) for p in params}
-    others = [p for p in params if id(p) not in _owned.get(owner, ()) and p.grad is not None]
-    if len(owners) > 1 or others or not _owned.get(owner, frozenset()) <= given:
+    owned = {key for key, o in claims.items() if o is owner}
+    others = [p for p in params if id(p) not in owned and p.grad is not None]
+    if len(owners) > 1 or others or not owned <= given:
         raise ValueError(
             f"torch.nn.utils.{what} got parameters of a vescale-parallel model, but not all of one model's "
             "alone: its gradients live sharded across ranks (ZeRO-2/3 slices, pipeline stages), and vescale "

@@ -70,6 +70,10 @@ class PipelineParallel(nn.Module):
         self._checked = False
         self._warned_reentrant = False
         self._broadcast_shared()
+        from ..optimizer import GlobalClip  # (the optimizer module imports this one)
+        from ..torch_clip import register
+        self._clip = GlobalClip(self.parameters, self.pp_size, self)  # (this rank's stages' parameters)
+        register(self._clip, self.parameters)  # torch.nn.utils.clip_grad_*: the global norm
 
     # ---- set-up ----
 
