@@ -5,9 +5,11 @@ torch's functions read each parameter's ``.grad`` on this rank. Under vescale th
 the model's gradient everywhere: ZeRO-2/3 keep this rank's slices of the reduced gradients
 in the DDP and leave ``.grad`` None (torch's clip found nothing: norm 0, no clipping, no
 error); a pipeline rank holds its stages' gradients only (a per-stage norm); with a loss
-scale the gradients are still scaled when the loop clips. So an optimizer that knows
-(``DistributedOptimizer``, and ``vescale.parallelize``'s ``ParallelOptimizer``) registers
-its model's parameters here, and once one has, torch's two functions are wrapped: given
+scale the gradients are still scaled when the loop clips. So what knows
+(``DistributedOptimizer``, ``vescale.parallelize``'s ``ParallelOptimizer``, and a
+``PipelineParallel`` for a script's own optimizer) registers its model's parameters here
+(read at each call: a plan may replace them later), and once one has, torch's two
+functions are wrapped: given
 such parameters, they call the owner's global clip (a collective: every rank calls it, as
 every rank of a data-parallel loop does); given others, torch's own.
 
