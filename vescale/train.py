@@ -419,7 +419,10 @@ class ParallelOptimizer(torch.optim.Optimizer):
         super().__init__([p for g in inner.param_groups for p in g["params"]], inner.defaults)
         self.inner, self._steps, self.clip_norm = inner, steps, clip_norm
         self._pipeline = pipeline
-        self._pp_size = mesh.size(pp_dim) if pp_dim in mesh.mesh_dim_names else 1
+        pp_size = mesh.size(pp_dim) if pp_dim in mesh.mesh_dim_names else 1
+        # what clips: ZeRO's optimizer over its slices, else the global norm of the .grad's
+        self._clipper = inner if isinstance(inner, DistributedOptimizer) else GlobalClip(
+            lambda: [p for g in inner.param_groups for p in g["params"]], pp_size, pipeline)
         self.param_groups = inner.param_groups  # the inner optimizer's own, as DistributedOptimizer does
         self.state = inner.state
 
@@ -453,17 +456,11 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips by the global gradient norm over every rank (every stage of a pipeline,
         elements a mesh replicates counted once); returns the norm."""
-        if isinstance(self.inner, DistributedOptimizer):
-            return self.inner.clip_grad_norm_(max_norm, norm_type)
-        params = [p for g in self.inner.param_groups for p in g["params"]]
-        return GlobalClip(lambda: params, self._pp_size, self._pipeline).clip_grad_norm_(max_norm, norm_type)
+        return self._clipper.clip_grad_norm_(max_norm, norm_type)
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamps every gradient element to [-clip_value, clip_value], as torch's does."""
-        if isinstance(self.inner, DistributedOptimizer):
-            return self.inner.clip_grad_value_(clip_value)
-        params = [p for g in self.inner.param_groups for p in g["params"]]
-        return GlobalClip(lambda: params, self._pp_size, self._pipeline).clip_grad_value_(clip_value)
+        self._clipper.clip_grad_value_(clip_value)
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()

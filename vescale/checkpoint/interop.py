@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from ..boxes import Box
 from ..deferred import materialize_before_reading
+from ..parallel.optimizer import collective_device
 from .layout import Item, build
 from .storage import inside
 
@@ -160,12 +161,11 @@ def full_state_dict(model: nn.Module, *, optimizer=None) -> dict[str, torch.Tens
     its DistributedOptimizer) ZeRO-3 slices; tied parameters under their first name.
     Every rank must call it (collectives); it costs the whole model's memory on every
     rank, so checkpoints of big models go through ``vescale.save`` instead."""
-    state = {}
+    state, device = {}, collective_device()
     for name, item, boxes in _model_items(model, optimizer):
         full = _gather_to(item, boxes, 0)
         if dist.get_rank() != 0:
             full = torch.empty(item.shape, dtype=item.dtype)
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
         sent = full.contiguous().to(device)
         dist.broadcast(sent, src=0)
         state[name] = sent.cpu()

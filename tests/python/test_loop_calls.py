@@ -1,0 +1,155 @@
+"""What a plain training loop calls around the model, under vescale.parallelize's plans
+where no rank holds the whole gradient or state (ZeRO-2/3, pipelines): torch's gradient
+clipping, torch.amp.GradScaler and model.state_dict() do what they do on one device, or
+raise naming the fix, never a silent difference."""
+
+import pytest
+import torch
+
+import vescale
+from vescale import Plan
+from vescale.parallel.plans import gpt_plan
+
+from dist_utils import mismatch
+from test_parallelize import GLOBAL_BATCH, STEPS, _dataset, _gpt, _sgd
+
+
+CLIPPED = {  # plans under which the loop clips with torch.nn.utils itself
+    "dp4-zero2": {"mesh": {"DP": 4}, "data_parallel.zero_stage": 2},
+    "dp2-tp2-sp-zero3": {"mesh": {"DP": 2, "TP": 2}, "tensor_parallel.sharding_plan": gpt_plan(sequence_parallel=True),
+                         "tensor_parallel.sequence_parallel": True, "data_parallel.zero_stage": 3},
+    "pp2-dp2": {"mesh": {"PP": 2, "DP": 2}, "pipeline_parallel.microbatches": 2},
+    "pp2-tp2": {"mesh": {"PP": 2, "TP": 2}, "tensor_parallel.sharding_plan": gpt_plan(),
+                "pipeline_parallel.microbatches": 2},
+}
+
+
+def _clip(how: str, params) -> None:
+    if how == "norm":
+        torch.nn.utils.clip_grad_norm_(params, 0.05)
+    else:
+        torch.nn.utils.clip_grad_value_(params, 2e-3)
+
+
+def _case_torch_clip(name: str, how: str, own_optimizer: bool = False) -> tuple[list[float], list[float], str]:
+    plan = Plan({**CLIPPED[name], "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), None if own_optimizer else _sgd,
+                                                      None, _dataset())
+    if own_optimizer:  # the script's own, over the parallel model's parameters
+        optimizer = _sgd(model)
+    losses, refused = [], ""
+    for _, batch in zip(range(STEPS), loader):
+        optimizer.zero_grad()
+        loss = model(batch)
+        loss.backward()
+        try:  # a part of the model's parameters: refused, naming the fix
+            _clip(how, list(model.parameters())[:2])
+        except ValueError as e:
+            refused = str(e)
+        _clip(how, model.parameters())
+        optimizer.step()
+        losses.append(loss.full_tensor().item() if isinstance(loss, vescale.DTensor) else loss.item())
+    data, ref, ref_losses = _dataset(), _gpt({"n_layer": 4}), []
+    opt = _sgd(ref)
+    for i in range(0, GLOBAL_BATCH * STEPS, GLOBAL_BATCH):
+        opt.zero_grad()
+        loss = ref(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+        loss.backward()
+        _clip(how, ref.parameters())
+        opt.step()
+        ref_losses.append(loss.item())
+    return losses, ref_losses, refused
+
+
+@pytest.mark.parametrize("name,how,own", [("dp4-zero2", "norm", False), ("dp2-tp2-sp-zero3", "norm", False),
+                                          ("pp2-dp2", "norm", False), ("pp2-tp2", "norm", True),
+                                          ("dp4-zero2", "value", False), ("pp2-tp2", "value", False)])
+def test_a_loop_clipping_with_torch_clips_as_one_device(pool4, name, how, own):
+    """The loop calls torch.nn.utils.clip_grad_norm_ / clip_grad_value_ on the model's
+    parameters, as nanoGPT's does. Under ZeRO-2/3 their .grad is None (the slices live in
+    the DDP) and under a pipeline a rank holds its stage's only: torch's own function
+    clipped nothing (norm 0) or by a stage's norm. vescale routes the call to its
+    optimizer's global clip (vescale/parallel/torch_clip.py): losses equal one device's
+    clipping the same way; a part of the parameters raises a ValueError. ``own``: the
+    script's own optimizer (parallelize made none): the pipeline's model clips."""
+    for losses, ref, refused in pool4.run(_case_torch_clip, name, how, own):
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+        assert "not all of one model's" in refused, refused
+
+
+WHOLE_STATE = {
+    "dp4-zero3": {"mesh": {"DP": 4}, "data_parallel.zero_stage": 3},
+    "pp2-dp2-zero3": {"mesh": {"PP": 2, "DP": 2}, "pipeline_parallel.microbatches": 2, "data_parallel.zero_stage": 3},
+    "pp2-tp2": {"mesh": {"PP": 2, "TP": 2}, "tensor_parallel.sharding_plan": gpt_plan(),
+                "pipeline_parallel.microbatches": 2},
+}
+
+
+def _case_whole_state(name: str) -> list[str]:
+    plan = Plan({**WHOLE_STATE[name], "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), _sgd, None, _dataset())
+    batches, problems = iter(loader), []
+    optimizer.zero_grad()
+    model(next(batches)).backward()
+    optimizer.step()
+    try:
+        model.state_dict()
+        problems.append("model.state_dict() did not raise")
+    except RuntimeError as e:
+        if "full_state_dict" not in str(e):
+            problems.append(f"unclear error: {e}")
+    zero3 = WHOLE_STATE[name].get("data_parallel.zero_stage") == 3
+    state = vescale.checkpoint.full_state_dict(model, optimizer=optimizer.inner if zero3 else None)
+    data, ref = _dataset(), _gpt({"n_layer": 4})
+    opt = _sgd(ref)
+    opt.zero_grad()
+    ref(data.tensors[0][:GLOBAL_BATCH], data.tensors[1][:GLOBAL_BATCH]).backward()
+    opt.step()
+    for key, want in ref.state_dict().items():
+        if key == "lm_head.weight":  # tied to transformer.wte.weight: listed under its first name
+            continue
+        got = state.get(key)
+        if got is None or got.is_meta or (err := mismatch(got, want, rtol=1e-6, atol=1e-7)) is not None:
+            problems.append(f"{key}: {'missing' if got is None else err}")
+    optimizer.zero_grad()  # training goes on
+    model(next(batches)).backward()
+    optimizer.step()
+    return problems
+
+
+@pytest.mark.parametrize("name", list(WHOLE_STATE))
+def test_the_whole_state_of_a_model_no_rank_holds_whole(pool4, name):
+    """A pipeline rank holds its stages only and ZeRO-3 empties its parameters between
+    steps: model.state_dict() gave meta entries (a torch.save without the other stages'
+    weights) or tensors without storage (torch.save: "Trying to resize storage that is
+    not resizable"). It now raises, naming the ways; full_state_dict gives one device's
+    values on every rank, and training goes on."""
+    for problems in pool4.run(_case_whole_state, name):
+        assert problems == [], problems
+
+
+def _case_grad_scaler_under_a_pipeline() -> str:
+    plan = Plan({"mesh": {"PP": 2, "DP": 2}, "pipeline_parallel.microbatches": 2, "data.global_batch_size": GLOBAL_BATCH,
+                 "data.shuffle": False})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), _sgd, None, _dataset())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    batches = iter(loader)
+    optimizer.zero_grad()
+    scaler.scale(model(next(batches))).backward()
+    try:
+        scaler.step(optimizer)
+        return "GradScaler.step did not raise"
+    except RuntimeError as e:
+        message = str(e)
+    optimizer.zero_grad()  # the loop goes on with plain steps
+    model(next(batches)).backward()
+    optimizer.step()
+    return message
+
+
+def test_torch_grad_scaler_under_a_pipeline_is_refused_with_the_fix(pool4):
+    """Each pipeline rank holds its stages' gradients: GradScaler's inf check, run per
+    rank, would skip the step on the stage that overflowed and step the others (one
+    device skips it whole). step() refuses it, naming vescale's loss scaling."""
+    for message in pool4.run(_case_grad_scaler_under_a_pipeline):
+        assert "mixed_precision.loss_scale" in message and "Nothing was stepped" in message, message
