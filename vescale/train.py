@@ -384,12 +384,30 @@ class ParallelModel(nn.Module):
                 f"drop_last=False loader?). Use data.drop_last=True, or a batch of {m} x DP samples or more "
                 f"that divides by the DP degree")
 
-    # The inner model's own views: a pipeline stage lists only the parameters it holds.
+    # The user's model's own views and names, under every plan (a DDP wrapper would prefix
+    # them with "module.": a loop that picks parameters or loads a state by name would
+    # find other names under DP than under TP or on one device). A pipeline stage lists
+    # only the parameters it holds.
+    @property
+    def _user_model(self) -> nn.Module:
+        return self.module.module if isinstance(self.module, DDP) else self.module
+
     def parameters(self, recurse: bool = True):
-        return self.module.parameters(recurse)
+        return self._user_model.parameters(recurse)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+        return self._user_model.named_parameters(prefix, recurse, remove_duplicate)
+
+    def buffers(self, recurse: bool = True):
+        return self._user_model.buffers(recurse)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self._user_model.named_buffers(prefix, recurse, remove_duplicate)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Into the user's model, by its own names (as ``state_dict`` gives them)."""
+        self._whole_state_or_raise("model.load_state_dict()")
+        return self._user_model.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def state_dict(self, *args, **kwargs):
         """The inner model's own: plain tensors, and DTensors that pickle whole. A pipeline
@@ -397,12 +415,16 @@ class ParallelModel(nn.Module):
         parameters between steps: there this raises, naming the ways to the whole state
         (a gather here would be a collective, and a loop that saves from rank 0 alone
         would hang in it)."""
+        self._whole_state_or_raise("model.state_dict()")
+        return self._user_model.state_dict(*args, **kwargs)
+
+    def _whole_state_or_raise(self, call: str) -> None:
         if self.pipeline is None and not self._zero3:
-            return self.module.state_dict(*args, **kwargs)
+            return
         what = "a pipeline rank holds only its stages' parameters" if self.pipeline is not None else \
             "ZeRO-3 keeps each rank's slices and empties the parameters between steps"
         raise RuntimeError(
-            f"model.state_dict() cannot give one device's state here: {what}. On every rank, call "
+            f"{call} cannot give one device's state here: {what}. On every rank, call "
             "vescale.checkpoint.full_state_dict(model, optimizer=optimizer.inner if ZeRO-3) for the whole "
             "state (plain tensors), vescale.checkpoint.export_torch(path, model, optimizer=...) for a "
             "single-device torch.save file, or vescale.save(path, {...}) for a checkpoint that resumes under "

@@ -1,6 +1,6 @@
 """What a plain training loop calls around the model, under vescale.parallelize's plans
 where no rank holds the whole gradient or state (ZeRO-2/3, pipelines): torch's gradient
-clipping, torch.amp.GradScaler and model.state_dict() do what they do on one device, or
+clipping, torch.amp.GradScaler, model.state_dict() and names of parameters do what they do on one device, or
 raise naming the fix, never a silent difference."""
 
 import pytest
@@ -11,6 +11,7 @@ from vescale import Plan
 from vescale.parallel.plans import gpt_plan
 
 from dist_utils import mismatch
+from examples.models.gpt import GPT, GPTConfig
 from test_parallelize import GLOBAL_BATCH, STEPS, _dataset, _gpt, _sgd
 
 
@@ -153,3 +154,56 @@ def test_torch_grad_scaler_under_a_pipeline_is_refused_with_the_fix(pool4):
     device skips it whole). step() refuses it, naming vescale's loss scaling."""
     for message in pool4.run(_case_grad_scaler_under_a_pipeline):
         assert "mixed_precision.loss_scale" in message and "Nothing was stepped" in message, message
+
+
+NAMED = {
+    "dp4": {"mesh": {"DP": 4}},
+    "dp4-zero2": {"mesh": {"DP": 4}, "data_parallel.zero_stage": 2},
+    "dp2-tp2-sp": {"mesh": {"DP": 2, "TP": 2}, "tensor_parallel.sharding_plan": gpt_plan(sequence_parallel=True),
+                   "tensor_parallel.sequence_parallel": True},
+    "pp2-dp2": {"mesh": {"PP": 2, "DP": 2}, "pipeline_parallel.microbatches": 2},
+}
+
+
+def _case_names_and_load(name: str) -> list[str]:
+    plan = Plan({**NAMED[name], "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), _sgd, None, _dataset())
+    one = _gpt({"n_layer": 4})
+    problems = [f"named_parameters: {n!r} is not one device's name"
+                for n, _ in model.named_parameters() if n not in dict(one.named_parameters())]
+    if "PP" in NAMED[name]["mesh"]:  # a stage's parameters only, and no state_dict (see above)
+        return problems
+    if list(model.state_dict()) != list(one.state_dict()):
+        problems.append(f"state_dict keys {list(model.state_dict())[:2]} are not one device's")
+    torch.manual_seed(7)  # another model's values, loaded by one device's names, train as one device
+    other = GPT(GPTConfig(dropout=0.0, bias=False, n_layer=4)).state_dict()
+    model.load_state_dict(other)
+    losses = []
+    for _, batch in zip(range(STEPS), loader):
+        optimizer.zero_grad()
+        loss = model(batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.full_tensor().item() if isinstance(loss, vescale.DTensor) else loss.item())
+    one.load_state_dict(other)
+    opt, data, ref = _sgd(one), _dataset(), []
+    for i in range(0, GLOBAL_BATCH * STEPS, GLOBAL_BATCH):
+        opt.zero_grad()
+        loss = one(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+        loss.backward()
+        opt.step()
+        ref.append(loss.item())
+    if (err := mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)) is not None:
+        problems.append(f"after load_state_dict: {err}")
+    return problems
+
+
+@pytest.mark.parametrize("name", list(NAMED))
+def test_parameters_and_state_go_by_one_devices_names(pool4, name):
+    """The parallel model's named_parameters / state_dict / load_state_dict use the
+    model's own names under every plan. Under DP they were the DDP wrapper's
+    ("module.transformer.wte.weight", "module.module..." under a pipeline), under TP
+    the model's: a loop that picks parameters by name (freezing, groups) matched nothing
+    under DP, and a state saved from one device did not load."""
+    for problems in pool4.run(_case_names_and_load, name):
+        assert problems == [], problems

@@ -92,6 +92,8 @@ class DDP(_BucketLayout, _GradientReduction, nn.Module):
             reducer.driver = self
             self._partial_params.update(id(p) for p in reducer.params)
         self._broadcast_parameters()
+        # frozen now: no slot, no hook, no ZeRO slice (see refuse_unfrozen)
+        self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         for b in self.buckets:
             for s in b.slots:
                 s.param.register_post_accumulate_grad_hook(self._grad_ready)
@@ -124,11 +126,17 @@ class DDP(_BucketLayout, _GradientReduction, nn.Module):
             self._deferred = False
 
     def forward(self, *args, **kwargs):
+        refuse_thawed(self.thawed())
         self.materialize()  # a vescale.deferred_init model: values are needed now
         if self.broadcast_buffers and self._buffers_due:
             self._broadcast_buffers()
         self._buffers_due = torch.is_grad_enabled() and self._sync
         return self.module(*args, **kwargs)
+
+    def thawed(self) -> list[str]:
+        """Names of the parameters frozen when this DDP was built that require grad now:
+        they have no slot, no hook and no ZeRO slice (see ``refuse_thawed``)."""
+        return [n for n, p in self._frozen if p.requires_grad]
 
     @property
     def require_backward_grad_sync(self) -> bool:
@@ -236,3 +244,17 @@ def as_shares(loss: torch.Tensor, ddps: list[DDP]) -> torch.Tensor:
     if not ddps or not loss.requires_grad or len({d.world for d in ddps}) != 1:
         return loss
     return _Shares.apply(loss, ddps)
+
+
+def refuse_thawed(names: list[str]) -> None:
+    """Raises where parameters frozen when the model was made data parallel require grad
+    now: their gradients would stay each rank's own (never averaged, as under torch's DDP)
+    and a ZeRO optimizer has no slice of them to step: they would train apart from one
+    device's. ``names``: this rank's such parameters (a pipeline's other stages may have some)."""
+    if names:
+        raise RuntimeError(
+            f"parameters frozen (requires_grad=False) when the model was made data parallel require grad now "
+            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): their gradients would not be averaged "
+            f"over the DP ranks, nor stepped under ZeRO. Set requires_grad before vescale.parallelize / DDP (to "
+            f"hold a parameter still for a while, give its param group lr=0), or parallelize the model again "
+            f"after unfreezing")

@@ -120,6 +120,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                 f"'weight_decay'), as torch.optim takes, got {g!r}")
             masters = []
             for p in g["params"]:
+                if id(p) not in master_of and not p.requires_grad:
+                    continue  # frozen: no DDP slot, and torch's optimizer would never step it (no .grad)
                 if id(p) not in master_of:
                     raise ValueError(f"param_groups[{i}] holds a tensor of shape {tuple(p.shape)} that is not a "
                                      f"parameter of the DDP models this optimizer was given")

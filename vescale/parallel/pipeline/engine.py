@@ -18,6 +18,7 @@ from ...device_mesh import DeviceMesh, process_group
 from ...dtensor import DTensor
 from ...global_loss import items_averaged
 from ..._local import local_of
+from ..ddp import refuse_thawed
 from .p2p import Boundary
 from .schedules import Schedule, make_schedule
 from .split import Layout, PipelineSplitError, assign_blocks, find_layout
@@ -209,9 +210,14 @@ class PipelineParallel(nn.Module):
                 sends[:] = [w for w in sends if not w[0].is_completed()]  # sent buffers go as they are done
             for work, _ in sends:
                 work.wait()
-        loss = weights.batch_loss(losses, self.group, self.schedule.rank_of(self.schedule.stages - 1))
+        # parameters unfrozen since DDP was built: found on any stage, refused on every rank
+        # (each holds its own stages' parameters), before anything is reduced or stepped
+        thawed = ddp.thawed() if ddp is not None else []
+        loss = weights.batch_loss(losses, self.group, self.schedule.rank_of(self.schedule.stages - 1), len(thawed))
         weights.rescale(self.parameters(), ddp.group if ddp is not None else None, ddp.world if ddp is not None else 1)
         self.global_loss = weights.global_loss
+        if weights.thawed:
+            refuse_thawed(thawed or ["some of another pipeline stage's"])
         self._reduce_shared_grads(earlier)
         if sync:
             ddp.sync_gradients()
@@ -417,6 +423,8 @@ class PipelineParallel(nn.Module):
         earlier steps accumulated (summed already)."""
         for name, group in self._shared:
             p = self.module.get_parameter(name)
+            if not p.requires_grad:  # frozen (as on every holder): no gradient, as on one device
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             _trace.call("all_reduce", group, local_of(p.grad), dist.all_reduce, local_of(p.grad), group=group,

@@ -27,8 +27,9 @@ from ..._local import local_of
 from ...dtensor import DTensor
 from ...global_loss import items_averaged
 
-# the vector the last stage broadcasts over the pipeline after a step
-_BY_ROWS, _LOSS_ITEMS, _ITEMS, _C, _COUNTED = range(5)
+# the vector the last stage sends over the pipeline after a step (the others add their
+# thawed parameters: see PipelineParallel.step)
+_BY_ROWS, _LOSS_ITEMS, _ITEMS, _C, _COUNTED, _THAWED = range(6)
 
 
 class StepWeights:
@@ -39,6 +40,7 @@ class StepWeights:
         self.c: torch.Tensor | None = None
         self.global_loss: torch.Tensor | None = None  # over the DP replicas, in items mode
         self._aside: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        self.thawed = 0  # over the pipeline's ranks (batch_loss)
 
     def root(self, loss: torch.Tensor, weight: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The micro-batch's loss weighted (in its dtype, as ``loss * weight`` is: by rows,
@@ -64,10 +66,11 @@ class StepWeights:
                 self._aside[id(p)] = (p, p.grad)
                 p.grad = None
 
-    def batch_loss(self, losses: list, group, last: int) -> torch.Tensor:
+    def batch_loss(self, losses: list, group, last: int, thawed: int = 0) -> torch.Tensor:
         """The replica's batch loss on every pipeline rank (``losses``: the last stage's
-        (loss, weight, items)); learns the replica's weighting from the last stage."""
-        vec = torch.zeros(5, dtype=torch.float64)
+        (loss, weight, items)); learns the replica's weighting from the last stage, and
+        the count of ``thawed`` parameters over the pipeline's ranks (``self.thawed``)."""
+        vec = torch.zeros(6, dtype=torch.float64)
         for loss, weight, items in losses:
             value = (loss.full_tensor() if isinstance(loss, DTensor) else loss).double().cpu()
             vec[_BY_ROWS] += value * weight
@@ -77,7 +80,11 @@ class StepWeights:
                 vec[_ITEMS] += items
         if self.items_mode:
             vec[_C], vec[_COUNTED] = self.c.cpu(), 1.0
-        dist.broadcast(vec, src=dist.get_global_rank(group, last), group=group)
+        vec[_THAWED] = thawed
+        # a sum: the last stage's values (the others send zeros there, exact), and every
+        # rank's thawed count, in one collective
+        dist.all_reduce(vec, group=group)
+        self.thawed = int(vec[_THAWED])
         self.items_mode = bool(vec[_COUNTED])
         if self.items_mode:
             self.c = vec[_C]

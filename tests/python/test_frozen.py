@@ -1,0 +1,151 @@
+"""Frozen parameters (fine-tuning: requires_grad=False on embeddings, blocks or norms)
+under vescale.parallelize's plans: they train as on one device (never stepped, not even
+by weight decay or momentum), also when frozen between steps; unfreezing one after the
+model was made data parallel is refused on every rank, naming the fix, instead of
+training it apart from one device's."""
+
+import contextlib
+
+import pytest
+import torch
+
+import vescale
+from vescale import Plan
+from vescale.parallel.plans import gpt_plan
+
+from dist_utils import mismatch
+from test_parallelize import GLOBAL_BATCH, STEPS, _dataset, _gpt
+
+SP = {"tensor_parallel.sharding_plan": gpt_plan(sequence_parallel=True), "tensor_parallel.sequence_parallel": True}
+PLANS = {
+    "dp4-zero1": {"mesh": {"DP": 4}, "data_parallel.zero_stage": 1},
+    "dp4-zero2": {"mesh": {"DP": 4}, "data_parallel.zero_stage": 2},
+    "dp4-zero3": {"mesh": {"DP": 4}, "data_parallel.zero_stage": 3},
+    "dp2-tp2-sp-zero3": {"mesh": {"DP": 2, "TP": 2}, **SP, "data_parallel.zero_stage": 3},
+    "tp4-sp": {"mesh": {"TP": 4}, **SP},
+    "pp2-dp2": {"mesh": {"PP": 2, "DP": 2}, "pipeline_parallel.microbatches": 2},
+    "pp2-dp2-zero3": {"mesh": {"PP": 2, "DP": 2}, "pipeline_parallel.microbatches": 2, "data_parallel.zero_stage": 3},
+    "pp4": {"mesh": {"PP": 4}, "pipeline_parallel.microbatches": 4},
+}
+
+FROZEN = {  # by the one-device name; "embeddings" holds the token embedding GPT ties to its head
+    "embeddings": lambda n: n.startswith(("transformer.wte", "transformer.wpe")),
+    "first-block": lambda n: n.startswith("transformer.h.0."),
+    "norms": lambda n: ".ln_" in n,
+}
+
+
+def _set(model, frozen: str, requires_grad: bool) -> None:
+    for n, p in model.named_parameters():
+        if FROZEN[frozen](n):
+            p.requires_grad_(requires_grad)
+
+
+def _model(frozen: str | None):
+    model = _gpt({"n_layer": 4})
+    if frozen:
+        _set(model, frozen, False)
+    return model
+
+
+def _sgd(model):  # every parameter, frozen ones too (torch skips those without .grad)
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, vescale.DTensor) else t
+
+
+def _values(model, optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter this rank holds, whole (ZeRO-3 gathers them for the read: between
+    steps its parameters are empty)."""
+    whole = getattr(optimizer.inner, "full_parameters", contextlib.nullcontext)()
+    with whole:
+        return {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def _train(model, optimizer, batches, change=None) -> list[float]:
+    """STEPS steps; ``change(model)`` before the third."""
+    losses = []
+    for i, batch in enumerate(batches):
+        if i == 2 and change is not None:
+            change(model)
+        optimizer.zero_grad()
+        loss = model(*batch) if isinstance(batch, tuple) else model(batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(_full(loss).item())
+    return losses
+
+
+def _one_device(frozen: str | None, change=None) -> list[float]:
+    data, ref = _dataset(), _model(frozen)
+    batches = [(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+               for i in range(0, GLOBAL_BATCH * STEPS, GLOBAL_BATCH)]
+    return _train(ref, _sgd(ref), batches, change)
+
+
+def _parallel(name: str, frozen: str | None):
+    plan = Plan({**PLANS[name], "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
+    model, optimizer, _, loader = vescale.parallelize(plan, _model(frozen), _sgd, None, _dataset())
+    return model, optimizer, [b for _, b in zip(range(STEPS), loader)]
+
+
+def _case_frozen(name: str, frozen: str) -> tuple[list[float], list[float], float]:
+    model, optimizer, batches = _parallel(name, frozen)
+    start = _values(model, optimizer)
+    losses = _train(model, optimizer, batches)
+    end = _values(model, optimizer)
+    # (a pipeline rank may hold none)
+    moved = max((float((end[n] - v).abs().max()) for n, v in start.items() if FROZEN[frozen](n)), default=0.0)
+    return losses, _one_device(frozen), moved
+
+
+@pytest.mark.parametrize("name,frozen", [
+    ("dp4-zero1", "embeddings"), ("dp4-zero2", "norms"), ("dp4-zero3", "first-block"),
+    ("dp2-tp2-sp-zero3", "norms"), ("tp4-sp", "norms"), ("pp2-dp2", "embeddings"), ("pp4", "embeddings"),
+    ("pp2-dp2-zero3", "first-block")])
+def test_frozen_parameters_train_as_on_one_device(pool4, name, frozen):
+    """The script's optimizer gets every parameter, frozen ones too, with momentum and
+    weight decay. Under ZeRO it used to refuse them ("not a parameter of the DDP models");
+    a pipeline gave the frozen embedding that several stages hold (GPT ties it to the head)
+    a zero gradient, which weight decay then stepped: losses off from the third digit."""
+    for losses, ref, moved in pool4.run(_case_frozen, name, frozen):
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+        assert moved == 0.0, f"a frozen parameter moved by {moved}"
+
+
+def _case_change(name: str, frozen: str | None, thaw: str | None):
+    """Freezes ``frozen`` (thaw None) or unfreezes ``thaw`` before the third step."""
+    model, optimizer, batches = _parallel(name, thaw)
+    change = (lambda m: _set(m, thaw, True)) if thaw else (lambda m: _set(m, frozen, False))
+    if not thaw:
+        return _train(model, optimizer, batches, change), _one_device(None, change)
+    losses = _train(model, optimizer, batches[:2])
+    change(model)
+    before = _values(model, optimizer)
+    try:
+        _train(model, optimizer, batches[2:3])
+    except RuntimeError as e:
+        after = _values(model, optimizer)
+        return str(e), all(torch.equal(after[n], v) for n, v in before.items()), losses
+    return "", False, losses
+
+
+@pytest.mark.parametrize("name,frozen", [("dp4-zero2", "norms"), ("pp2-dp2", "embeddings")])
+def test_freezing_between_steps_trains_as_on_one_device(pool4, name, frozen):
+    for losses, ref in pool4.run(_case_change, name, frozen, None):
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+
+
+@pytest.mark.parametrize("name,thaw", [("dp4-zero1", "embeddings"), ("dp2-tp2-sp-zero3", "norms"),
+                                       ("pp2-dp2", "first-block"), ("pp2-dp2-zero3", "norms")])
+def test_unfreezing_after_parallelize_is_refused_on_every_rank(pool4, name, thaw):
+    """A parameter frozen when the model was made data parallel has no gradient bucket
+    and no ZeRO slice: unfrozen later, its gradient stayed each rank's own (DDP) or it was
+    never stepped (ZeRO), silently. Now every rank raises before anything is stepped,
+    also the pipeline ranks whose stage holds none of them ("first-block": stage 0's)."""
+    for err, unchanged, _ in pool4.run(_case_change, name, None, thaw):
+        assert "frozen (requires_grad=False) when the model was made data parallel" in err, err
+        assert "parallelize the model again" in err, err
+        assert unchanged
