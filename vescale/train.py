@@ -51,6 +51,7 @@ can learn it in the loss's all-reduce (``global_loss.DPLoss.tell_others``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import re
@@ -459,6 +460,13 @@ class ParallelOptimizer(torch.optim.Optimizer):
         # refuses it where its per-rank inf check cannot see one device's: ZeRO's slices,
         # a pipeline rank's stages (see refuse_grad_scaler)
         return isinstance(self.inner, DistributedOptimizer) or self._pipeline is not None
+
+    def full_parameters(self):
+        """A context in which ZeRO-3's parameters are whole, to read them between steps
+        (they are empty there); a no-op under the other plans. Every DP rank enters it."""
+        if isinstance(self.inner, DistributedOptimizer):
+            return self.inner.full_parameters()
+        return contextlib.nullcontext()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._steps.micro == 0:  # inside an accumulation window the gradients add up

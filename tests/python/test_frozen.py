@@ -1,10 +1,9 @@
-"""Frozen parameters (fine-tuning: requires_grad=False on embeddings, blocks or norms)
-under vescale.parallelize's plans: they train as on one device (never stepped, not even
-by weight decay or momentum), also when frozen between steps; unfreezing one after the
-model was made data parallel is refused on every rank, naming the fix, instead of
-training it apart from one device's."""
-
-import contextlib
+"""Parameters that do not train, under vescale.parallelize's plans. Frozen ones
+(fine-tuning: requires_grad=False on embeddings, blocks or norms) stay as on one device
+(never stepped, not even by weight decay or momentum), also when frozen between steps;
+unfreezing one after the model was made data parallel is refused on every rank, naming
+the fix, instead of training it apart from one device's. Parameters the script leaves
+out of its optimizer get gradients (a global clip counts them) and no step."""
 
 import pytest
 import torch
@@ -59,13 +58,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _values(model, optimizer) -> dict[str, torch.Tensor]:
     """Every parameter this rank holds, whole (ZeRO-3 gathers them for the read: between
     steps its parameters are empty)."""
-    whole = getattr(optimizer.inner, "full_parameters", contextlib.nullcontext)()
-    with whole:
+    with optimizer.full_parameters():
         return {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
 
 
-def _train(model, optimizer, batches, change=None) -> list[float]:
-    """STEPS steps; ``change(model)`` before the third."""
+def _train(model, optimizer, batches, change=None, before_step=None) -> list[float]:
+    """A step per batch; ``change(model)`` before the third, ``before_step(model)`` before each step."""
     losses = []
     for i, batch in enumerate(batches):
         if i == 2 and change is not None:
@@ -73,6 +71,8 @@ def _train(model, optimizer, batches, change=None) -> list[float]:
         optimizer.zero_grad()
         loss = model(*batch) if isinstance(batch, tuple) else model(batch)
         loss.backward()
+        if before_step is not None:
+            before_step(model)
         optimizer.step()
         losses.append(_full(loss).item())
     return losses
@@ -149,3 +149,28 @@ def test_unfreezing_after_parallelize_is_refused_on_every_rank(pool4, name, thaw
         assert "frozen (requires_grad=False) when the model was made data parallel" in err, err
         assert "parallelize the model again" in err, err
         assert unchanged
+
+
+def _blocks_only(model):  # the script's optimizer: the blocks' parameters, not the embeddings or the final norm
+    return torch.optim.SGD([p for n, p in model.named_parameters() if ".h." in n], lr=0.1, momentum=0.9,
+                           weight_decay=0.1)
+
+
+def _case_outside_the_optimizer(name: str) -> tuple[list[float], list[float]]:
+    plan = Plan({**PLANS[name], "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
+    model, optimizer, _, loader = vescale.parallelize(plan, _model(None), _blocks_only, None, _dataset())
+    clip = lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)  # noqa: E731
+    losses = _train(model, optimizer, [b for _, b in zip(range(STEPS), loader)], before_step=clip)
+    data, ref = _dataset(), _model(None)
+    batches = [(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+               for i in range(0, GLOBAL_BATCH * STEPS, GLOBAL_BATCH)]
+    return losses, _train(ref, _blocks_only(ref), batches, before_step=clip)
+
+
+@pytest.mark.parametrize("name", ["dp4-zero1", "dp4-zero3", "dp2-tp2-sp-zero3", "pp2-dp2-zero3"])
+def test_parameters_outside_the_optimizer_are_not_stepped(pool4, name):
+    """The script's optimizer takes the blocks only; the embeddings and final norm still
+    require grad and the loop clips over all the model's parameters. ZeRO refused this
+    ("parameters ... are in no group; add them to a group", which would train them)."""
+    for losses, ref in pool4.run(_case_outside_the_optimizer, name):
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)

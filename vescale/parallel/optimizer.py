@@ -131,10 +131,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 seen.add(id(p))
                 masters.append(master_of[id(p)])
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": masters})
-        missing = [tuple(o.param.shape) for o in self.owned if id(o.param) not in seen]
-        if missing:
-            raise ValueError(f"{len(missing)} parameters of the DDP models are in no group (shapes {missing[:3]}); "
-                             f"add them to a group, e.g. one with the default options")
+        # a parameter in no group gets gradients and is never stepped, as on one device
         return groups
 
     # ---- the step ----
@@ -156,7 +153,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             grad = self._grad_slice(o)
             o.master.grad = None if grad is None else grad.to(torch.float32)
         if self.scaler is not None:
-            if not self.scaler.unscale_and_check([o.master.grad for o in self.owned if o.master.grad is not None]):
+            stepped = {id(m) for g in self.inner.param_groups for m in g["params"]}
+            # (a parameter in no group: its gradient is not the step's business, as with torch's GradScaler)
+            if not self.scaler.unscale_and_check([o.master.grad for o in self.owned
+                                                  if o.master.grad is not None and id(o.master) in stepped]):
                 return loss  # inf/NaN somewhere: every rank skips this step
         self.inner.step()
         if self.sharded is not None:
