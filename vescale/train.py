@@ -126,7 +126,8 @@ def parallelize(plan: Plan | dict, model: nn.Module, optimizer_fn: Callable | No
     if optimizer_fn is not None:
         optimizer = _optimizer(optimizer_fn, model, pipeline or model, ddp, zero,
                                plan["mixed_precision.loss_scale"])
-        optimizer = ParallelOptimizer(optimizer, steps, plan["gradient.clip_norm"], mesh, pp, pipeline)
+        optimizer = ParallelOptimizer(optimizer, steps, plan["gradient.clip_norm"], mesh, pp, pipeline,
+                                      (pipeline or model).parameters)
     scaler = getattr(getattr(optimizer, "inner", None), "scaler", None)
     wrapped = ParallelModel(inner, pipeline, ddp, mesh, dp, steps, scaler, zero3=zero == 3)
     if optimizer is not None:
@@ -438,14 +439,17 @@ class ParallelOptimizer(torch.optim.Optimizer):
     (LR schedulers and logging see them)."""
 
     def __init__(self, inner: torch.optim.Optimizer, steps: _Steps, clip_norm: float | None, mesh, pp_dim: str,
-                 pipeline=None):
+                 pipeline=None, parameters: Callable | None = None):
+        """``parameters()``: the model's (this rank's), which ``clip_norm`` clips, as a loop's
+        ``clip_grad_norm_(model.parameters())`` does (by default the optimizer's)."""
         super().__init__([p for g in inner.param_groups for p in g["params"]], inner.defaults)
         self.inner, self._steps, self.clip_norm = inner, steps, clip_norm
         self._pipeline = pipeline
         pp_size = mesh.size(pp_dim) if pp_dim in mesh.mesh_dim_names else 1
-        # what clips: ZeRO's optimizer over its slices, else the global norm of the .grad's
+        # what clips: ZeRO's optimizer over its slices (every DDP parameter's, those in no
+        # group too), else the global norm of the .grad's
         self._clipper = inner if isinstance(inner, DistributedOptimizer) else GlobalClip(
-            lambda: [p for g in inner.param_groups for p in g["params"]], pp_size, pipeline)
+            parameters or (lambda: [p for g in inner.param_groups for p in g["params"]]), pp_size, pipeline)
         self.param_groups = inner.param_groups  # the inner optimizer's own, as DistributedOptimizer does
         self.state = inner.state
 

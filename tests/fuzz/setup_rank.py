@@ -35,6 +35,7 @@ import contextlib
 import copy
 import functools
 import os
+import re
 import shutil
 import traceback
 import warnings
@@ -50,6 +51,7 @@ _sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.absp
 
 from dist_utils import adam_mismatch, mismatch, mismatch_to_max  # noqa: E402
 from tests.fuzz import rank_differences as differ  # noqa: E402
+from tests.fuzz.setups import _blocks_regex  # noqa: E402
 
 SGD_LR, ADAM_LR = 0.1, 1e-2
 
@@ -66,11 +68,21 @@ def build_model(spec: dict, seed: int, deferred: bool = False) -> torch.nn.Modul
     torch.manual_seed(seed)
     cls, config = _model_class(spec)
     model = vescale.deferred_init(cls, config) if deferred else cls(config)
+    if "frozen" in spec:  # fine-tuning: requires_grad=False before parallelize
+        pattern = re.compile(_FROZEN[spec["frozen"]] or _blocks_regex(spec["kind"]) + r"\.0\.")
+        for name, p in model.named_parameters():
+            if pattern.match(name):
+                p.requires_grad_(False)
     if "branch" in spec:
         differ.add_branch(model, spec, seed)
     if "checkpointing" in spec:
         _checkpoint_blocks(model, spec, reentrant=spec["checkpointing"] == "reentrant")
     return model
+
+
+# what model["frozen"] freezes, by parameter name (None: the first block's, setups._blocks_regex)
+_FROZEN = {"embeddings": r"(.*\.)?(wte|wpe|embed_tokens|embeddings)\.", "norms": r".*(ln_|norm|LayerNorm)",
+           "first_block": None}
 
 
 def _checkpoint_blocks(model: torch.nn.Module, spec: dict, reentrant: bool) -> None:
@@ -144,23 +156,26 @@ def make_plan(settings: dict, spec: dict, model: torch.nn.Module, batch: int) ->
 
 
 def optimizer_fn(spec: dict):
-    kind, wd = spec["kind"], spec.get("weight_decay", 0.0)
-    if kind == "sgd":
-        return functools.partial(torch.optim.SGD, lr=SGD_LR, weight_decay=wd)
-    if kind == "sgd_momentum":
-        return functools.partial(torch.optim.SGD, lr=SGD_LR, momentum=0.9, weight_decay=wd)
-    if kind == "adamw":
-        return functools.partial(torch.optim.AdamW, lr=ADAM_LR, weight_decay=wd)
-    if kind == "adam_fused":
-        return functools.partial(torch.optim.Adam, lr=ADAM_LR, weight_decay=wd, fused=True)
+    """The optimizer class with its options (it takes the model's parameters), or a
+    function of the model; with ``only``, a function that gives it the parameters whose
+    names match (the others get gradients and no step)."""
+    kind, wd, only = spec["kind"], spec.get("weight_decay", 0.0), spec.get("only")
     if kind == "adamw_groups":  # nanoGPT's configure_optimizers: decay for matrices only
         def groups(model):
-            params = [p for p in model.parameters() if p.requires_grad]
+            params = [p for n, p in model.named_parameters() if p.requires_grad and (not only or re.match(only, n))]
             return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
                                       {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                                      lr=ADAM_LR)
         return groups
-    raise ValueError(f"unknown optimizer {kind!r}")
+    made = {"sgd": functools.partial(torch.optim.SGD, lr=SGD_LR, weight_decay=wd),
+            "sgd_momentum": functools.partial(torch.optim.SGD, lr=SGD_LR, momentum=0.9, weight_decay=wd),
+            "adamw": functools.partial(torch.optim.AdamW, lr=ADAM_LR, weight_decay=wd),
+            "adam_fused": functools.partial(torch.optim.Adam, lr=ADAM_LR, weight_decay=wd, fused=True)}.get(kind)
+    if made is None:
+        raise ValueError(f"unknown optimizer {kind!r}")
+    if only:
+        return lambda model: made([p for n, p in model.named_parameters() if re.match(only, n)])
+    return made
 
 
 def make_optimizer(spec: dict, model: torch.nn.Module) -> torch.optim.Optimizer:

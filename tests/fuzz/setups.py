@@ -167,6 +167,12 @@ def draw(rng: random.Random, world: int = WORLD) -> dict:
     # Drawn last of all: what differs between the ranks (an uneven last batch, a branch
     # some DP ranks take and others do not); rank_differences.py says how.
     rank_differences.draw(rng, setup)
+    # After it (every earlier draw of a seed stays as it was): parameters that do not train,
+    # as in fine-tuning: frozen before parallelize, or left out of the script's optimizer
+    if rng.random() < 0.2:
+        model["frozen"] = rng.choice(["embeddings", "norms", "first_block"])
+    if rng.random() < 0.1:
+        optimizer["only"] = _blocks_regex(kind)  # the blocks' parameters; the others get gradients, no step
     return setup
 
 
@@ -216,7 +222,7 @@ def simpler(setup: dict):
 
     loop, plan, model = setup["loop"], setup["plan"], setup["model"]
     changes = []
-    for key in ("deferred", "dropout", "checkpointing", "branch"):
+    for key in ("deferred", "dropout", "checkpointing", "branch", "frozen"):
         if key in model:
             changes.append(lambda s, k=key: s["model"].pop(k))
     if loop["resume"] is not None:
