@@ -322,8 +322,12 @@ def reference(setup: dict) -> dict:
     losses, evals = [], []
     for i, rows in enumerate(batches):
         if i % k == 0:
-            opt.zero_grad()
-            model.zero_grad()
+            opt.zero_grad()  # as the loop on the ranks: the optimizer's parameters only (optimizer "only")
+            if low is not None:  # the low-precision parameters behind the masters it steps
+                stepped = {id(m) for g in opt.param_groups for m in g["params"]}
+                for master, p in pairs:
+                    if id(master) in stepped:
+                        p.grad = None
         with _autocast(setup):
             loss = _single_loss(model, rows, setup)
         scaler.backward(loss, k)

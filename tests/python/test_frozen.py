@@ -5,6 +5,8 @@ unfreezing one after the model was made data parallel is refused on every rank, 
 the fix, instead of training it apart from one device's. Parameters the script leaves
 out of its optimizer get gradients (a global clip counts them) and no step."""
 
+import functools
+
 import pytest
 import torch
 
@@ -157,20 +159,59 @@ def _blocks_only(model):  # the script's optimizer: the blocks' parameters, not 
 
 
 def _case_outside_the_optimizer(name: str) -> tuple[list[float], list[float]]:
+    """Losses, then the clip's norms, of every step (the ranks', then one device's)."""
     plan = Plan({**PLANS[name], "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
     model, optimizer, _, loader = vescale.parallelize(plan, _model(None), _blocks_only, None, _dataset())
-    clip = lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)  # noqa: E731
-    losses = _train(model, optimizer, [b for _, b in zip(range(STEPS), loader)], before_step=clip)
+    norms, ref_norms = [], []
+    losses = _train(model, optimizer, [b for _, b in zip(range(STEPS), loader)],
+                    before_step=lambda m: norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05))))
     data, ref = _dataset(), _model(None)
     batches = [(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
                for i in range(0, GLOBAL_BATCH * STEPS, GLOBAL_BATCH)]
-    return losses, _train(ref, _blocks_only(ref), batches, before_step=clip)
+    ref_losses = _train(ref, _blocks_only(ref), batches,
+                        before_step=lambda m: ref_norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(),
+                                                                                                     0.05))))
+    return losses + norms, ref_losses + ref_norms
 
 
-@pytest.mark.parametrize("name", ["dp4-zero1", "dp4-zero3", "dp2-tp2-sp-zero3", "pp2-dp2-zero3"])
+@pytest.mark.parametrize("name", ["dp4-zero1", "dp4-zero2", "dp4-zero3", "dp2-tp2-sp-zero3", "pp2-dp2-zero3", "pp2-dp2", "tp4-sp"])
 def test_parameters_outside_the_optimizer_are_not_stepped(pool4, name):
     """The script's optimizer takes the blocks only; the embeddings and final norm still
-    require grad and the loop clips over all the model's parameters. ZeRO refused this
-    ("parameters ... are in no group; add them to a group", which would train them)."""
+    require grad and the loop clips over all the model's parameters, zeroing gradients
+    with optimizer.zero_grad() alone: theirs accumulate over the steps, as on one device,
+    and count in the norm. ZeRO refused this ("parameters ... are in no group; add them to
+    a group", which would train them); then its zero_grad cleared them too (norms 1e-3 off)."""
     for losses, ref in pool4.run(_case_outside_the_optimizer, name):
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+
+
+def _case_nothing_crosses(frozen_blocks: int, reentrant: bool) -> str:
+    """PP2 over 4 blocks (stage 0: the embeddings and blocks 0-1), embeddings frozen, and
+    ``frozen_blocks`` blocks too; ``reentrant``: torch.utils.checkpoint around each block."""
+    from torch.utils.checkpoint import checkpoint
+    model = _model("embeddings")
+    for block in model.transformer.h[:frozen_blocks]:
+        block.requires_grad_(False)
+    if reentrant:
+        for block in model.transformer.h:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=True)
+    plan = Plan({"mesh": {"PP": 2, "DP": 2}, "pipeline_parallel.microbatches": 2,
+                 "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
+    model, optimizer, _, loader = vescale.parallelize(plan, model, _sgd, None, _dataset())
+    try:
+        model(next(iter(loader)))
+    except vescale.parallel.pipeline.PipelineSplitError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("frozen_blocks,reentrant", [(2, False), (0, True)])
+def test_a_pipeline_refuses_a_first_stage_whose_result_needs_no_gradient(pool4, frozen_blocks, reentrant):
+    """What crosses a pipeline cut is told by requires_grad. A first stage with every
+    parameter frozen, or frozen embeddings under reentrant checkpointing (whose output
+    then does not require grad, on one device too), sent nothing: the next stage computed
+    on its stand-in zeros, a loss of ln(vocab) every step, silently (found by the set-up
+    fuzzer, seed 150496). It is refused on every rank before any step, naming the ways out."""
+    for err in pool4.run(_case_nothing_crosses, frozen_blocks, reentrant):
+        assert "would receive nothing from the stage before" in err, err
+        assert "use_reentrant=False" in err, err

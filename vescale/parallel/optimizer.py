@@ -202,11 +202,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return next(b for ddp in self.ddps if (b := ddp.bucket_of(o.param)) is not None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The gradients of the parameters this optimizer steps, as torch's zero_grad: those
+        in no group keep theirs (``model.zero_grad()`` clears every one)."""
+        stepped = {id(m) for g in self.inner.param_groups for m in g["params"]}
         for o in self.owned:
-            o.param.grad = None
-            o.master.grad = None
-        for ddp in self.ddps:
-            ddp.grad_shards.clear()
+            if id(o.master) in stepped:
+                o.param.grad = None
+                o.master.grad = None
+                for ddp in self.ddps:
+                    ddp.grad_shards.pop(id(o.param), None)
 
     # ---- memory, norms and state ----
 
@@ -265,8 +269,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if coef < 1.0:
             for o, g in slices:
                 if g is not None:
-                    g.mul_(coef)
+                    self._whole_grad_or(o, g).mul_(coef)
         return norm.float()
+
+    def _whole_grad_or(self, o: Owned, g: torch.Tensor) -> torch.Tensor:
+        """ZeRO-1: the whole local gradient that the slice ``g`` views (every DP rank holds
+        it alike): a gradient kept past the step (a parameter in no group, which zero_grad
+        leaves as torch's does) must be clipped everywhere, not in this rank's slice only.
+        ZeRO-2/3: the slice, all there is."""
+        return local_of(o.param.grad) if self.zero_stage == 1 else g
 
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
@@ -277,7 +288,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for o in self.owned:
             g = self._grad_slice(o)
             if g is not None:
-                g.clamp_(-bound, bound)
+                self._whole_grad_or(o, g).clamp_(-bound, bound)
 
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict(), "zero_stage": self.zero_stage, "dp_world": self.world,

@@ -232,6 +232,18 @@ class StageRunner:
     def _swap_in(self, run: _Run, unit: Unit, args, kwargs):
         leaves, tree = tree_flatten((args, kwargs))
         positions = boundary_positions(leaves)
+        if not positions:
+            # what crosses a cut is told by requires_grad (module docstring): an earlier
+            # stage whose result does not require grad would send nothing, and this stage
+            # would compute on its stand-in zeros, silently
+            raise PipelineSplitError(
+                f"stage {run.spec.index} (from split point {run.spec.split_point!r}) would receive nothing from the "
+                f"stage before: no input of {unit.name!r} requires grad, so the earlier stages' result does not (their "
+                f"parameters are all frozen, or reentrant activation checkpointing over an input that does not "
+                f"require grad hides them, which on one device leaves those blocks without gradients too). A "
+                f"pipeline needs the values that cross a cut to require grad: train a parameter before the cut, "
+                f"split after the frozen blocks, use use_reentrant=False, or make the input require grad (Hugging "
+                f"Face: model.enable_input_require_grads())")
         received = run.received
         got_positions, tensors = received([leaves[i] for i in positions]) if callable(received) else received
         if positions != list(got_positions):
