@@ -289,7 +289,11 @@ class ParallelModel(nn.Module):
         self._zero3 = zero3
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As ``nn.Module.zero_grad``, and ZeRO-2/3's reduced gradient slices too (``DDP.zero_grad``)."""
+        """As ``nn.Module.zero_grad``, and ZeRO-2/3's reduced gradient slices too (``DDP.zero_grad``);
+        inside the plan's accumulation window a no-op, as the optimizer's zero_grad is: the
+        loop calls it every micro-step and the gradients add up until the window's step."""
+        if self._steps.micro != 0:
+            return
         super().zero_grad(set_to_none)
         if self.ddp is not None:
             self.ddp.zero_grad(set_to_none)
@@ -442,7 +446,9 @@ class ParallelOptimizer(torch.optim.Optimizer):
                  pipeline=None, parameters: Callable | None = None):
         """``parameters()``: the model's (this rank's), which ``clip_norm`` clips, as a loop's
         ``clip_grad_norm_(model.parameters())`` does (by default the optimizer's)."""
-        super().__init__([p for g in inner.param_groups for p in g["params"]], inner.defaults)
+        # (groups, not a flat list: a stage or a script may give it none of the parameters
+        # to step, which torch takes in empty groups and refuses in an empty list)
+        super().__init__([{"params": list(g["params"])} for g in inner.param_groups], inner.defaults)
         self.inner, self._steps, self.clip_norm = inner, steps, clip_norm
         self._pipeline = pipeline
         pp_size = mesh.size(pp_dim) if pp_dim in mesh.mesh_dim_names else 1

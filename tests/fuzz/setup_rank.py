@@ -322,12 +322,8 @@ def reference(setup: dict) -> dict:
     losses, evals = [], []
     for i, rows in enumerate(batches):
         if i % k == 0:
-            opt.zero_grad()  # as the loop on the ranks: the optimizer's parameters only (optimizer "only")
-            if low is not None:  # the low-precision parameters behind the masters it steps
-                stepped = {id(m) for g in opt.param_groups for m in g["params"]}
-                for master, p in pairs:
-                    if id(master) in stepped:
-                        p.grad = None
+            opt.zero_grad()
+            model.zero_grad()  # (the loop on the ranks calls model.zero_grad() too where it matters: "only")
         with _autocast(setup):
             loss = _single_loss(model, rows, setup)
         scaler.backward(loss, k)
@@ -336,7 +332,11 @@ def reference(setup: dict) -> dict:
             if low is not None:
                 for master, p in pairs:
                     master.grad = None if p.grad is None else p.grad.float()
-            if scaler.unscale_and_check([m.grad for m in masters.parameters() if m.grad is not None]):
+            stepped = {id(m) for g in opt.param_groups for m in g["params"]}
+            # (an inf in the gradient of a parameter the optimizer does not step skips nothing:
+            # vescale checks the stepped ones, as torch's GradScaler does)
+            if scaler.unscale_and_check([m.grad for m in masters.parameters() if m.grad is not None],
+                                        [m.grad for m in masters.parameters() if m.grad is not None and id(m) in stepped]):
                 if clip is not None:
                     torch.nn.utils.clip_grad_norm_(masters.parameters(), clip)
                 opt.step()
@@ -370,13 +370,13 @@ class _Scaler:
         else:
             loss.backward(torch.ones_like(loss) * (self.scale / k))
 
-    def unscale_and_check(self, grads: list) -> bool:
+    def unscale_and_check(self, grads: list, checked: list) -> bool:
+        """Unscales ``grads``; whether every one of ``checked`` (among them) is finite."""
         if self.scale is None:
             return True
-        ok = True
         for g in grads:
             g.div_(self.scale)
-            ok = ok and bool(torch.isfinite(g).all())
+        ok = all(bool(torch.isfinite(g).all()) for g in checked)
         if not ok and self.dynamic:
             self.scale /= 2.0
         return ok
@@ -437,6 +437,8 @@ def on_ranks(setup: dict, work_dir: str) -> dict:
         b = next(batches)
         first = b if first is None else first
         optimizer.zero_grad()
+        if "only" in setup["optimizer"]:  # (the parameters outside it too, as a Hugging Face Trainer's loop does)
+            model.zero_grad()
         try:
             with _autocast(setup):
                 loss = _loss_of(model(b))

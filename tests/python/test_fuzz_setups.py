@@ -236,6 +236,16 @@ REGRESSIONS = [
       "loop": {"steps": 1, "seq": 8, "batch": 4, "scheduler": None, "eval_after": None, "resume": None,
                "prompts": True},
       "init_seed": 977, "data_seed": 578}),
+    # Exception (seed 152042): an optimizer over the blocks only, whose one block is frozen,
+    # holds empty groups, which torch takes; vescale's optimizer passed torch a flat, empty
+    # list ("optimizer got an empty parameter list").
+    ("an optimizer whose groups are empty",
+     {"model": {"kind": "gpt", "bias": False, "frozen": "first_block", "width": 16, "heads": 4, "vocab": 48,
+                "layers": 1},
+      "plan": {"mesh": {"DP": 4, "PP": 1}, "data_parallel.zero_stage": 0},
+      "optimizer": {"kind": "adamw_groups", "only": r"transformer\.h"},
+      "loop": {"steps": 1, "seq": 12, "batch": 4, "scheduler": None, "eval_after": None, "resume": None},
+      "init_seed": 226, "data_seed": 340}),
 ]
 
 

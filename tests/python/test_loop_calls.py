@@ -12,7 +12,7 @@ from vescale.parallel.plans import gpt_plan
 
 from dist_utils import mismatch
 from examples.models.gpt import GPT, GPTConfig
-from test_parallelize import GLOBAL_BATCH, STEPS, _dataset, _gpt, _sgd
+from test_parallelize import GLOBAL_BATCH, STEPS, _dataset, _gpt, _rfc_loop, _sgd, _single_device
 
 
 CLIPPED = {  # plans under which the loop clips with torch.nn.utils itself
@@ -207,3 +207,30 @@ def test_parameters_and_state_go_by_one_devices_names(pool4, name):
     under DP, and a state saved from one device did not load."""
     for problems in pool4.run(_case_names_and_load, name):
         assert problems == [], problems
+
+
+def _zero_then_call(model, batch):
+    model.zero_grad()  # as a Hugging Face Trainer's loop does, beside the optimizer's
+    return model(batch)
+
+
+def _case_model_zero_grad(extra: dict) -> tuple[list[float], list[float]]:
+    plan = Plan({"mesh": {"DP": 2, "TP": 2}, "tensor_parallel.sharding_plan": gpt_plan(),
+                 "data.global_batch_size": GLOBAL_BATCH // 2, "data.shuffle": False,
+                 "gradient.accumulation_steps": 2, **extra})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt(), _sgd, None, _dataset())
+    micro = _rfc_loop(model, optimizer, loader, STEPS * 2, call=_zero_then_call)
+    losses = [(micro[i] + micro[i + 1]) / 2 for i in range(0, len(micro), 2)]
+    data = _dataset()
+    batches = [(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+               for i in range(0, GLOBAL_BATCH * STEPS, GLOBAL_BATCH)]
+    return losses, _single_device(_gpt, _sgd, batches)
+
+
+@pytest.mark.parametrize("extra", [{}, {"data_parallel.zero_stage": 2}], ids=["dp2-tp2", "dp2-tp2-zero2"])
+def test_model_zero_grad_inside_the_accumulation_window_keeps_the_gradients(pool4, extra):
+    """With the plan's gradient.accumulation_steps, the loop calls zero_grad every micro-step
+    and the optimizer's is a no-op inside the window; model.zero_grad() cleared the window's
+    gradients, silently (the step saw the last micro-batch's only). It is a no-op there too."""
+    for losses, ref in pool4.run(_case_model_zero_grad, extra):
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)

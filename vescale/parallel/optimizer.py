@@ -98,7 +98,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 ddp.materialize()
                 ddp.sharded_parameters = self.sharded  # (a pipeline under it gathers for its weight passes)
         # Present the wrapped optimizer's groups and state as ours (LR schedulers, logging).
-        super().__init__([o.master for o in self.owned], self.inner.defaults)
+        super().__init__([{"params": [o.master for o in self.owned]}], self.inner.defaults)  # (maybe none)
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         self.scaler = _LossScaler(loss_scale) if loss_scale is not None else None
@@ -111,7 +111,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _master_groups(self, param_groups: list[dict] | None):
         """The masters in the caller's parameter groups (their options kept), or one group."""
         if param_groups is None:
-            return [o.master for o in self.owned]
+            return [{"params": [o.master for o in self.owned]}]  # (a group: a pipeline stage may hold none)
         master_of = {id(o.param): o.master for o in self.owned}
         groups, seen = [], set()
         for i, g in enumerate(param_groups):
