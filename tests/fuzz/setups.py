@@ -172,7 +172,8 @@ def draw(rng: random.Random, world: int = WORLD) -> dict:
     if rng.random() < 0.2:
         # (a pipeline refuses frozen embeddings under reentrant checkpointing: the first
         # stage's result does not require grad, and nothing would cross the cut)
-        refused = pp > 1 and model.get("checkpointing") == "reentrant"
+        pipelines = pp > 1 or (loop["resume"] is not None and loop["resume"]["plan"]["mesh"].get("PP", 1) > 1)
+        refused = pipelines and model.get("checkpointing") == "reentrant"
         model["frozen"] = rng.choice(["norms", "first_block"] if refused else ["embeddings", "norms", "first_block"])
     if rng.random() < 0.1:
         optimizer["only"] = _blocks_regex(kind)  # the blocks' parameters; the others get gradients, no step
@@ -269,4 +270,6 @@ def valid(setup: dict) -> bool:
     virtual = plan.get("pipeline_parallel.virtual_stages", 1)
     if loop["batch"] % (dp * micro):
         return False
+    if loop["resume"] is not None and model["layers"] < loop["resume"]["plan"]["mesh"].get("PP", 1):
+        return False  # (the resumed plan's pipeline needs a block per stage, as draw_resume_plan asks)
     return pp == 1 or model["layers"] >= pp * virtual

@@ -71,3 +71,44 @@ def test_tensor_parallel_models_in_inference_mode(pool4):
     mode: the single-device logits (float32, within 1e-5)."""
     for failures in pool4.run(_case_models):
         assert failures == {}
+
+
+def _case_pipeline() -> list[str]:
+    import vescale
+    from torch.utils.data import TensorDataset
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (8, 17))
+    inputs, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    data = TensorDataset(inputs, targets)
+    plan = vescale.Plan({"mesh": {"PP": 2, "DP": 2}, "pipeline_parallel.microbatches": 2,
+                         "data.global_batch_size": 8, "data.shuffle": False})
+
+    def gpt():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=64, n_layer=4, dropout=0.0, bias=False))
+
+    model, _, _, loader = vescale.parallelize(plan, gpt(), None, None, data)
+    x, y = next(iter(loader))
+    model.eval()
+    with torch.inference_mode():
+        x, y = x.clone(), y.clone()  # inference tensors, as serving code makes them
+        loss = float(model((x, y)))
+        logits = model.predict(x)
+    one = gpt().eval()
+    with torch.inference_mode():
+        ref_loss, ref_logits = float(one(inputs, targets)), one(inputs)
+    rank = torch.distributed.get_rank() % 2  # this DP rank's half of the batch
+    failures = []
+    if (err := mismatch(torch.tensor(loss), torch.tensor(ref_loss), rtol=1e-6, atol=1e-7)) is not None:
+        failures.append(f"loss: {err}")
+    if (err := mismatch(logits, ref_logits[rank * 4:(rank + 1) * 4], rtol=1e-5, atol=1e-6)) is not None:
+        failures.append(f"predict: {err}")
+    return failures
+
+
+def test_a_pipeline_evaluates_in_inference_mode(pool4):
+    """What crosses a pipeline cut is told by requires_grad, and under torch.inference_mode
+    the pipeline's enable_grad did nothing: the second stage computed on its stand-in
+    zeros, a loss of ln(vocab), silently. The pipeline's forwards now leave inference mode."""
+    for failures in pool4.run(_case_pipeline):
+        assert failures == [], failures

@@ -258,7 +258,10 @@ class PipelineParallel(nn.Module):
         # Grad mode stays on: what crosses a cut is what requires grad (a stage's own
         # results, not the batch's constants), on both sides alike, and the first call's
         # check of the cuts sees it too. Each forward's graph goes once its outputs are sent.
-        with torch.enable_grad():
+        # Under torch.inference_mode enable_grad does nothing, so it is left for the call
+        # (nothing would cross a cut), and the batch's inference tensors become plain ones.
+        with torch.inference_mode(False), torch.enable_grad():
+            args, kwargs, target = tree_map(_plain, (args, kwargs, target))
             mbs = self._checked_microbatches(args, kwargs, target, loss_fn, stand_in_loss=outputs is not None)
             # the forwards of any schedule, in its order, are a valid order on their own: a
             # forward waits only for the previous stage's forward of its micro-batch
@@ -431,6 +434,12 @@ class PipelineParallel(nn.Module):
                         source="pipeline")
             if earlier[name] is not None:
                 p.grad = p.grad + earlier[name]
+
+
+def _plain(x):
+    """An inference tensor (made under torch.inference_mode) as a plain one: autograd may
+    record ops on it."""
+    return x.clone() if isinstance(x, torch.Tensor) and x.is_inference() else x
 
 
 def is_pipeline(module: nn.Module) -> bool:
