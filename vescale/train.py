@@ -132,6 +132,8 @@ def parallelize(plan: Plan | dict, model: nn.Module, optimizer_fn: Callable | No
     wrapped = ParallelModel(inner, pipeline, ddp, mesh, dp, steps, scaler, zero3=zero == 3)
     if optimizer is not None:
         optimizer.clips(wrapped)
+        if isinstance(optimizer.inner, DistributedOptimizer):
+            wrapped._zero_optimizer = optimizer.inner
     scheduler = lr_scheduler_fn(optimizer) if lr_scheduler_fn is not None else None
     loader = None
     if dataset is not None:
@@ -287,6 +289,7 @@ class ParallelModel(nn.Module):
             keep_losses_eager()  # a compiled forward's loss must keep what it divides by (_compile.py)
         self._returns_loss: bool | None = None  # (unknown before the first call)
         self._zero3 = zero3
+        self._zero_optimizer: DistributedOptimizer | None = None  # (parallelize sets it)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``nn.Module.zero_grad``, and ZeRO-2/3's reduced gradient slices too (``DDP.zero_grad``);
@@ -413,7 +416,10 @@ class ParallelModel(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Into the user's model, by its own names (as ``state_dict`` gives them)."""
         self._whole_state_or_raise("model.load_state_dict()")
-        return self._user_model.load_state_dict(state_dict, strict=strict, assign=assign)
+        result = self._user_model.load_state_dict(state_dict, strict=strict, assign=assign)
+        if self._zero_optimizer is not None:  # its fp32 masters of bf16/fp16 parameters follow
+            self._zero_optimizer.refresh_masters()
+        return result
 
     def state_dict(self, *args, **kwargs):
         """The inner model's own: plain tensors, and DTensors that pickle whole. A pipeline

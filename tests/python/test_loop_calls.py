@@ -234,3 +234,28 @@ def test_model_zero_grad_inside_the_accumulation_window_keeps_the_gradients(pool
     gradients, silently (the step saw the last micro-batch's only). It is a no-op there too."""
     for losses, ref in pool4.run(_case_model_zero_grad, extra):
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+
+
+def _case_load_under_low_precision(zero: int) -> float:
+    plan = Plan({"mesh": {"DP": 4}, "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False,
+                 "data_parallel.zero_stage": zero, "mixed_precision.param_dtype": "bfloat16"})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 2}),
+                                                      lambda m: torch.optim.SGD(m.parameters(), lr=0.0), None,
+                                                      _dataset())
+    torch.manual_seed(7)  # another model's values, in the parameters' dtype
+    other = GPT(GPTConfig(dropout=0.0, bias=False, n_layer=2)).to(torch.bfloat16).state_dict()
+    model.load_state_dict(other)
+    optimizer.zero_grad()
+    model(next(iter(loader))).backward()
+    optimizer.step()  # lr 0: the parameters stay the loaded ones
+    state = model.state_dict()
+    return max(float((state[k].float() - v.float()).abs().max()) for k, v in other.items() if k in state)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_a_state_loaded_under_zero_with_bf16_parameters_survives_the_step(pool4, zero):
+    """ZeRO steps fp32 master copies of bf16 parameters and writes them back: a state
+    loaded into the parameters after parallelize was overwritten by the old masters at
+    the first step (0.13 off), silently. load_state_dict now refreshes the masters."""
+    for moved in pool4.run(_case_load_under_low_precision, zero):
+        assert moved == 0.0, moved

@@ -170,6 +170,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._gather_parameters()
         return loss
 
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """ZeRO-1/2: the fp32 master slices of low-precision parameters taken again from the
+        parameters, after something wrote the parameters (``model.load_state_dict``); else
+        the next step would write the old masters back over them. (fp32 parameters are
+        their own masters; ZeRO-3's parameters are empty between steps.)"""
+        if self.sharded is not None:
+            return
+        for o in self.owned:
+            if o.param.dtype != torch.float32:
+                o.master.copy_(local_of(o.param).reshape(-1)[o.start:o.end])
+
     def full_parameters(self):
         """A context in which ZeRO-3 parameters are whole (a no-op for stages 1 and 2)."""
         return self.sharded.whole() if self.sharded is not None else contextlib.nullcontext()
