@@ -126,14 +126,14 @@ def parallelize(plan: Plan | dict, model: nn.Module, optimizer_fn: Callable | No
     if optimizer_fn is not None:
         optimizer = _optimizer(optimizer_fn, model, pipeline or model, ddp, zero,
                                plan["mixed_precision.loss_scale"])
-        optimizer = ParallelOptimizer(optimizer, steps, plan["gradient.clip_norm"], mesh, pp, pipeline,
-                                      (pipeline or model).parameters)
+        optimizer = ParallelOptimizer(optimizer, steps, plan["gradient.clip_norm"], mesh, pp,
+                                      (pipeline or model).parameters, pipeline)
     scaler = getattr(getattr(optimizer, "inner", None), "scaler", None)
-    wrapped = ParallelModel(inner, pipeline, ddp, mesh, dp, steps, scaler, zero3=zero == 3)
+    zero_optimizer = getattr(optimizer, "inner", None)
+    wrapped = ParallelModel(inner, pipeline, ddp, mesh, dp, steps, scaler, zero3=zero == 3,
+                            zero_optimizer=zero_optimizer if isinstance(zero_optimizer, DistributedOptimizer) else None)
     if optimizer is not None:
         optimizer.clips(wrapped)
-        if isinstance(optimizer.inner, DistributedOptimizer):
-            wrapped._zero_optimizer = optimizer.inner
     scheduler = lr_scheduler_fn(optimizer) if lr_scheduler_fn is not None else None
     loader = None
     if dataset is not None:
@@ -272,7 +272,7 @@ class ParallelModel(nn.Module):
     and returns its output with the loss made global (see the module docstring)."""
 
     def __init__(self, inner: nn.Module, pipeline, ddp, mesh, dp_dim: str, steps: _Steps, scaler,
-                 zero3: bool = False):
+                 zero3: bool = False, zero_optimizer: DistributedOptimizer | None = None):
         super().__init__()
         self.module = inner
         self.pipeline, self.ddp, self.mesh = pipeline, ddp, mesh
@@ -289,7 +289,7 @@ class ParallelModel(nn.Module):
             keep_losses_eager()  # a compiled forward's loss must keep what it divides by (_compile.py)
         self._returns_loss: bool | None = None  # (unknown before the first call)
         self._zero3 = zero3
-        self._zero_optimizer: DistributedOptimizer | None = None  # (parallelize sets it)
+        self._zero_optimizer = zero_optimizer  # its masters follow load_state_dict
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``nn.Module.zero_grad``, and ZeRO-2/3's reduced gradient slices too (``DDP.zero_grad``);
@@ -449,9 +449,9 @@ class ParallelOptimizer(torch.optim.Optimizer):
     (LR schedulers and logging see them)."""
 
     def __init__(self, inner: torch.optim.Optimizer, steps: _Steps, clip_norm: float | None, mesh, pp_dim: str,
-                 pipeline=None, parameters: Callable | None = None):
+                 parameters: Callable, pipeline=None):
         """``parameters()``: the model's (this rank's), which ``clip_norm`` clips, as a loop's
-        ``clip_grad_norm_(model.parameters())`` does (by default the optimizer's)."""
+        ``clip_grad_norm_(model.parameters())`` does."""
         # (groups, not a flat list: a stage or a script may give it none of the parameters
         # to step, which torch takes in empty groups and refuses in an empty list)
         super().__init__([{"params": list(g["params"])} for g in inner.param_groups], inner.defaults)
@@ -460,8 +460,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         pp_size = mesh.size(pp_dim) if pp_dim in mesh.mesh_dim_names else 1
         # what clips: ZeRO's optimizer over its slices (every DDP parameter's, those in no
         # group too), else the global norm of the .grad's
-        self._clipper = inner if isinstance(inner, DistributedOptimizer) else GlobalClip(
-            parameters or (lambda: [p for g in inner.param_groups for p in g["params"]]), pp_size, pipeline)
+        self._clipper = inner if isinstance(inner, DistributedOptimizer) else GlobalClip(parameters, pp_size, pipeline)
         self.param_groups = inner.param_groups  # the inner optimizer's own, as DistributedOptimizer does
         self.state = inner.state
 

@@ -92,7 +92,7 @@ class DDP(_BucketLayout, _GradientReduction, nn.Module):
             reducer.driver = self
             self._partial_params.update(id(p) for p in reducer.params)
         self._broadcast_parameters()
-        # frozen now: no slot, no hook, no ZeRO slice (see refuse_unfrozen)
+        # frozen now: no slot, no hook, no ZeRO slice (see refuse_thawed)
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         for b in self.buckets:
             for s in b.slots:

@@ -153,7 +153,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             grad = self._grad_slice(o)
             o.master.grad = None if grad is None else grad.to(torch.float32)
         if self.scaler is not None:
-            stepped = {id(m) for g in self.inner.param_groups for m in g["params"]}
+            stepped = self._stepped()
             # (a parameter in no group: its gradient is not the step's business, as with torch's GradScaler)
             if not self.scaler.unscale_and_check([o.master.grad for o in self.owned
                                                   if o.master.grad is not None and id(o.master) in stepped]):
@@ -210,13 +210,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for o, rows in all_gather_slices(owned, [o.master.detach() for o in owned], self.group, into):
                 fill_rows(local_of(o.param).view(-1), rows)
 
+    def _stepped(self) -> set[int]:
+        """ids of the masters in the wrapped optimizer's groups (read now: groups may change)."""
+        return {id(m) for g in self.inner.param_groups for m in g["params"]}
+
     def _bucket(self, o: Owned):
         return next(b for ddp in self.ddps if (b := ddp.bucket_of(o.param)) is not None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The gradients of the parameters this optimizer steps, as torch's zero_grad: those
         in no group keep theirs (``model.zero_grad()`` clears every one)."""
-        stepped = {id(m) for g in self.inner.param_groups for m in g["params"]}
+        stepped = self._stepped()
         for o in self.owned:
             if id(o.master) in stepped:
                 o.param.grad = None
