@@ -477,8 +477,9 @@ class ParallelOptimizer(torch.optim.Optimizer):
         return isinstance(self.inner, DistributedOptimizer) or self._pipeline is not None
 
     def full_parameters(self):
-        """A context in which ZeRO-3's parameters are whole, to read them between steps
-        (they are empty there); a no-op under the other plans. Every DP rank enters it."""
+        """A context in which ZeRO-3's parameters are whole, to read or edit them between
+        steps (they are empty there; edits are kept); a no-op under the other plans. Every
+        DP rank enters it."""
         if isinstance(self.inner, DistributedOptimizer):
             return self.inner.full_parameters()
         return contextlib.nullcontext()

@@ -52,6 +52,16 @@ def wait() -> None:
     _pending.wait()
 
 
+def _masters_follow_parameters(state: dict) -> None:
+    """ZeRO's fp32 masters take what was written into bf16/fp16 parameters since the
+    last step (they are saved, and a resume steps from them)."""
+    from ..parallel.optimizer import DistributedOptimizer
+    for value in state.values():
+        inner = getattr(value, "inner", value)  # (ParallelOptimizer)
+        if isinstance(inner, DistributedOptimizer):
+            inner.refresh_masters()
+
+
 def save(path: str, state: dict, *, async_save: bool = False) -> None:
     """Saves ``state`` (modules, optimizers, schedulers, tensors, Python values) to the
     directory ``path``. Every rank of the default process group must call it (without
@@ -64,6 +74,7 @@ def save(path: str, state: dict, *, async_save: bool = False) -> None:
     group = _checkpoint_group()
     rank, world = _rank_world(group)
     materialize_before_reading(state)
+    _masters_follow_parameters(state)
     layout = build(state)
     layout.objects[_RNG_KEY] = torch.get_rng_state()
     layout.merge[_RNG_KEY] = _rng_states

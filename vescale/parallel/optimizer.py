@@ -149,6 +149,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         refuse_grad_scaler(self)
         loss = closure() if closure is not None else None
+        self.refresh_masters()
         for o in self.owned:
             grad = self._grad_slice(o)
             o.master.grad = None if grad is None else grad.to(torch.float32)
@@ -172,18 +173,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def refresh_masters(self) -> None:
-        """ZeRO-1/2: the fp32 master slices of low-precision parameters taken again from the
-        parameters, after something wrote the parameters (``model.load_state_dict``); else
-        the next step would write the old masters back over them. (fp32 parameters are
-        their own masters; ZeRO-3's parameters are empty between steps.)"""
-        if self.sharded is not None:
-            return
+        """The fp32 masters of bf16/fp16 parameters take the elements written into the
+        parameters since the last step (an in-place edit between steps, a write inside
+        ``full_parameters()``, ``model.load_state_dict``), as on one device, where the
+        parameter itself is what steps; the others keep their fp32 digits. Without this
+        the next step wrote the old masters back over the edit, silently. (An fp32
+        parameter's slice is its own master.) Every step starts with it; a save too."""
         for o in self.owned:
-            if o.param.dtype != torch.float32:
-                o.master.copy_(local_of(o.param).reshape(-1)[o.start:o.end])
+            if o.param.dtype == torch.float32:
+                continue
+            held = self.sharded.slice_of(o.param) if self.sharded is not None else flat_slice(o.param, o.start,
+                                                                                              o.end)
+            written = held != o.master.to(held.dtype)
+            o.master.copy_(torch.where(written, held.to(torch.float32), o.master))
 
     def full_parameters(self):
-        """A context in which ZeRO-3 parameters are whole (a no-op for stages 1 and 2)."""
+        """A context in which ZeRO-3 parameters are whole, to read or edit (edits are kept; a
+        no-op for stages 1 and 2)."""
         return self.sharded.whole() if self.sharded is not None else contextlib.nullcontext()
 
     def _grad_slice(self, o: Owned) -> torch.Tensor | None:

@@ -43,6 +43,7 @@ from .. import _trace
 from ..deferred import is_deferred, swap_keeping_hooks
 from .._local import local_of
 from .ddp import Slot
+from . import released
 
 __all__ = ["ShardedParameters", "all_gather_slices", "fill_rows"]
 
@@ -73,6 +74,8 @@ class ShardedParameters:
         claimed: set[int] = set()
         self._root_owned: set[int] = set()
         for root in modules:
+            for n, p in root.named_parameters():
+                released.name(p, n)
             units = _units(root)
             for unit in units:
                 owned = [p for p in unit.parameters() if id(p) in self.sharded and id(p) not in claimed]
@@ -108,13 +111,24 @@ class ShardedParameters:
     @contextlib.contextmanager
     def whole(self):
         """Every parameter whole for the duration (to read, save or evaluate them);
-        outside forward and backward their storage is empty and must not be read."""
+        outside forward and backward their storage is empty and must not be read. What
+        is written into them meanwhile is kept: each rank copies its slice back (as on one
+        device, where an edit between steps stays), unless the slice itself changed
+        meanwhile (a step or a checkpoint load: the slice is newer)."""
         entries = list(self.sharded.values())
         self.gather(entries)
+        versions = {id(e): e.slice._version for e in entries}
         try:
             yield
         finally:
+            self._keep_writes([e for e in entries if e.slice._version == versions[id(e)]])
             self.release(entries)
+
+    @torch.no_grad()
+    def _keep_writes(self, entries: list[_Sharded]) -> None:
+        for e in entries:
+            if id(e) in self._whole:  # (a step inside the context released it)
+                e.slice.copy_(_alias(local_of(e.param))[e.start:e.end])
 
     @contextlib.contextmanager
     def whole_for(self, params: list[nn.Parameter]):
@@ -182,6 +196,7 @@ class ShardedParameters:
         for e, rows in finish_gather_slices(started):
             if id(e) in self._whole:  # whole already (a prefetch covers the whole unit)
                 continue
+            released.unguard(e.param)
             local = local_of(e.param)
             local.untyped_storage().resize_((local.storage_offset() + local.numel()) * local.element_size())
             fill_rows(_alias(local), rows)
@@ -413,5 +428,9 @@ def _wait(started: list) -> None:
 
 
 def _free(e: _Sharded) -> None:
-    """Empties the parameter's storage (keeping the storage object)."""
+    """Empties the parameter's storage (keeping the storage object); reading it raises
+    from now on, until it is gathered."""
+    if released.is_guarded(e.param):  # empty already (emptied early, once its gradients were made)
+        return
     local_of(e.param).untyped_storage().resize_(0)
+    released.guard(e.param)
