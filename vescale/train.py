@@ -291,6 +291,17 @@ class ParallelModel(nn.Module):
         self._zero3 = zero3
         self._zero_optimizer = zero_optimizer  # its masters follow load_state_dict
 
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            "copy.deepcopy of the model vescale.parallelize returned (torch.optim.swa_utils.AveragedModel makes "
+            "one) is not supported: its process groups, gradient hooks and ZeRO / pipeline bookkeeping belong to "
+            "this model, and a copy would run them on this model's parameters. For an EMA of the weights, keep "
+            "averaged copies of the parameters: ema = [p.detach().clone() for p in model.parameters()], then "
+            "e.lerp_(p.detach(), 1 - decay) after each step (DTensors included; under ZeRO-3 inside `with "
+            "optimizer.full_parameters():`, on every DP rank); to evaluate with them, copy them into the "
+            "parameters and back inside the same context (edits there are kept). copy.deepcopy(model.state_dict()) "
+            "works where model.state_dict() does")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``nn.Module.zero_grad``, and ZeRO-2/3's reduced gradient slices too (``DDP.zero_grad``);
         inside the plan's accumulation window a no-op, as the optimizer's zero_grad is: the

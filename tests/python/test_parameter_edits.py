@@ -12,6 +12,7 @@ import contextlib
 
 import pytest
 import torch
+from torch.optim.swa_utils import AveragedModel
 
 import vescale
 from vescale import Plan
@@ -40,8 +41,10 @@ def _edit(model) -> None:
 
 def _train(model, optimizer, batches, whole=contextlib.nullcontext) -> tuple[list[float], list[torch.Tensor]]:
     """Losses, and an EMA of the parameters (updated after each step), with an edit before
-    the third step; ``whole()``: the context that makes the parameters readable."""
+    the third step; then the EMA weights evaluated (copied in, and the trained ones back)
+    and one more step. ``whole()``: the context that makes the parameters readable."""
     losses, ema = [], None
+    params = [p for p in model.parameters() if p.device.type != "meta"]  # (a pipeline rank: its stages')
     for i, batch in enumerate(batches):
         if i == 2:
             with whole():
@@ -52,9 +55,22 @@ def _train(model, optimizer, batches, whole=contextlib.nullcontext) -> tuple[lis
         optimizer.step()
         losses.append(_full(loss).item())
         with whole(), torch.no_grad():
-            held = [_full(p.detach()) for p in model.parameters() if p.device.type != "meta"]
-            ema = [h.clone() for h in held] if ema is None else [e.lerp_(h, 0.25) for e, h in zip(ema, held)]
-    return losses, ema
+            ema = [p.detach().clone() for p in params] if ema is None else \
+                [e.lerp_(p.detach(), 0.25) for e, p in zip(ema, params)]
+    with whole(), torch.no_grad():
+        trained = [p.detach().clone() for p in params]
+        for p, e in zip(params, ema):
+            p.copy_(e)
+        model.eval()
+        losses.append(_full(model(*batches[0])).item())
+        model.train()
+        for p, t in zip(params, trained):
+            p.copy_(t)
+    optimizer.zero_grad()
+    loss = model(*batches[1])
+    loss.backward()
+    optimizer.step()
+    return losses + [_full(loss).item()], [_full(e) for e in ema]
 
 
 def _sgd(model):
@@ -122,6 +138,10 @@ def _case_read_outside(name: str):
             attempt(next(model.parameters()))
         except RuntimeError as e:
             errors.append(str(e))
+    try:
+        AveragedModel(model)  # copy.deepcopy(model)
+    except TypeError as e:
+        errors.append(str(e))
     shapes = [tuple(p.shape) for p in model.parameters()]  # metadata stays readable
     described = repr(next(model.parameters()))
     losses, _ = _train(model, optimizer, batches, optimizer.full_parameters)
@@ -132,10 +152,13 @@ def _case_read_outside(name: str):
 
 @pytest.mark.parametrize("name", ["dp4-zero3", "dp2-tp2-sp-zero3"])
 def test_reading_a_parameter_zero3_emptied_raises_and_the_loop_goes_on(pool4, name):
-    """It read a null pointer: SIGSEGV, the process gone."""
+    """It read a null pointer: SIGSEGV, the process gone. A copy of the model
+    (AveragedModel's) raises too, naming the EMA recipe the other tests run (it raised
+    "cannot pickle ProcessGroup")."""
     for errors, shapes, described, losses, ref, ref_shapes in pool4.run(_case_read_outside, name):
-        assert len(errors) == 4, errors
-        for e in errors:
+        assert len(errors) == 5, errors
+        assert "AveragedModel" in errors[-1] and "ema = [p.detach().clone() for p in model.parameters()]" in errors[-1]
+        for e in errors[:-1]:
             assert "parameter 'transformer.wte.weight'" in e and "with optimizer.full_parameters():" in e, e
         assert shapes == ref_shapes
         assert "empty between steps" in described, described

@@ -31,6 +31,7 @@ and its forward encloses no other unit's (``_unit_backward_started``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ class ShardedParameters:
         self.group = group
         self.world = dist.get_world_size(group)
         self.sharded: dict[int, _Sharded] = {}
-        self._pinned: set[int] = set()  # ids of entries that release() leaves whole (held)
+        self._pinned = collections.Counter()  # ids of entries that release() leaves whole (held)
         # ids of entries whole by agreement (see the module's docstring): gather and release
         # decide by it, never by this rank's storage, which a rank whose parameter got no
         # gradient empties later than the others
@@ -110,19 +111,19 @@ class ShardedParameters:
 
     @contextlib.contextmanager
     def whole(self):
-        """Every parameter whole for the duration (to read, save or evaluate them);
-        outside forward and backward their storage is empty and must not be read. What
-        is written into them meanwhile is kept: each rank copies its slice back (as on one
-        device, where an edit between steps stays), unless the slice itself changed
-        meanwhile (a step or a checkpoint load: the slice is newer)."""
+        """Every parameter whole for the duration (to read, edit, save or evaluate them:
+        a forward inside releases nothing); outside forward and backward their storage is
+        empty and must not be read. What is written into them meanwhile is kept: each
+        rank copies its slice back (as on one device, where an edit between steps stays),
+        unless the slice itself changed meanwhile (a step or a checkpoint load: the slice
+        is newer)."""
         entries = list(self.sharded.values())
-        self.gather(entries)
         versions = {id(e): e.slice._version for e in entries}
-        try:
-            yield
-        finally:
-            self._keep_writes([e for e in entries if e.slice._version == versions[id(e)]])
-            self.release(entries)
+        with self.held_entries(entries):
+            try:
+                yield
+            finally:
+                self._keep_writes([e for e in entries if e.slice._version == versions[id(e)]])
 
     @torch.no_grad()
     def _keep_writes(self, entries: list[_Sharded]) -> None:
@@ -143,17 +144,20 @@ class ShardedParameters:
         finally:
             self.release(entries)
 
-    @contextlib.contextmanager
     def held(self, params: list[nn.Parameter]):
         """The given parameters (those sharded here) whole for the duration, whatever
         releases them meanwhile (their units' own hooks, ``whole_for``), then emptied."""
-        entries = [self.sharded[id(p)] for p in params if id(p) in self.sharded]
+        return self.held_entries([self.sharded[id(p)] for p in params if id(p) in self.sharded])
+
+    @contextlib.contextmanager
+    def held_entries(self, entries: list[_Sharded]):
         self.gather(entries)
-        self._pinned.update(id(e) for e in entries)
+        pins = collections.Counter(id(e) for e in entries)
+        self._pinned += pins  # (counted: a pipeline's `held` may run inside `whole`)
         try:
             yield
         finally:
-            self._pinned.difference_update(id(e) for e in entries)
+            self._pinned -= pins
             self.release(entries)
 
     @contextlib.contextmanager
