@@ -259,3 +259,28 @@ def test_a_state_loaded_under_zero_with_bf16_parameters_survives_the_step(pool4,
     the first step (0.13 off), silently. load_state_dict now refreshes the masters."""
     for moved in pool4.run(_case_load_under_low_precision, zero):
         assert moved == 0.0, moved
+
+
+def _case_optimizer_state_of_another_rank(name: str) -> tuple[str, str]:
+    import torch.distributed as dist
+    plan = Plan({**CLIPPED[name], "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
+    model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 2}), _sgd, None, _dataset())
+    optimizer.zero_grad()
+    model(next(iter(loader))).backward()
+    optimizer.step()
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, optimizer.state_dict())
+    optimizer.load_state_dict(states[dist.get_rank()])  # its own: loads
+    try:
+        optimizer.load_state_dict(states[dist.get_rank() ^ 1])  # its TP partner's: same DP rank, same shapes
+    except ValueError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_an_optimizer_state_of_another_tp_rank_is_refused(pool4):
+    """A ZeRO optimizer's state is its rank's: a loop that saves rank 0's and loads it on
+    every rank (as DDP's identical states allow) gave TP rank 1 the slices of TP rank 0's
+    shard silently; the check was on the DP rank only."""
+    for err in pool4.run(_case_optimizer_state_of_another_rank, "dp2-tp2-sp-zero3"):
+        assert "was saved by rank" in err and "vescale.save" in err, err

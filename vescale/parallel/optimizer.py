@@ -313,15 +313,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._whole_grad_or(o, g).clamp_(-bound, bound)
 
     def state_dict(self) -> dict:
+        """This rank's: its slices' state and masters (of its TP shard and pipeline stage)."""
         return {"inner": self.inner.state_dict(), "zero_stage": self.zero_stage, "dp_world": self.world,
                 "dp_rank": self.rank, "loss_scale": self.scaler.state_dict() if self.scaler else None,
+                "rank": dist.get_rank(), "world": dist.get_world_size(),
                 "masters": [o.master.detach().clone() for o in self.owned]}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("dp_world") != self.world or state.get("dp_rank") != self.rank:
-            raise ValueError(f"this optimizer state was saved by DP rank {state.get('dp_rank')} of "
-                             f"{state.get('dp_world')}; this is rank {self.rank} of {self.world} "
-                             f"(use vescale.load to reshard)")
+        # the global rank too: another TP or pipeline rank of the same DP rank holds slices
+        # of the same shapes (another shard, another stage), which would load silently
+        saved = (state.get("dp_world"), state.get("dp_rank"), state.get("world", dist.get_world_size()),
+                 state.get("rank", dist.get_rank()))
+        if saved != (self.world, self.rank, dist.get_world_size(), dist.get_rank()):
+            raise ValueError(f"this optimizer state was saved by rank {saved[3]} of {saved[2]} (DP rank {saved[1]} "
+                             f"of {saved[0]}); this is rank {dist.get_rank()} of {dist.get_world_size()} (DP rank "
+                             f"{self.rank} of {self.world}). Under ZeRO each rank holds its own part: load each "
+                             "rank's own optimizer.state_dict(), or save and load with vescale.save / vescale.load, "
+                             "which reshard")
         self.inner.load_state_dict(state["inner"])
         for o, m in zip(self.owned, state["masters"]):
             o.master.data.copy_(m)
