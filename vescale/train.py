@@ -467,13 +467,24 @@ class ParallelOptimizer(torch.optim.Optimizer):
         # to step, which torch takes in empty groups and refuses in an empty list)
         super().__init__([{"params": list(g["params"])} for g in inner.param_groups], inner.defaults)
         self.inner, self._steps, self.clip_norm = inner, steps, clip_norm
-        self._pipeline = pipeline
+        self._pipeline, self._parameters = pipeline, parameters
         pp_size = mesh.size(pp_dim) if pp_dim in mesh.mesh_dim_names else 1
         # what clips: ZeRO's optimizer over its slices (every DDP parameter's, those in no
         # group too), else the global norm of the .grad's
         self._clipper = inner if isinstance(inner, DistributedOptimizer) else GlobalClip(parameters, pp_size, pipeline)
         self.param_groups = inner.param_groups  # the inner optimizer's own, as DistributedOptimizer does
         self.state = inner.state
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Into the inner optimizer (ZeRO's steps them through its master slices), with the
+        parameters this rank holds (a pipeline stage holds a part)."""
+        if "inner" not in vars(self) or self.param_groups is not self.inner.param_groups:
+            # (torch.optim.Optimizer.__init__, from ours: it presents the inner groups)
+            return super().add_param_group(param_group)
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        held = {id(p) for p in self._parameters()}
+        self.inner.add_param_group({**param_group, "params": [p for p in params if id(p) in held]})
 
     def clips(self, model: nn.Module) -> None:
         """torch.nn.utils.clip_grad_norm_ / clip_grad_value_ on ``model``'s parameters clip

@@ -3,7 +3,8 @@
 (never stepped, not even by weight decay or momentum), also when frozen between steps;
 unfreezing one after the model was made data parallel is refused on every rank, naming
 the fix, instead of training it apart from one device's. Parameters the script leaves
-out of its optimizer get gradients (a global clip counts them) and no step."""
+out of its optimizer get gradients (a global clip counts them) and no step, until
+``optimizer.add_param_group`` adds them."""
 
 import functools
 
@@ -215,3 +216,31 @@ def test_a_pipeline_refuses_a_first_stage_whose_result_needs_no_gradient(pool4, 
     for err in pool4.run(_case_nothing_crosses, frozen_blocks, reentrant):
         assert "would receive nothing from the stage before" in err, err
         assert "use_reentrant=False" in err, err
+
+
+def _case_group_added(name: str) -> tuple[list[float], list[float]]:
+    """The blocks train from the start; the rest (embeddings, final norm) joins as a group of
+    its own, with another lr, before the second step, as a two-phase fine-tuning does."""
+    def add_the_rest(model, optimizer):
+        optimizer.add_param_group({"params": [p for n, p in model.named_parameters() if ".h." not in n], "lr": 0.2})
+
+    def train(model, optimizer, batches):
+        return _train(model, optimizer, batches[:1]) + (add_the_rest(model, optimizer) or []) + \
+            _train(model, optimizer, batches[1:])
+
+    plan = Plan({**PLANS[name], "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
+    model, optimizer, _, loader = vescale.parallelize(plan, _model(None), _blocks_only, None, _dataset())
+    losses = train(model, optimizer, [b for _, b in zip(range(STEPS), loader)])
+    data, ref = _dataset(), _model(None)
+    batches = [(data.tensors[0][i:i + GLOBAL_BATCH], data.tensors[1][i:i + GLOBAL_BATCH])
+               for i in range(0, GLOBAL_BATCH * STEPS, GLOBAL_BATCH)]
+    return losses, train(ref, _blocks_only(ref), batches)
+
+
+@pytest.mark.parametrize("name", ["dp4-zero2", "dp4-zero3", "dp2-tp2-sp-zero3", "pp2-dp2-zero3", "pp2-dp2"])
+def test_a_parameter_group_added_after_parallelize_trains_as_on_one_device(pool4, name):
+    """torch's add_param_group on the returned optimizer put the parameters themselves in
+    the optimizer ZeRO wraps, which never sees their gradients under ZeRO-2/3: the group
+    was never stepped (losses 4e-3 off from the third step), silently."""
+    for losses, ref in pool4.run(_case_group_added, name):
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)

@@ -134,6 +134,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # a parameter in no group gets gradients and is never stepped, as on one device
         return groups
 
+    def add_param_group(self, param_group: dict) -> None:
+        """A group of the model's parameters, as torch's optimizers take one (gradual
+        unfreezing, a second phase that trains more of the model): stepped through this
+        rank's master slices. (torch's own add_param_group put the parameters themselves
+        in the wrapped optimizer, which under ZeRO-2/3 never sees their gradients: they
+        were never stepped, silently.)"""
+        if "inner" not in vars(self) or self.param_groups is not self.inner.param_groups:
+            # (torch.optim.Optimizer.__init__, from ours: it presents the inner groups)
+            return super().add_param_group(param_group)
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self.inner.add_param_group(self._master_groups([{**param_group, "params": params}])[0])
+
     # ---- the step ----
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
