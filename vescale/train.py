@@ -412,6 +412,26 @@ class ParallelModel(nn.Module):
     def _user_model(self) -> nn.Module:
         return self.module.module if isinstance(self.module, DDP) else self.module
 
+    def __getattr__(self, name: str):
+        """The user's model's own attributes and methods (a Hugging Face model's ``generate``
+        and ``config``), as torch's ``fully_shard`` leaves them on the model it returns;
+        ``generate`` returns whole, plain tensors (as ``predict`` does)."""
+        try:
+            return super().__getattr__(name)  # (parameters, buffers and submodules of this wrapper)
+        except AttributeError:
+            if "module" not in self.__dict__.get("_modules", {}) or name.startswith("__"):
+                raise
+        if self.pipeline is not None:
+            if name == "generate":
+                raise AttributeError("generate through a pipeline is not supported (a rank holds only its stages' "
+                                     "layers): generate under a plan without PP, or load "
+                                     "vescale.checkpoint.full_state_dict(...) into a single-device model")
+            return getattr(self.pipeline.module, name)
+        found = getattr(self._user_model, name)
+        if name == "generate":
+            return functools.wraps(found)(lambda *args, **kwargs: whole_output(found(*args, **kwargs)))
+        return found
+
     def parameters(self, recurse: bool = True):
         return self._user_model.parameters(recurse)
 
