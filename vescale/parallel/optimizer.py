@@ -25,6 +25,7 @@ gradient, and adapts the scale.
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -59,6 +60,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  param_groups: list[dict] | None = None, **optimizer_kwargs):
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
+        refuse_whole_tensor_optimizer(optimizer_cls)
         models = list(models)
         if not models or not all(isinstance(m, DDP) for m in models):
             raise TypeError("DistributedOptimizer shards over the data-parallel group of DDP models: "
@@ -348,6 +350,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
             o.master.data.copy_(m)
         if self.scaler and state.get("loss_scale"):
             self.scaler.load_state_dict(state["loss_scale"])
+
+
+# Optimizers whose update of an element reads more than that element's state: statistics
+# over a matrix's rows and columns (Adafactor, Shampoo, SOAP), its orthogonalisation
+# (Muon), a per-tensor trust ratio or norm (LAMB, LARS, NovoGrad) or the whole model (L-BFGS). On ZeRO's
+# flat slices Adafactor silently took its 1-D path (losses 1e-4 off by the third step),
+# Muon refused the 2-D parameters it was given. Matched by class name, to cover the
+# libraries' versions (transformers' Adafactor, apex's FusedLAMB) as well as torch's.
+_WHOLE_TENSOR_OPTIMIZER = re.compile(r"(fused|deepspeed|distributed|onebit|paged)?"
+                                     r"(adafactor|shampoo|soap|muon|lamb|lars|novograd|lbfgs|sparseadam)(8bit|32bit)?")
+
+
+def refuse_whole_tensor_optimizer(optimizer_cls) -> None:
+    name = getattr(optimizer_cls, "__name__", str(optimizer_cls))
+    if _WHOLE_TENSOR_OPTIMIZER.fullmatch(name.lower()):
+        raise ValueError(
+            f"{name} updates an element from statistics of the whole parameter (its rows and columns, its norm, "
+            "or the whole model), and ZeRO runs the optimizer on flat slices of the parameters, which would "
+            f"change that math: use {name} without ZeRO (plan key data_parallel.zero_stage: 0; tensor "
+            "parallelism keeps it exact), or an optimizer that updates each element from its own state alone "
+            "(AdamW, Adam, SGD, Adagrad, RMSprop, ...) with ZeRO")
 
 
 def _pipelines(models) -> list:
