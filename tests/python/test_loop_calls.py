@@ -32,7 +32,10 @@ def _clip(how: str, params) -> None:
         torch.nn.utils.clip_grad_value_(params, 2e-3)
 
 
-def _case_torch_clip(name: str, how: str, own_optimizer: bool = False) -> tuple[list[float], list[float], str]:
+def _case_torch_clip(name: str, how: str, own_optimizer: bool = False,
+                     groups: bool = False) -> tuple[list[float], list[float], str]:
+    """``groups``: the loop clips what its optimizer holds (``param_groups``), not
+    ``model.parameters()``."""
     plan = Plan({**CLIPPED[name], "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
     model, optimizer, _, loader = vescale.parallelize(plan, _gpt({"n_layer": 4}), None if own_optimizer else _sgd,
                                                       None, _dataset())
@@ -47,7 +50,7 @@ def _case_torch_clip(name: str, how: str, own_optimizer: bool = False) -> tuple[
             _clip(how, list(model.parameters())[:2])
         except ValueError as e:
             refused = str(e)
-        _clip(how, model.parameters())
+        _clip(how, [p for g in optimizer.param_groups for p in g["params"]] if groups else model.parameters())
         optimizer.step()
         losses.append(loss.full_tensor().item() if isinstance(loss, vescale.DTensor) else loss.item())
     data, ref, ref_losses = _dataset(), _gpt({"n_layer": 4}), []
@@ -76,6 +79,15 @@ def test_a_loop_clipping_with_torch_clips_as_one_device(pool4, name, how, own):
     for losses, ref, refused in pool4.run(_case_torch_clip, name, how, own):
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
         assert "not all of one model's" in refused, refused
+
+
+@pytest.mark.parametrize("name,how", [("dp4-zero2", "norm"), ("dp2-tp2-sp-zero3", "value")])
+def test_a_loop_clipping_its_optimizers_parameters_clips_as_one_device(pool4, name, how):
+    """The loop clips ``optimizer.param_groups``' parameters: under ZeRO those are the
+    master slices, whose .grad the step sets: torch's clip found none (norm 0, nothing
+    clipped), silently. It now clips through the optimizer, by the global norm."""
+    for losses, ref, _ in pool4.run(_case_torch_clip, name, how, False, True):
+        assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
 
 
 WHOLE_STATE = {

@@ -109,6 +109,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if is_pipeline(ddp.module):
                     ddp.module.scale_loss = self.scale_loss
         torch_clip.register(self, lambda: [o.param for o in self.owned])  # torch.nn.utils.clip_grad_* on them
+        # and on param_groups' parameters (the masters, whose .grad step() sets): a loop that
+        # clips what its optimizer holds found no gradient there, norm 0, nothing clipped
+        self._masters_clip = _MastersClip(self)
+        torch_clip.register(self._masters_clip, lambda: [o.master for o in self.owned])
 
     def _master_groups(self, param_groups: list[dict] | None):
         """The masters in the caller's parameter groups (their options kept), or one group."""
@@ -350,6 +354,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
             o.master.data.copy_(m)
         if self.scaler and state.get("loss_scale"):
             self.scaler.load_state_dict(state["loss_scale"])
+
+
+class _MastersClip:
+    """torch.nn.utils.clip_grad_* over a DistributedOptimizer's own parameters (its master
+    slices) clip as over the model's: by the global norm of the gradients."""
+
+    def __init__(self, optimizer: DistributedOptimizer):
+        self.optimizer = optimizer
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return self.optimizer.clip_grad_norm_(max_norm, norm_type)
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        self.optimizer.clip_grad_value_(clip_value)
 
 
 # Optimizers whose update of an element reads more than that element's state: statistics

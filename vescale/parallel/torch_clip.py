@@ -13,6 +13,9 @@ functions are wrapped: given
 such parameters, they call the owner's global clip (a collective: every rank calls it, as
 every rank of a data-parallel loop does); given others, torch's own.
 
+Under ZeRO the optimizer's own parameters (``param_groups``: its master slices, whose
+``.grad`` only the step sets) clip the same way, through it.
+
 The parameters must be all of one owner's (``model.parameters()``, as scripts pass them):
 a part of them, or them with gradients of another model, raises a ValueError naming the
 fix. Code bound to the functions before (``from torch.nn.utils import clip_grad_norm_`` run
