@@ -93,6 +93,12 @@ _histories: dict[int, _History] = {}  # storage key -> history
 _alive: dict[int, torch.Tensor] = {}  # storage key -> a meta alias of it
 
 
+# storage key -> the version counter of the module's tensor over it when its recording
+# ended: an in-place change after that (an init or an edit outside deferred_init, on a meta
+# tensor) has no recording, and materialising would silently drop it (see _refuse_edited)
+_versions: dict[int, int] = {}
+
+
 def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -185,6 +191,7 @@ def deferred_init(module_cls, *args, **kwargs) -> nn.Module:
             setattr(torch.nn.init, name, fn)
     # the recording lives as long as the module: then its storages may be reused
     weakref.finalize(module, _forget, frozenset(recorder.keys))
+    _record_versions(module)
     _agree_random_states(recorder.random)
     return module
 
@@ -244,6 +251,25 @@ def _forget(keys) -> None:
         _histories.pop(k, None)
         _alive.pop(k, None)
         _sources.pop(k, None)
+        _versions.pop(k, None)
+
+
+def _record_versions(module: nn.Module) -> None:
+    for t in list(module.parameters()) + list(module.buffers()):
+        if is_deferred(t):
+            _versions[_key(t)] = t._version
+
+
+def _refuse_edited(meta: torch.Tensor) -> None:
+    """Raises where the deferred tensor was changed in place after its recording ended."""
+    recorded = _versions.get(_key(meta))
+    if recorded is not None and meta._version != recorded:
+        raise DeferredInitError(
+            f"a tensor of shape {tuple(meta.shape)} of a vescale.deferred_init model was changed in place after "
+            "deferred_init returned (an init or an edit run on the model afterwards): its values do not exist "
+            "until it is materialised, on the shards, and that change would be lost. Run it inside the "
+            "recording, vescale.deferred_init(lambda: my_init(Model(config))), or after the model is "
+            "materialised (after the first step of vescale.parallelize's model, or vescale.materialize_module)")
 
 
 def _recorded_init(fn, recorder: _Recorder):
@@ -290,6 +316,7 @@ def materialize(meta: torch.Tensor, box: Box | None = None, into: torch.Tensor |
     """The values of a deferred tensor inside ``box`` (default: all of it), as a new CPU
     tensor, or written into ``into`` (of the box's sizes) and returned: a contiguous
     ``into`` is filled in place, with no temporary of the box's size."""
+    _refuse_edited(meta)
     box = box or whole(meta.shape)
     if into is not None:
         if not into.is_contiguous():
@@ -450,7 +477,9 @@ def cast_deferred(module: nn.Module, dtype: torch.dtype) -> None:
                 bind_source(cast, lambda box, s=source: materialize(s, box).to(dtype))
                 _alive[_key(cast)] = cast  # (its storage's address stays its key)
                 keys.add(_key(cast))
+                _refuse_edited(t)
                 t.data = cast
+                _versions[_key(cast)] = t._version  # (t keeps its own version counter)
     weakref.finalize(module, _forget, frozenset(keys))
 
 

@@ -63,7 +63,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ._compile import keep_losses_eager
-from .deferred import cast_deferred
+from .deferred import cast_deferred, materialize_before_reading
 from .device_mesh import DeviceMesh, init_device_mesh
 from .dtensor import DTensor
 from .global_loss import DPLoss, items_averaged, items_seen, rows_of
@@ -127,7 +127,8 @@ def parallelize(plan: Plan | dict, model: nn.Module, optimizer_fn: Callable | No
         optimizer = _optimizer(optimizer_fn, model, pipeline or model, ddp, zero,
                                plan["mixed_precision.loss_scale"])
         optimizer = ParallelOptimizer(optimizer, steps, plan["gradient.clip_norm"], mesh, pp,
-                                      (pipeline or model).parameters, pipeline)
+                                      (pipeline or model).parameters, pipeline,
+                                      materialize=functools.partial(materialize_before_reading, inner))
     scaler = getattr(getattr(optimizer, "inner", None), "scaler", None)
     zero_optimizer = getattr(optimizer, "inner", None)
     wrapped = ParallelModel(inner, pipeline, ddp, mesh, dp, steps, scaler, zero3=zero == 3,
@@ -480,14 +481,16 @@ class ParallelOptimizer(torch.optim.Optimizer):
     (LR schedulers and logging see them)."""
 
     def __init__(self, inner: torch.optim.Optimizer, steps: _Steps, clip_norm: float | None, mesh, pp_dim: str,
-                 parameters: Callable, pipeline=None):
+                 parameters: Callable, pipeline=None, materialize: Callable | None = None):
         """``parameters()``: the model's (this rank's), which ``clip_norm`` clips, as a loop's
-        ``clip_grad_norm_(model.parameters())`` does."""
+        ``clip_grad_norm_(model.parameters())`` does. ``materialize()``: gives a
+        ``deferred_init`` model its values (``full_parameters`` does, before a script
+        reads or edits them)."""
         # (groups, not a flat list: a stage or a script may give it none of the parameters
         # to step, which torch takes in empty groups and refuses in an empty list)
         super().__init__([{"params": list(g["params"])} for g in inner.param_groups], inner.defaults)
         self.inner, self._steps, self.clip_norm = inner, steps, clip_norm
-        self._pipeline, self._parameters = pipeline, parameters
+        self._pipeline, self._parameters, self._materialize = pipeline, parameters, materialize
         pp_size = mesh.size(pp_dim) if pp_dim in mesh.mesh_dim_names else 1
         # what clips: ZeRO's optimizer over its slices (every DDP parameter's, those in no
         # group too), else the global norm of the .grad's
@@ -521,7 +524,11 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def full_parameters(self):
         """A context in which ZeRO-3's parameters are whole, to read or edit them between
         steps (they are empty there; edits are kept); a no-op under the other plans. Every
-        DP rank enters it."""
+        DP rank enters it. A ``deferred_init`` model gets its values here first (they are
+        made at the first step otherwise, and an edit of the meta tensors before would be
+        lost: it raises)."""
+        if self._materialize is not None:
+            self._materialize()
         if isinstance(self.inner, DistributedOptimizer):
             return self.inner.full_parameters()
         return contextlib.nullcontext()

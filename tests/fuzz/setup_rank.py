@@ -299,6 +299,21 @@ def _value(loss) -> float:
 
 # ---- one device -----------------------------------------------------------------------------------
 
+@torch.no_grad()
+def edit_parameters(model: torch.nn.Module) -> None:
+    """What a loop may do between steps (``loop["edit"]``): rescale the norms' weights (every
+    rank alike; a pipeline rank's other stages are meta)."""
+    for n, p in model.named_parameters():
+        parts = n.split(".")
+        if parts[-1] == "weight" and len(parts) > 1 and re.search("ln|norm", parts[-2], re.IGNORECASE):
+            p.mul_(0.75)
+
+
+def _edits_before(setup: dict, micro: int) -> bool:
+    k = setup["plan"].get("gradient.accumulation_steps", 1)
+    return "edit" in setup["loop"] and micro == k * setup["loop"]["edit"]["before_step"]
+
+
 def reference(setup: dict) -> dict:
     """The same training on one device. With ``mixed_precision.param_dtype`` the model
     holds low-precision parameters and the optimizer fp32 masters (copies of them), as
@@ -321,6 +336,11 @@ def reference(setup: dict) -> dict:
     batches = batches_in_order(setup)
     losses, evals = [], []
     for i, rows in enumerate(batches):
+        if _edits_before(setup, i):
+            edit_parameters(model)
+            with torch.no_grad():  # vescale's masters take the edited elements (the others keep their digits)
+                for master, p in pairs if low is not None else []:
+                    master.copy_(torch.where(p != master.to(p.dtype), p.float(), master))
         if i % k == 0:
             opt.zero_grad()
             model.zero_grad()  # (the loop on the ranks calls model.zero_grad() too where it matters: "only")
@@ -434,6 +454,9 @@ def on_ranks(setup: dict, work_dir: str) -> dict:
     batches = _endless(loader)
     i = 0
     while i < micro_total:
+        if _edits_before(setup, i) and i != refuse_at:  # (one device's batches end before a refused one)
+            with optimizer.full_parameters():
+                edit_parameters(model)
         b = next(batches)
         first = b if first is None else first
         optimizer.zero_grad()
@@ -547,6 +570,11 @@ def compare(setup: dict, got: dict, ref: dict) -> list[str]:
     if refused != expected:
         problems.append(f"a pipeline refused micro-step {refused}'s batch; expected: {expected} (None: none)")
     applied = len(ref["losses"]) // setup["plan"].get("gradient.accumulation_steps", 1)
+    # bf16 rounding is relative to the magnitudes a value passed through: a parameter that
+    # training shrinks (a bias stepped from 0.15 towards 0.004, seed 156230) keeps an error
+    # of the larger values' ulps, so its initial size counts too
+    start = {n: p.detach().float().abs().max().item() for n, p in build_model(setup["model"], setup["init_seed"])
+             .named_parameters()} if low else {}
     for name, want in ref["params"].items():
         have = got["params"].get(name)
         if have is None:
@@ -557,7 +585,8 @@ def compare(setup: dict, got: dict, ref: dict) -> list[str]:
             continue
         err = (adam_mismatch(have.float(), want.float(), lr=ADAM_LR, steps=applied, atol=2e-2 if low else 1e-6)
                if adam else mismatch_to_max(have.float(), want.float(), tol=1e-2 * (applied + 1) if low else 2e-5,
-                                            atol=1e-4 if low else 1e-7))
+                                            atol=max(1e-4, 1e-2 * (applied + 1) * start.get(name, 0.0)) if low
+                                            else 1e-7))
         if err:
             problems.append(f"trained weight {name}: {err}")
     return problems

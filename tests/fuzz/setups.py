@@ -177,6 +177,10 @@ def draw(rng: random.Random, world: int = WORLD) -> dict:
         model["frozen"] = rng.choice(["norms", "first_block"] if refused else ["embeddings", "norms", "first_block"])
     if rng.random() < 0.1:
         optimizer["only"] = _blocks_regex(kind)  # the blocks' parameters; the others get gradients, no step
+    # After those: the loop edits the parameters between two steps (it rescales the norms'
+    # weights; inside optimizer.full_parameters(), where ZeRO-3's are whole)
+    if rng.random() < 0.15:
+        loop["edit"] = {"before_step": rng.randrange(1, loop["steps"])}
     return setup
 
 
@@ -235,7 +239,7 @@ def simpler(setup: dict):
         changes.append(lambda s: s["loop"].update(eval_after=None))
     if loop["scheduler"] is not None:
         changes.append(lambda s: s["loop"].update(scheduler=None))
-    for key in ("data", "autocast", "last", "prompts"):
+    for key in ("data", "autocast", "last", "prompts", "edit"):
         if key in loop:
             changes.append(lambda s, k=key: s["loop"].pop(k))
     if loop["steps"] > 1:

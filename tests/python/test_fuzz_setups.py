@@ -246,6 +246,20 @@ REGRESSIONS = [
       "optimizer": {"kind": "adamw_groups", "only": r"transformer\.h"},
       "loop": {"steps": 1, "seq": 12, "batch": 4, "scheduler": None, "eval_after": None, "resume": None},
       "init_seed": 226, "data_seed": 340}),
+    # Wrong (seed 156317): resumed from a checkpoint into a deferred_init model (meta until
+    # its first step), the loop's edit inside full_parameters() ran on meta tensors and was
+    # dropped when they were materialised; full_parameters() now materialises first.
+    ("an edit of a deferred model resumed under another pipeline",
+     {"model": {"kind": "llama", "width": 16, "heads": 2, "vocab": 64, "layers": 4, "kv_heads": 2, "deferred": True},
+      "plan": {"mesh": {"DP": 2, "PP": 2}, "data_parallel.zero_stage": 0, "pipeline_parallel.schedule": "1f1b",
+               "pipeline_parallel.virtual_stages": 1, "pipeline_parallel.microbatches": 1,
+               "pipeline_parallel.split_method": "uniform"},
+      "optimizer": {"kind": "sgd"},
+      "loop": {"steps": 2, "seq": 8, "batch": 2, "scheduler": None, "eval_after": None,
+               "resume": {"after": 1, "plan": {"mesh": {"PP": 4}, "pipeline_parallel.schedule": "zb_h1",
+                                               "pipeline_parallel.microbatches": 2}},
+               "edit": {"before_step": 1}},
+      "init_seed": 510, "data_seed": 165}),
 ]
 
 

@@ -9,6 +9,7 @@ between steps is taken into the master before the step (the old master was writt
 over it, silently)."""
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from vescale import Plan
 
 from dist_utils import mismatch
 from test_frozen import PLANS, _full
-from test_parallelize import GLOBAL_BATCH, STEPS, _dataset, _gpt
+from test_parallelize import GLOBAL_BATCH, STEPS, _dataset, _gpt, _rfc_loop
 
 
 def _batches():
@@ -163,3 +164,72 @@ def test_reading_a_parameter_zero3_emptied_raises_and_the_loop_goes_on(pool4, na
         assert shapes == ref_shapes
         assert "empty between steps" in described, described
         assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)
+
+
+@torch.no_grad()
+def _scale_norms(model) -> None:
+    for n, p in model.named_parameters():
+        if ".ln_" in n:
+            p.mul_(0.75)
+
+
+def _case_deferred(name: str, how: str):
+    """A ``deferred_init`` model (parameters meta until the first step) edited inside
+    full_parameters() right after parallelize; ``how``: "loaded" from a checkpoint of a
+    ZeRO-3 model saved without its optimizer first, "before": edited before parallelize,
+    outside deferred_init (refused, naming the ways)."""
+    from examples.models.gpt import GPT, GPTConfig
+    config = GPTConfig(dropout=0.0, bias=False, n_layer=2)
+    plan = Plan({**PLANS[name], "data.global_batch_size": GLOBAL_BATCH, "data.shuffle": False})
+    torch.manual_seed(0)
+    deferred = vescale.deferred_init(GPT, config)
+    if how == "before":
+        _scale_norms(deferred)
+        try:  # (ZeRO-1/2 materialise as they are set up)
+            model, optimizer, _, loader = vescale.parallelize(plan, deferred, _sgd, None, _dataset())
+            _rfc_loop(model, optimizer, loader, STEPS)
+        except vescale.deferred.DeferredInitError as e:
+            return str(e), [], []
+        return "", [], []
+    model, optimizer, _, loader = vescale.parallelize(plan, deferred, _sgd, None, _dataset())
+    if how == "loaded":
+        import torch.distributed as dist
+        saved, _, _, _ = vescale.parallelize(plan, _gpt({"n_layer": 2}), _sgd, None, _dataset())
+        path = [f"/tmp/vescale-edits-{os.getpid()}" if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(path)
+        vescale.save(path[0], {"model": saved})
+        vescale.load(path[0], {"model": model})
+    with optimizer.full_parameters():
+        _scale_norms(model)
+    losses = _rfc_loop(model, optimizer, loader, STEPS)
+    ref = _gpt({"n_layer": 2})
+    _scale_norms(ref)
+    return "", losses, _train_plain(ref)
+
+
+def _train_plain(model) -> list[float]:
+    optimizer, losses = _sgd(model), []
+    for x, y in _batches():
+        optimizer.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("name,how", [("pp2-dp2", "edited"), ("pp2-dp2-zero3", "edited"),
+                                      ("dp4-zero3", "loaded"), ("dp4-zero1", "before"), ("pp2-dp2-zero3", "before")])
+def test_a_deferred_model_edited_after_parallelize_trains_as_on_one_device(pool4, name, how):
+    """Under DDP and pipelines a deferred_init model stays meta until its first step: an
+    edit of the parameters then was run on meta tensors and dropped when they were
+    materialised (losses those of the unedited model), silently. full_parameters() now
+    materialises them first; an edit outside any recording (before parallelize) raises
+    DeferredInitError naming the ways. A ZeRO-3 model saved without its optimizer read
+    its emptied parameters (now its slices)."""
+    for err, losses, ref in pool4.run(_case_deferred, name, how):
+        if how == "before":
+            assert "changed in place after deferred_init returned" in err and "lambda" in err, err
+        else:
+            assert err == "", err
+            assert mismatch(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6) is None, (losses, ref)

@@ -129,6 +129,10 @@ def build(state: dict, saved: dict | None = None) -> Layout:
         if isinstance(value, nn.Module):
             for name, p in unwrap(value).named_parameters(remove_duplicate=True):
                 fqn_of.setdefault(id(p), f"{key}.{name}")
+            for sub in value.modules():  # a ZeRO-3 model saved or loaded without its optimizer
+                sharded = getattr(sub, "sharded_parameters", None)
+                for e in sharded.sharded.values() if sharded is not None else []:
+                    zero3[id(e.param)] = (e.slice, e.start)
         if isinstance(value, ParallelOptimizer):
             value = value.inner
         if isinstance(value, DistributedOptimizer) and value.sharded is not None:
