@@ -69,7 +69,8 @@ from .dtensor import DTensor
 from .global_loss import DPLoss, items_averaged, items_seen, rows_of
 from .parallel.ddp import DDP, as_shares, local_of
 from .parallel import torch_clip
-from .parallel.optimizer import DistributedOptimizer, GlobalClip, refuse_grad_scaler
+from .parallel.optimizer import (DistributedOptimizer, GlobalClip, group_params, presenting_groups,
+                                 refuse_grad_scaler)
 from .parallel.parallelize import parallelize_module
 from .parallel.pipeline.engine import PipelineParallel, whole_output
 from .plan import Plan, PlanError
@@ -501,13 +502,10 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """Into the inner optimizer (ZeRO's steps them through its master slices), with the
         parameters this rank holds (a pipeline stage holds a part)."""
-        if "inner" not in vars(self) or self.param_groups is not self.inner.param_groups:
-            # (torch.optim.Optimizer.__init__, from ours: it presents the inner groups)
+        if presenting_groups(self):
             return super().add_param_group(param_group)
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
         held = {id(p) for p in self._parameters()}
-        self.inner.add_param_group({**param_group, "params": [p for p in params if id(p) in held]})
+        self.inner.add_param_group({**param_group, "params": [p for p in group_params(param_group) if id(p) in held]})
 
     def clips(self, model: nn.Module) -> None:
         """torch.nn.utils.clip_grad_norm_ / clip_grad_value_ on ``model``'s parameters clip

@@ -146,12 +146,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         rank's master slices. (torch's own add_param_group put the parameters themselves
         in the wrapped optimizer, which under ZeRO-2/3 never sees their gradients: they
         were never stepped, silently.)"""
-        if "inner" not in vars(self) or self.param_groups is not self.inner.param_groups:
-            # (torch.optim.Optimizer.__init__, from ours: it presents the inner groups)
+        if presenting_groups(self):
             return super().add_param_group(param_group)
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        self.inner.add_param_group(self._master_groups([{**param_group, "params": params}])[0])
+        self.inner.add_param_group(self._master_groups([{**param_group, "params": group_params(param_group)}])[0])
 
     # ---- the step ----
 
@@ -354,6 +351,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             o.master.data.copy_(m)
         if self.scaler and state.get("loss_scale"):
             self.scaler.load_state_dict(state["loss_scale"])
+
+
+def presenting_groups(wrapper: torch.optim.Optimizer) -> bool:
+    """Whether torch.optim.Optimizer.__init__ is running on ``wrapper`` (an optimizer that
+    presents its ``inner`` one's groups as its own): its add_param_group calls are torch's."""
+    return "inner" not in vars(wrapper) or wrapper.param_groups is not wrapper.inner.param_groups
+
+
+def group_params(param_group: dict) -> list:
+    """A parameter group's parameters as a list (torch takes one tensor or an iterable)."""
+    params = param_group["params"]
+    return [params] if isinstance(params, torch.Tensor) else list(params)
 
 
 class _MastersClip:
