@@ -190,12 +190,13 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     """Every parameter's whole gradient after backward (before the optimizer step), by name.
 
     Under DDP these are the averaged gradients; with ZeRO-2/3 each rank keeps only its
-    DP slice of the flat local gradient, so the slices are all-gathered back first."""
+    DP slice of the flat local gradient, so the slices are all-gathered back first.
+    A frozen parameter's is its ``.grad`` (None)."""
     ddp = model if isinstance(model, DDP) else None
     inner = model.module if ddp is not None else model
     out = {}
     for name, p in inner.named_parameters():
-        if ddp is not None and ddp.reduce_scatter:
+        if ddp is not None and ddp.reduce_scatter and p.requires_grad:  # (a frozen one has no slot)
             _, slot = ddp._slot_of[id(p)]
             mine = ddp.grad_shards.get(id(p))
             mine = torch.zeros(slot.chunk, dtype=local_of(p).dtype) if mine is None else mine.contiguous()

@@ -77,7 +77,8 @@ class DDP(_BucketLayout, _GradientReduction, nn.Module):
         self.sharded_parameters = None  # ZeRO-3's, set by DistributedOptimizer (see the property)
         self.buckets = self._make_buckets(bucket_cap_mb, by_unit=reduce_scatter)
         from .pipeline.engine import is_pipeline  # (the pipeline imports this module)
-        if is_pipeline(module):  # it reduces once per step, after its schedule
+        self._reduces_after_schedule = is_pipeline(module)
+        if self._reduces_after_schedule:  # it reduces once per step, after its schedule
             # a plain reference, not a submodule: DDP already holds the pipeline as its
             # `module`, and a cycle in the module tree sends tree walkers (torch's
             # ModTracker, comm_trace) into endless recursion
@@ -131,7 +132,26 @@ class DDP(_BucketLayout, _GradientReduction, nn.Module):
         if self.broadcast_buffers and self._buffers_due:
             self._broadcast_buffers()
         self._buffers_due = torch.is_grad_enabled() and self._sync
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled() and not self._reduces_after_schedule:
+            self._hook_outputs(out)
+        return out
+
+    def _hook_outputs(self, out) -> None:
+        """Backward reaching an output (before any gradient of the model's, in the graph
+        task the user's ``backward`` started) queues the end of this DDP's backward there.
+        Queued by the first gradient instead, it would go to the graph task running then:
+        under torch's reentrant checkpointing that is the recomputed block's own backward,
+        which ends before the rest of the model's gradients come, on those ranks only whose
+        first gradient is the block's (a data-dependent branch before it decides: set-up
+        fuzzer, seed 157386), and the ranks issued different collectives."""
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._output_reached)
+
+    def _output_reached(self, grad):
+        if self._sync:
+            self._begin_backward()
 
     def thawed(self) -> list[str]:
         """Names of the parameters frozen when this DDP was built that require grad now:

@@ -2,6 +2,12 @@
 and its result put back as the parameters' gradients (or, under ZeRO-2/3, this rank's
 slices of them).
 
+The end of backward (``_finish``: every bucket launched and waited for) is queued in
+the graph task of the user's ``backward``, when backward reaches the model's output
+(DDP.forward hooks it), not from a gradient's hook: under torch's reentrant
+checkpointing a gradient can come from a nested backward of its own, whose end is not
+the user's.
+
 Buckets are reduced strictly in bucket order, as torch's Reducer does (a bucket whose
 gradients are all in waits for the earlier ones): every rank then issues the same
 collectives in the same order, whatever order its gradients arrive in. A parameter
