@@ -296,3 +296,55 @@ def test_buffers_follow_rank_0_at_every_forward(pool4, broadcast):
         assert failures == []
         assert broadcasts == ([1, 1, 1] if broadcast else [0, 0, 0])
         assert same == broadcast
+
+
+class Critic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _penalized_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A WGAN-GP critic's loss: its mean output plus the penalty on the norm of its
+    gradient with respect to the input, taken with ``torch.autograd.grad`` (a backward of
+    its own, through the model's output, before the loss's)."""
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return out.mean() + ((g.norm(dim=1) - 1) ** 2).mean()
+
+
+def _case_gradient_penalty():
+    m = mesh("1d4")
+    torch.manual_seed(0)
+    ref = Critic()
+    ddp = DDP(copy.deepcopy(ref), m, bucket_cap_mb=SMALL_BUCKETS_MB)
+    rank = m.get_local_rank()
+    failures, reductions = [], []
+    for step in range(2):
+        xs = [torch.randn(ROWS, 6, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(4)]
+        ref.zero_grad()
+        (sum(_penalized_loss(ref, x) for x in xs) / 4).backward()
+        ddp.zero_grad()
+        with vescale.debug.comm_trace() as trace:
+            _penalized_loss(ddp, xs[rank]).backward()
+        reductions.append(sum(e["kind"] == "all_reduce" for e in trace.events if e["source"] == "ddp"))
+        for name, p in ddp.module.named_parameters():
+            err = mismatch_to_max(p.grad, ref.get_parameter(name).grad, atol=1e-6)
+            if err:
+                failures.append(f"step {step} gradient of {name}: {err}")
+    return failures, reductions, len(ddp.buckets)
+
+
+def test_gradient_penalty_through_autograd_grad(pool4):
+    """``torch.autograd.grad`` through the model's output (a gradient penalty) runs a
+    backward of its own, which gives no parameter a gradient: DDP reduces nothing there,
+    and the loss's backward then averages the gradients (double backward included) as
+    one device, one collective per bucket."""
+    for failures, reductions, buckets in pool4.run(_case_gradient_penalty):
+        assert failures == []
+        assert reductions == [buckets] * 2

@@ -34,6 +34,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
 
 from .. import _trace
 from ..device_mesh import DeviceMesh
@@ -150,8 +151,15 @@ class DDP(_BucketLayout, _GradientReduction, nn.Module):
                 t.register_hook(self._output_reached)
 
     def _output_reached(self, grad):
-        if self._sync:
+        if self._sync and self._gives_gradients():
             self._begin_backward()
+
+    def _gives_gradients(self) -> bool:
+        """Whether the backward running accumulates into some parameter of this rank's
+        (it reaches its AccumulateGrad node): not so for ``torch.autograd.grad`` through
+        the model (a gradient penalty), which reduces nothing then, as torch's DDP."""
+        return any(torch._C._will_engine_execute_node(get_gradient_edge(s.param).node)
+                   for b in self.buckets for s in b.slots)
 
     def thawed(self) -> list[str]:
         """Names of the parameters frozen when this DDP was built that require grad now:
