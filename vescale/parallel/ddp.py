@@ -158,8 +158,8 @@ class DDP(_BucketLayout, _GradientReduction, nn.Module):
         """Whether the backward running accumulates into some parameter of this rank's
         (it reaches its AccumulateGrad node): not so for ``torch.autograd.grad`` through
         the model (a gradient penalty), which reduces nothing then, as torch's DDP."""
-        return any(torch._C._will_engine_execute_node(get_gradient_edge(s.param).node)
-                   for b in self.buckets for s in b.slots)
+        return any(s.param.requires_grad and torch._C._will_engine_execute_node(get_gradient_edge(s.param).node)
+                   for b in self.buckets for s in b.slots)  # (frozen between steps: no gradient edge)
 
     def thawed(self) -> list[str]:
         """Names of the parameters frozen when this DDP was built that require grad now:

@@ -29,6 +29,7 @@ _METADATA = frozenset({
     "get_device", "is_floating_point", "is_complex", "requires_grad_", "register_hook",
     "register_post_accumulate_grad_hook", "__len__", "__hash__", "untyped_storage", "data_ptr", "nbytes",
     "view_as",  # torch.distributed.pipelining reaches a parameter's AccumulateGrad node through p.view_as(p)
+    "output_nr",  # torch.autograd.graph.get_gradient_edge (DDP asks whether backward reaches the parameter)
 })
 
 _names: dict[int, str] = {}  # id(parameter) -> its name in the model, for the message
