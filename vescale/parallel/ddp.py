@@ -68,6 +68,10 @@ class DDP(_BucketLayout, _GradientReduction, nn.Module):
         self._cap_mb = bucket_cap_mb
         self._sync = True
         self._callback_queued = False
+        self._user_task = -1  # the graph task of the backward running: where _finish was queued
+        self._arrived: set[int] = set()  # ids of the parameters whose gradient arrived this backward
+        self._late: list[nn.Parameter] = []  # arrived after their bucket was launched (see _finish)
+        self._holds_learned = False  # the first backward learns the held buckets (Bucket.held)
         self._next_bucket = 0  # buckets launch in order: the first not launched yet this step
         # ZeRO-3: per unit module (id), its buckets that launch when backward reaches the
         # unit before it; and those due at the next such point (see _unit_backward_started)
@@ -198,6 +202,7 @@ class DDP(_BucketLayout, _GradientReduction, nn.Module):
         as they arrive, so the transient whole gradients are one unit's, as in FSDP."""
         self.reduce_scatter = True
         self.buckets = self._make_buckets(self._cap_mb, by_unit=True)
+        self._holds_learned = False  # (new buckets: learned again)
         self._index_slots()
 
     def sync_gradients(self) -> None:

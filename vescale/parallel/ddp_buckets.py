@@ -53,6 +53,10 @@ class Bucket:
     cap_bytes: int = 0  # what counts against bucket_cap_mb (_even_share_bytes)
     unit: int = -1  # by-unit buckets: the index of the unit in _units(module)
     shared: bool = False  # holds a parameter of several units (its gradient may come later)
+    # launched at the end of backward only: a parameter of it got its gradient in parts
+    # (more than once in one backward: reentrant checkpointing recomputes in backwards of
+    # its own), so its count of arrivals says nothing of when it is whole (_learn_holds)
+    held: bool = False
     # indices of the slots without a gradient on this rank this step: they took part with
     # zeros, and keep the result only where another DP rank had a gradient (the flags:
     # one element per slot after the gradients in the collective, 1 where a rank had one)

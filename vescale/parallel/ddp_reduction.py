@@ -89,8 +89,27 @@ class _GradientReduction:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._user_task = torch._C._current_graph_task_id()  # where _finish runs
             for b in self.buckets:
                 b.pending = len(b.slots)
+
+    def _launches_early(self, b: Bucket) -> bool:
+        """Whether bucket ``b`` may launch before the end of backward, once its gradients
+        are all in: not in the first backward (which learns the held buckets), nor a held
+        one."""
+        return self._holds_learned and not b.held
+
+    def _arrival(self, b: Bucket, param: nn.Parameter) -> bool:
+        """Notes ``param``'s gradient arriving; whether it arrived before in this backward.
+        In the first backward a bucket whose gradient comes in parts (a second arrival, or
+        one in a backward nested in the user's: reentrant checkpointing's, which a
+        recomputed block shared with another may run again) is held: launched at the end
+        of backward from then on."""
+        again = id(param) in self._arrived
+        self._arrived.add(id(param))
+        if not self._holds_learned and (again or torch._C._current_graph_task_id() != self._user_task):
+            b.held = True
+        return again
 
     def _agreed_launches(self) -> bool:
         """ZeRO-3's reduce-scatters of this backward launch at points ZeRO-3 reports."""
@@ -101,25 +120,31 @@ class _GradientReduction:
             return
         self._begin_backward()
         bucket, slot = self._slot_of[id(param)]
-        if self._agreed_launches() and bucket.work is not None:
-            raise RuntimeError(
-                f"ZeRO-3: a gradient of a parameter of shape {tuple(param.shape)} arrived after its unit's "
-                "reduce-scatter was launched (its unit's backward had ended on every rank): a parameter used "
-                "by the forward of a unit that runs before its own unit (the first ModuleList member, or "
-                "the root, that holds it) must be held by that unit, or by the root")
+        again = self._arrival(bucket, param)
+        if bucket.work is not None:  # reduced already without this part: see _finish
+            if self._agreed_launches() and not again:
+                raise RuntimeError(
+                    f"ZeRO-3: a gradient of a parameter of shape {tuple(param.shape)} arrived after its unit's "
+                    "reduce-scatter was launched (its unit's backward had ended on every rank): a parameter used "
+                    "by the forward of a unit that runs before its own unit (the first ModuleList member, or "
+                    "the root, that holds it) must be held by that unit, or by the root")
+            self._late.append(param)
+            return
         if self.reduce_scatter:
             self._stage(bucket, slot)
-        bucket.pending -= 1
+        if not again:
+            bucket.pending -= 1
         if self._agreed_launches():
             # the buckets of the unit whose backward runs, as their gradients are all in
             # (in bucket order): the next agreed point launches them anyway
-            while self._window and self._window[0].pending == 0:
+            while self._window and self._window[0].pending == 0 and self._launches_early(self._window[0]):
                 self._launch(self._window.pop(0))
             return
         # In bucket order only, as torch's Reducer: launched as they fill up, a parameter
         # unused on one rank delays its bucket there only, and same-sized buckets of two
         # ranks would pair up in one collective (mixed gradients, silently).
-        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0 \
+                and self._launches_early(self.buckets[self._next_bucket]):
             self._next_bucket += 1
             self._launch(self.buckets[self._next_bucket - 1])
 
@@ -129,8 +154,8 @@ class _GradientReduction:
         ended) are launched first, in bucket order, zeros where a gradient is missing."""
         if not self._agreed_launches():
             return
-        due = [b for b in self._window if b.work is None]
-        self._window = []
+        due = [b for b in self._window if b.work is None and self._launches_early(b)]
+        self._window = [b for b in self._window if b.work is None and not self._launches_early(b)]
         if due:
             self._begin_backward()
             for b in due:
@@ -234,8 +259,9 @@ class _GradientReduction:
         if b.buffer is None:
             b.buffer = torch.empty(self.world, b.chunk_total + len(b.slots), dtype=b.dtype, device=b.device)
         rows = b.buffer[:, s.offset:s.offset + s.chunk]
+        again = id(s) in b.staged  # another part of its gradient (a held bucket's, see _arrival): added
         b.staged.add(id(s))
-        if dims := self._partial_dims(s.param):  # also without a gradient here: see _partial_dims
+        if not again and (dims := self._partial_dims(s.param)):  # also without a gradient: see _partial_dims
             b.partial.append((s, dims))
         if s.param.grad is None:  # unused on this rank this step: contributes zeros
             rows.zero_()
@@ -243,11 +269,13 @@ class _GradientReduction:
             return
         self._make_partial(s.param, s.param.grad)
         flat = local_of(s.param.grad).reshape(-1)
+        put = torch.Tensor.add_ if again else torch.Tensor.copy_
         full = s.numel // s.chunk
-        rows[:full].copy_(flat[: full * s.chunk].view(full, s.chunk))
+        put(rows[:full], flat[: full * s.chunk].view(full, s.chunk))
         if full < self.world:  # the rest of the gradient, then padding
-            rows[full:].zero_()
-            rows[full, : s.numel - full * s.chunk].copy_(flat[full * s.chunk:])
+            if not again:
+                rows[full:].zero_()
+            put(rows[full, : s.numel - full * s.chunk], flat[full * s.chunk:])
         s.param.grad = None  # only this rank's slice is kept
 
     def _launch_reduce_scatter(self, b: Bucket) -> None:
@@ -321,6 +349,34 @@ class _GradientReduction:
             else:
                 self.grad_shards[key] = shard
         self._shares = False  # after every launch above: the next backward says again
+        self._arrived = set()
+        if not self._holds_learned:
+            self._learn_holds()
+        late, self._late = self._late, []
+        for p in late:  # held from now on (under ZeRO-3 too: the parts come alike on every rank
+            self._slot_of[id(p)][0].held = True  # unless a branch decides, which this backward raises for)
+        if late:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            raise RuntimeError(
+                f"DDP: a part of the gradient of {', '.join(sorted({names.get(id(p), '?') for p in late}))} arrived "
+                "after its bucket was reduced, so this backward's gradient of it lacks that part. It is "
+                "accumulated more than once in one backward (torch's reentrant checkpointing, use_reentrant=True, "
+                "recomputes a block in a backward of its own), and was not on the first backward, from which DDP "
+                "learns what to reduce at the end; it does from now on. Zero the gradients and run the step "
+                "again, or use torch.utils.checkpoint with use_reentrant=False")
+
+    def _learn_holds(self) -> None:
+        """After the first backward: under ZeRO-3 the held buckets are made the same on
+        every DP rank (the union of theirs, one collective in the model's life): its
+        reduce-scatters launch at points every rank must agree on. Elsewhere buckets
+        launch in bucket order whenever each rank's are ready, so each rank holds its own."""
+        self._holds_learned = True
+        if self._agreed_launches() and self.world > 1 and self.buckets:
+            flags = torch.tensor([float(b.held) for b in self.buckets], device=self.buckets[0].device)
+            _trace.call("all_reduce", self.group, flags, dist.all_reduce, flags, op=dist.ReduceOp.MAX,
+                        group=self.group, source="ddp")
+            for b, held in zip(self.buckets, flags.tolist()):
+                b.held = held > 0
 
     def _sum_partial_slices(self, partial: list[tuple[Slot, tuple[int, ...]]]) -> None:
         """ZeRO-2: this rank's slices of Partial (TP) gradients, summed over their TP
