@@ -55,6 +55,10 @@ def _dp_tp_model():
 def _case_comm_trace(path: str):
     model, m = _dp_tp_model()
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    # (DDP's first backward reduces every bucket at its end, learning which get gradients
+    # in parts; the traced one launches the bucket inside backward, in a module's)
+    model(x).sum().backward()
+    model.zero_grad()
     with vescale.debug.comm_trace() as t:
         model(x).sum().backward()
     # Each DP rank's gradient bucket holds every local gradient, and one flag per parameter

@@ -5,8 +5,9 @@
 Each data-parallel rank runs its own micro-batch; gradients are averaged over the DP
 group as backward produces them: parameters are grouped into buckets (reverse
 registration order, ``bucket_cap_mb`` each), and a bucket's all-reduce starts as soon
-as its last gradient is accumulated, overlapping the rest of backward. The end of
-backward waits for every bucket. For a DTensor parameter the reduction acts on this
+as its last gradient is accumulated, overlapping the rest of backward (from the second
+backward on: the first reduces every bucket at its end, learning which buckets get
+gradients in parts, see ``Bucket.held``). The end of backward waits for every bucket. For a DTensor parameter the reduction acts on this
 rank's local shard: DP ranks at the same tensor-parallel coordinate hold the same
 shard. ``no_sync()`` accumulates locally (gradient accumulation).
 
