@@ -300,6 +300,17 @@ def test_buffers_follow_rank_0_at_every_forward(pool4, broadcast):
         assert same == broadcast
 
 
+def _reductions(trace) -> int:
+    """DDP's and ZeRO's gradient collectives in a comm_trace."""
+    return sum(e["kind"] in ("all_reduce", "reduce_scatter") for e in trace.events if e["source"] in ("ddp", "zero"))
+
+
+def _gradient_failures(ddp: DDP, ref: nn.Module, label: str = "") -> list[str]:
+    """Where ``ddp``'s averaged gradients differ from one device's (``ref``'s ``.grad``)."""
+    return [f"{label}gradient of {name}: {err}" for name, g in _grads(ddp).items()
+            if (err := mismatch_to_max(g, ref.get_parameter(name).grad, atol=1e-6))]
+
+
 class Critic(nn.Module):
     def __init__(self):
         super().__init__()
@@ -334,11 +345,8 @@ def _case_gradient_penalty():
         ddp.zero_grad()
         with vescale.debug.comm_trace() as trace:
             _penalized_loss(ddp, xs[rank]).backward()
-        reductions.append(sum(e["kind"] == "all_reduce" for e in trace.events if e["source"] == "ddp"))
-        for name, p in ddp.module.named_parameters():
-            err = mismatch_to_max(p.grad, ref.get_parameter(name).grad, atol=1e-6)
-            if err:
-                failures.append(f"step {step} gradient of {name}: {err}")
+        reductions.append(_reductions(trace))
+        failures += _gradient_failures(ddp, ref, f"step {step} ")
     return failures, reductions, len(ddp.buckets)
 
 
@@ -398,12 +406,8 @@ def _case_reused_block(zero: int, bucket_cap_mb: float):
         opt.zero_grad()
         with vescale.debug.comm_trace() as trace:
             ddp(xs[rank]).backward()
-        reductions.append(sum(e["kind"] in ("all_reduce", "reduce_scatter") for e in trace.events
-                              if e["source"] in ("ddp", "zero")))
-        for name, g in _grads(ddp).items():
-            err = mismatch_to_max(g, ref.get_parameter(name).grad, atol=1e-6)
-            if err:
-                failures.append(f"step {step} gradient of {name}: {err}")
+        reductions.append(_reductions(trace))
+        failures += _gradient_failures(ddp, ref, f"step {step} ")
         opt.step()
         ref_opt.step()
     return failures, reductions, len(ddp.buckets)
@@ -441,9 +445,7 @@ def _case_reuse_after_learning():
     ddp.zero_grad()
     ddp(x).backward()  # run again: the block's bucket is held now
     (sum(ref(x) for x in xs) / 4).backward()
-    failures = [f"{n}: {err}" for n, p in ddp.module.named_parameters()
-                if (err := mismatch_to_max(p.grad, ref.get_parameter(n).grad, atol=1e-6))]
-    return error, failures
+    return error, _gradient_failures(ddp, ref)
 
 
 def test_gradient_in_parts_after_the_first_backward_raises(pool4):

@@ -7,9 +7,9 @@ group as backward produces them: parameters are grouped into buckets (reverse
 registration order, ``bucket_cap_mb`` each), and a bucket's all-reduce starts as soon
 as its last gradient is accumulated, overlapping the rest of backward (from the second
 backward on: the first reduces every bucket at its end, learning which buckets get
-gradients in parts, see ``Bucket.held``). The end of backward waits for every bucket. For a DTensor parameter the reduction acts on this
-rank's local shard: DP ranks at the same tensor-parallel coordinate hold the same
-shard. ``no_sync()`` accumulates locally (gradient accumulation).
+gradients in parts, see ``Bucket.held``). The end of backward waits for every bucket.
+For a DTensor parameter the reduction acts on this rank's local shard: DP ranks at the
+same tensor-parallel coordinate hold the same shard. ``no_sync()`` accumulates locally (gradient accumulation).
 
 With ``shard_gradients()`` (ZeRO-2 and 3, called by DistributedOptimizer) buckets are
 reduce-scattered instead, one per unit as FSDP groups them (each ``nn.ModuleList``
@@ -156,7 +156,8 @@ class DDP(_BucketLayout, _GradientReduction, nn.Module):
                 t.register_hook(self._output_reached)
 
     def _output_reached(self, grad):
-        if self._sync and self._gives_gradients():
+        # (each output backward reaches calls it: the first that begins is enough)
+        if self._sync and not self._callback_queued and self._gives_gradients():
             self._begin_backward()
 
     def _gives_gradients(self) -> bool:
